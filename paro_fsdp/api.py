@@ -1,0 +1,108 @@
+"""``paro_shard``: turn a model into a PaRO data-parallel model on a 2D mesh."""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from .comm import CommStats, MeshComm
+from .mesh import MeshInfo
+from .mixed_precision import MixedPrecision
+from .param_group import ParamRef, ParoParamGroup
+from .state import ParoBlock, ParoState
+from .strategy import Level, PolicyLike, Strategy, resolve_policy
+
+
+class ParoModule:
+    """Mixed into the sharded model's class (as FSDP2 does) to add the engine's methods."""
+
+    _paro_state: ParoState
+
+    def comm_stats(self) -> CommStats:
+        """Collectives issued so far: count and ring bytes per rank per (kind, mesh dim)."""
+        return self._paro_state.comm.stats
+
+    def memory_report(self, optimizer=None) -> dict[str, int]:
+        """Per-rank bytes of model states held by this rank: P, G, OS (with the optimizer's
+        states when ``optimizer`` is given) and their total."""
+        states = optimizer.inner.state if optimizer is not None else None
+        total = {"P": 0, "G": 0, "OS": 0}
+        for g in self._paro_state.groups:
+            for key, value in g.memory_bytes(states).items():
+                total[key] += value
+        total["total"] = total["P"] + total["G"] + total["OS"]
+        return total
+
+    def paro_strategies(self) -> dict[str, Strategy]:
+        return {ref.fqn: g.strategy for g in self._paro_state.groups for ref in g.refs}
+
+
+def _default_blocks(model: nn.Module) -> list[nn.Module]:
+    return [child for module in model.modules() if isinstance(module, nn.ModuleList) for child in module]
+
+
+def paro_shard(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    policy: PolicyLike = "IIG",
+    mp: Optional[MixedPrecision] = None,
+    blocks: Optional[Iterable[nn.Module]] = None,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """Shard ``model`` in place with a PaRO ``policy`` and return it.
+
+    Parameters are bucketed per block (each element of every ``nn.ModuleList`` by default, or
+    ``blocks``; the root holds the rest) and per strategy inside a block. The model must hold
+    the same initial values on every rank. The root's parameters stay gathered from forward to
+    backward (as FSDP2 does for its root); blocks are freed after forward unless
+    ``reshard_after_forward=False``.
+    """
+    if hasattr(model, "_paro_state"):
+        raise ValueError("model is already sharded by paro_shard")
+    mp = mp or MixedPrecision()
+    info = MeshInfo.from_mesh(mesh)
+    comm = MeshComm(info)
+
+    owners: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for attr, p in module._parameters.items():
+            if p is not None:
+                owners.setdefault(p, []).append((module, attr))
+    named = list(model.named_parameters())
+    strategies = resolve_policy(policy, named)
+
+    block_modules = list(blocks) if blocks is not None else _default_blocks(model)
+    if any(b is model for b in block_modules):
+        raise ValueError("blocks= must not contain the model itself; the root is always a block")
+    block_of: dict[nn.Parameter, nn.Module] = {}
+    for b in block_modules:  # later (inner) blocks override earlier (outer) ones
+        for p in b.parameters():
+            block_of[p] = b
+
+    state = ParoState(info, comm, [])
+    for module, name in [(model, "<root>")] + [(b, _name_of(model, b)) for b in block_modules]:
+        by_strategy: dict[Strategy, list[ParamRef]] = {}
+        for fqn, p in named:
+            if block_of.get(p, model) is module:
+                by_strategy.setdefault(strategies[fqn], []).append(ParamRef(fqn, p, owners[p]))
+        groups = [
+            ParoParamGroup(f"{name}:{s}", s, refs, info, comm, mp, reshard_after_forward)
+            for s, refs in by_strategy.items()
+        ]
+        block = ParoBlock(name, module, groups, state)
+        block.is_root = module is model
+        state.blocks.append(block)
+    state.install_hooks()
+    model._paro_state = state
+    cls = model.__class__
+    model.__class__ = type(f"Paro{cls.__name__}", (ParoModule, cls), {})
+    return model
+
+
+def _name_of(model: nn.Module, module: nn.Module) -> str:
+    for name, m in model.named_modules():
+        if m is module:
+            return name
+    raise ValueError("every module in blocks= must be a submodule of the model")

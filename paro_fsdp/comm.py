@@ -1,0 +1,99 @@
+"""Every collective the engine issues, and the ledger that counts them.
+
+One implementation per collective, built on the traceable ``_c10d_functional`` ops so the same
+calls run eagerly and appear in compiled graphs. Bytes are counted per rank with the ring
+formula of the spec (all-gather / reduce-scatter send S(k-1)/k, all-reduce 2S(k-1)/k, for a
+buffer of S bytes over k ranks); this is the *logical* cost of the collective. gloo actually runs
+reduce-scatter as an all-reduce, so its wire bytes are higher than counted here.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from .mesh import MeshInfo
+
+_ops = torch.ops._c10d_functional
+KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+DIMS = ("intra", "inter", "global")
+
+
+class CommStats:
+    """Count and bytes per (kind, mesh dimension), per rank."""
+
+    def __init__(self) -> None:
+        self._count: dict[tuple[str, str], int] = defaultdict(int)
+        self._bytes: dict[tuple[str, str], float] = defaultdict(float)
+
+    def record(self, kind: str, dim: str, nbytes: float) -> None:
+        self._count[(kind, dim)] += 1
+        self._bytes[(kind, dim)] += nbytes
+
+    def reset(self) -> None:
+        self._count.clear()
+        self._bytes.clear()
+
+    def _select(self, table: dict, kind: str | None, dim: str | None):
+        return sum(v for (k, d), v in table.items() if kind in (None, k) and dim in (None, d))
+
+    def bytes(self, kind: str | None = None, dim: str | None = None) -> float:
+        return self._select(self._bytes, kind, dim)
+
+    def count(self, kind: str | None = None, dim: str | None = None) -> int:
+        return self._select(self._count, kind, dim)
+
+    def as_dict(self) -> dict[str, dict[str, float]]:
+        return {f"{k}/{d}": {"count": self._count[(k, d)], "bytes": self._bytes[(k, d)]} for (k, d) in sorted(self._count)}
+
+    def __repr__(self) -> str:
+        rows = [f"{k:>14} {d:>6} {self._count[(k, d)]:>6} {self._bytes[(k, d)] / 2**20:12.3f} MiB" for (k, d) in sorted(self._count)]
+        return "CommStats(\n" + "\n".join(rows) + "\n)"
+
+
+@dataclass
+class Pending:
+    """The result of an issued collective; ``wait()`` before reading it."""
+
+    tensor: torch.Tensor
+    issued: bool
+
+    def wait(self) -> torch.Tensor:
+        return _ops.wait_tensor(self.tensor) if self.issued else self.tensor
+
+
+class MeshComm:
+    """Collectives over one mesh dimension ("intra", "inter") or all ranks ("global")."""
+
+    def __init__(self, info: MeshInfo) -> None:
+        self.info = info
+        self.stats = CommStats()
+
+    def _ring_bytes(self, kind: str, dim: str, numel: int, t: torch.Tensor) -> float:
+        k = self.info.size(dim)
+        per_rank = numel * t.element_size() * (k - 1) / k
+        return 2 * per_rank if kind == "all_reduce" else per_rank
+
+    def all_gather(self, shard: torch.Tensor, dim: str) -> Pending:
+        """Concatenate every rank's 1-D ``shard`` in rank order along ``dim``."""
+        k = self.info.size(dim)
+        if k == 1:
+            return Pending(shard, False)
+        self.stats.record("all_gather", dim, self._ring_bytes("all_gather", dim, shard.numel() * k, shard))
+        return Pending(_ops.all_gather_into_tensor(shard, k, self.info.group_names[dim]), True)
+
+    def reduce_scatter(self, full: torch.Tensor, dim: str) -> Pending:
+        """Sum the 1-D ``full`` over ``dim`` and keep this rank's 1/k piece."""
+        k = self.info.size(dim)
+        if k == 1:
+            return Pending(full, False)
+        self.stats.record("reduce_scatter", dim, self._ring_bytes("reduce_scatter", dim, full.numel(), full))
+        return Pending(_ops.reduce_scatter_tensor(full, "sum", k, self.info.group_names[dim]), True)
+
+    def all_reduce(self, t: torch.Tensor, dim: str, op: str = "sum") -> Pending:
+        k = self.info.size(dim)
+        if k == 1:
+            return Pending(t, False)
+        self.stats.record("all_reduce", dim, self._ring_bytes("all_reduce", dim, t.numel(), t))
+        return Pending(_ops.all_reduce(t, op, self.info.group_names[dim]), True)

@@ -1,0 +1,66 @@
+"""The 2D device mesh ("inter", "intra") and this rank's place in it."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESH_DIMS = ("inter", "intra")
+
+
+def init_paro_mesh(group_size: int, backend: str | None = None) -> DeviceMesh:
+    """Initialise the process group if needed and return the (n // m, m) mesh.
+
+    The device type follows the backend: gloo -> cpu, nccl -> cuda (one GPU per local rank).
+    """
+    if not dist.is_initialized():
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend)
+    world = dist.get_world_size()
+    if not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be a positive integer, got {group_size!r}")
+    if world % group_size != 0:
+        raise ValueError(
+            f"world size {world} is not divisible by group_size {group_size}: pick a group size "
+            f"that divides it (e.g. the GPUs per node; divisors of {world}: "
+            f"{[d for d in range(1, world + 1) if world % d == 0]})"
+        )
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
+    return init_device_mesh(device_type, (world // group_size, group_size), mesh_dim_names=MESH_DIMS)
+
+
+@dataclass
+class MeshInfo:
+    """Sizes, coordinates and process-group names the engine needs, read once from the mesh."""
+
+    mesh: DeviceMesh
+    g: int  # number of groups (size of "inter")
+    m: int  # ranks per group (size of "intra")
+    k: int  # this rank's group index
+    l: int  # this rank's index inside its group  # noqa: E741
+    group_names: dict[str, str]  # "intra" / "inter" / "global" -> c10d group name
+
+    @property
+    def n(self) -> int:
+        return self.g * self.m
+
+    @classmethod
+    def from_mesh(cls, mesh: DeviceMesh) -> "MeshInfo":
+        if mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ()) != MESH_DIMS:
+            raise ValueError(
+                f"paro_shard needs a 2D DeviceMesh named {MESH_DIMS} (use init_paro_mesh(group_size)), "
+                f"got dims {mesh.mesh_dim_names} of shape {tuple(mesh.shape)}"
+            )
+        k, l = mesh.get_coordinate()
+        names = {dim: mesh.get_group(dim).group_name for dim in MESH_DIMS}
+        names["global"] = mesh[MESH_DIMS]._flatten().get_group().group_name
+        return cls(mesh, mesh.size(0), mesh.size(1), k, l, names)
+
+    def size(self, dim: str) -> int:
+        return {"intra": self.m, "inter": self.g, "global": self.n}[dim]

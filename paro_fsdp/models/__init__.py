@@ -1,0 +1,3 @@
+from .llama import FLAVORS, Llama, LlamaArgs, ModelOutput
+
+__all__ = ["FLAVORS", "Llama", "LlamaArgs", "ModelOutput"]

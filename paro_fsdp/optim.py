@@ -1,0 +1,148 @@
+"""``ParoOptimizer``: any torch.optim optimizer over the fp32 master shards at the OS level."""
+from __future__ import annotations
+
+import math
+from typing import Any, Type
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from .layout import placements
+from .strategy import Level
+
+
+class ParoOptimizer:
+    """Runs the accumulation-boundary work of the spec around an inner optimizer.
+
+    ``clip_grad_norm_`` and ``step`` first reduce the accumulated gradients to the OS level
+    (step 3), the inner optimizer updates the master shards (step 4), and the updated values
+    are moved to the P level (step 5).
+    """
+
+    def __init__(self, model: nn.Module, optimizer_class: Type[torch.optim.Optimizer], **kwargs: Any) -> None:
+        if not hasattr(model, "_paro_state"):
+            raise ValueError("ParoOptimizer needs a model returned by paro_shard(model, mesh, policy)")
+        self.model = model
+        self.state = model._paro_state
+        self.groups = [g for g in self.state.groups if g.trainable]
+        self.fqn_of: dict[nn.Parameter, str] = {}
+        masters = []
+        for g in self.groups:
+            for ref, master in zip(g.trainable, g.master):
+                self.fqn_of[master] = ref.fqn
+                masters.append(master)
+        if not masters:
+            raise ValueError("the model has no trainable parameters (all have requires_grad=False)")
+        self.inner = optimizer_class(masters, **kwargs)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    def _finalize(self) -> None:
+        if not any(g.has_grads for g in self.groups):
+            raise RuntimeError(
+                "ParoOptimizer: no gradients since the last step; call loss.backward() on the "
+                "sharded model's output before clip_grad_norm_() / step()"
+            )
+        for g in self.groups:
+            g.finalize_grads()
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip by the global gradient norm over all ranks and return that norm."""
+        self._finalize()
+        info = self.state.info
+        norm_type = float(norm_type)
+        local = torch.zeros((), dtype=torch.float32, device=self.groups[0].device)
+        for g in self.groups:
+            # count each element once: an OS shard replicated r times is counted on one replica
+            owner = {Level.G: True, Level.I: info.k == 0, Level.N: info.k == 0 and info.l == 0}[g.strategy.os]
+            if not owner:
+                continue
+            for master in g.master:
+                if math.isinf(norm_type):
+                    local = torch.maximum(local, master.grad.abs().max() if master.numel() else local)
+                else:
+                    local += master.grad.pow(norm_type).sum()
+        op = "max" if math.isinf(norm_type) else "sum"
+        total = self.state.comm.all_reduce(local, "global", op).wait()
+        total = total if math.isinf(norm_type) else total.pow(1.0 / norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in self.groups:
+            for master in g.master:
+                master.grad.mul_(coef)
+        return total
+
+    def step(self) -> None:
+        self._finalize()
+        self.inner.step()
+        for g in self.state.groups:
+            g.reshard()  # a gathered copy (root in eval, prefetch) would now be stale
+        for g in self.groups:
+            g.push_params()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for g in self.state.groups:
+            g.zero_grad()
+
+    # ---- checkpointing: DTensors keyed by parameter name, loadable by DCP under any mesh ----
+    def _dtensor(self, g, t, local: torch.Tensor) -> DTensor:
+        info = self.state.info
+        return DTensor.from_local(local, info.mesh, placements(g.strategy.os, info.m), run_check=False, shape=t.shape,
+                                  stride=torch.empty(t.shape, device="meta").stride())
+
+    def _ensure_state(self) -> None:
+        """Create optimizer states before a load (as DCP's helpers do): a zero-lr step on zero grads."""
+        if self.inner.state:
+            return
+        saved = [dict(pg) for pg in self.inner.param_groups]
+        for pg in self.inner.param_groups:
+            pg["lr"] = 0.0
+            for p in pg["params"]:
+                p.grad = torch.zeros_like(p)
+        self.inner.step()
+        for pg, old in zip(self.inner.param_groups, saved):
+            pg["lr"] = old["lr"]
+            for p in pg["params"]:
+                p.grad = None
+
+    def state_dict(self) -> dict[str, Any]:
+        self._ensure_state()
+        master, state = {}, {}
+        for g in self.groups:
+            for t, m in zip(g.t_layout.tensors, g.master):
+                fqn = self.fqn_of[m]
+                master[fqn] = self._dtensor(g, t, m.detach())
+                state[fqn] = {k: (self._dtensor(g, t, v) if torch.is_tensor(v) and v.shape == m.shape and v.dim() else v)
+                              for k, v in self.inner.state[m].items()}
+        groups = []
+        for pg in self.inner.param_groups:
+            entry = {k: v for k, v in pg.items() if k != "params"}
+            entry["params"] = [self.fqn_of[p] for p in pg["params"]]
+            groups.append(entry)
+        return {"master": master, "state": state, "param_groups": groups}
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self._ensure_state()
+        by_fqn = {fqn: m for m, fqn in self.fqn_of.items()}
+        for fqn, value in sd["master"].items():
+            by_fqn[fqn].copy_(value.to_local() if isinstance(value, DTensor) else value)
+        for fqn, entries in sd["state"].items():
+            target = self.inner.state[by_fqn[fqn]]
+            for k, v in entries.items():
+                v = v.to_local() if isinstance(v, DTensor) else v
+                if torch.is_tensor(target.get(k)):
+                    target[k].copy_(v)
+                else:
+                    target[k] = v
+        for pg, saved in zip(self.inner.param_groups, sd["param_groups"]):
+            for k, v in saved.items():
+                if k != "params":
+                    pg[k] = v
+        for g in self.state.groups:
+            g.reshard()
+        for g in self.groups:
+            g.push_params()

@@ -1,0 +1,251 @@
+"""One bucket of parameters that share a strategy inside one block: its storage and every move.
+
+A group owns, per rank:
+  P     the parameters at the P level, in param dtype (the DTensor parameters are views of it);
+  full  while unsharded, padded whole tensors the block computes with (freed when resharded);
+  G     the gradient accumulator at the G level, in grad dtype, summed over micro-steps;
+  OS    the fp32 master shard at the OS level (the optimizer's parameters; its states follow).
+Trainable tensors come first in the P buffer so its I and G prefixes line up with the
+trainable-only buffers of G and OS, and master -> P is one flat copy when levels agree.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from .comm import MeshComm, Pending
+from .layout import FlatLayout, TensorLayout, placements, tensor_layout
+from .mesh import MeshInfo
+from .mixed_precision import MixedPrecision
+from .strategy import Level, Strategy
+
+
+@dataclass
+class ParamRef:
+    """A parameter and every (module, attribute) that holds it."""
+
+    fqn: str
+    param: nn.Parameter
+    owners: list[tuple[nn.Module, str]] = field(default_factory=list)
+
+
+class ShardState(enum.Enum):
+    SHARDED = 0
+    GATHERING = 1  # first collective issued (prefetch), not yet copied out
+    UNSHARDED = 2
+
+
+class ParoParamGroup:
+    def __init__(
+        self,
+        name: str,
+        strategy: Strategy,
+        refs: list[ParamRef],
+        info: MeshInfo,
+        comm: MeshComm,
+        mp: MixedPrecision,
+        reshard_after_forward: bool,
+    ) -> None:
+        self.name, self.strategy, self.info, self.comm, self.mp = name, strategy, info, comm, mp
+        self.refs = sorted(refs, key=lambda r: not r.param.requires_grad)  # trainable first
+        self.trainable = [r for r in self.refs if r.param.requires_grad]
+        self.reshard_after_forward = reshard_after_forward and strategy.p != Level.N
+        device = refs[0].param.device
+        self.device = device
+        layouts = [tensor_layout(r.fqn, r.param.shape, info) for r in self.refs]
+        self.p_layout = FlatLayout(layouts, info)
+        self.t_layout = FlatLayout(layouts[: len(self.trainable)], info)
+        if self.t_layout.tensors:  # the trainable prefix must line up in both layouts
+            assert self.t_layout.tensors[-1].off_i + self.t_layout.tensors[-1].size_i <= self.p_layout.sum_i
+
+        originals = [r.param.detach() for r in self.refs]
+        P, OS = strategy.p, strategy.os
+        with torch.no_grad():
+            # P storage, and the DTensor parameters that view it
+            if P == Level.N:
+                self.p_flat = None
+                self.p_locals = [o.to(mp.param_dtype, copy=True) for o in originals]
+            else:
+                self.p_flat = self.p_layout.new(P, mp.param_dtype, device)
+                self.p_locals = [self.p_layout.local_view(self.p_flat, t, P) for t in layouts]
+                for local, t, o in zip(self.p_locals, layouts, originals):
+                    local.copy_(t.local_slice(o, P, info.k))
+            # fp32 master at the OS level
+            if OS == Level.N:
+                self.master_flat = None
+                self.master = [o.to(torch.float32, copy=True) for o in originals[: len(self.trainable)]]
+            else:
+                self.master_flat = self.t_layout.new(OS, torch.float32, device)
+                self.master = [self.t_layout.local_view(self.master_flat, t, OS) for t in self.t_layout.tensors]
+                for local, t, o in zip(self.master, self.t_layout.tensors, originals):
+                    local.copy_(t.local_slice(o, OS, info.k))
+        self.master = [nn.Parameter(m_, requires_grad=True) for m_ in self.master]
+
+        self.sharded_params = []
+        for ref, local, t in zip(self.refs, self.p_locals, layouts):
+            dt = DTensor.from_local(local, info.mesh, placements(P, info.m), run_check=False, shape=t.shape, stride=ref.param.stride())
+            new = nn.Parameter(dt, requires_grad=ref.param.requires_grad)
+            for module, attr in ref.owners:
+                module._parameters[attr] = new
+            self.sharded_params.append(new)
+
+        # whole tensors while unsharded: views of the P storage (P = N) or of padded buffers
+        if P == Level.N:
+            self.full_bufs = None
+            self.full_params = list(self.p_locals)
+        else:
+            self.full_bufs = [torch.empty(info.m * t.size_i, dtype=mp.param_dtype, device=device) for t in layouts]
+            self.full_params = [b[: r.param.numel()].view(r.param.shape) for b, r in zip(self.full_bufs, self.refs)]
+            for b in self.full_bufs:
+                b.untyped_storage().resize_(0)
+        self.state = ShardState.UNSHARDED if P == Level.N else ShardState.SHARDED
+        self._pending: Pending | None = None
+        self.grad_acc: torch.Tensor | None = None  # allocated at the first backward
+        self.grads_ready = False  # reduced to the OS level and handed to the master params
+        self.has_grads = False  # at least one backward reached this group since the last step
+
+    # ---- parameters: shard <-> whole -----------------------------------------------------
+    def issue_unshard(self) -> None:
+        """Start the first collective of the all-gather (used to prefetch)."""
+        if self.state != ShardState.SHARDED:
+            return
+        P = self.strategy.p
+        self._pending = self.comm.all_gather(self.p_flat, "inter" if P == Level.G else "intra")
+        self.state = ShardState.GATHERING
+
+    def unshard(self) -> None:
+        if self.state == ShardState.UNSHARDED:
+            return
+        self.issue_unshard()
+        gathered = self._pending.wait()
+        self._pending = None
+        layout = self.p_layout
+        if self.strategy.p == Level.G:
+            flat_i = layout.inter_to_i(gathered, torch.empty(layout.sum_i, dtype=gathered.dtype, device=self.device))
+            gathered = self.comm.all_gather(flat_i, "intra").wait()
+        for b, t in zip(self.full_bufs, layout.tensors):
+            b.untyped_storage().resize_(b.numel() * b.element_size())
+            with torch.autograd._unsafe_preserve_version_counter(b):
+                layout.copy_out(gathered, t, b)
+        self.state = ShardState.UNSHARDED
+
+    def reshard(self) -> None:
+        if self.strategy.p == Level.N or self.state == ShardState.SHARDED:
+            return
+        if self.state == ShardState.GATHERING:
+            self._pending.wait()
+            self._pending = None
+        else:
+            for b in self.full_bufs:
+                b.untyped_storage().resize_(0)
+        self.state = ShardState.SHARDED
+
+    # ---- gradients: each micro-step ------------------------------------------------------
+    def accumulate_grads(self, grads: list[torch.Tensor | None]) -> None:
+        """Bring this micro-step's whole-tensor gradients to the G level and add them up."""
+        layout, G, dt = self.t_layout, self.strategy.g, self.mp.grad_dtype
+        if self.grad_acc is None:
+            self.grad_acc = layout.new(G, dt, self.device)
+        full = self.grad_acc if G == Level.N else layout.new(Level.N, dt, self.device)
+        for t, grad in zip(layout.tensors, grads):
+            if grad is not None:
+                layout.copy_in(full, t, grad.to(dt), add=G == Level.N)
+        if G != Level.N:
+            shard = self.comm.reduce_scatter(full, "intra").wait()
+            if G == Level.G:
+                shard = self.comm.reduce_scatter(layout.i_to_inter(shard, torch.empty(self.info.g * layout.sum_g, dtype=dt, device=self.device)), "inter").wait()
+            self.grad_acc.add_(shard)
+        self.has_grads = True
+
+    # ---- the accumulation boundary ---------------------------------------------------------
+    def finalize_grads(self) -> None:
+        """Reduce the accumulated gradient over all ranks at the OS level and hand it to the
+        fp32 master parameters as the mean over data-parallel ranks."""
+        if self.grads_ready or not self.trainable:
+            return
+        layout, G, OS, dt = self.t_layout, self.strategy.g, self.strategy.os, self.mp.grad_dtype
+        acc = self.grad_acc if self.grad_acc is not None else layout.new(G, dt, self.device)
+        if G == Level.G:
+            reduced, level = acc, Level.G
+        else:
+            part = self.comm.reduce_scatter(acc, "intra").wait() if G == Level.N else acc  # I, partial over inter
+            if OS == Level.G:
+                buf = layout.i_to_inter(part, torch.empty(self.info.g * layout.sum_g, dtype=dt, device=self.device))
+                reduced, level = self.comm.reduce_scatter(buf, "inter").wait(), Level.G
+            else:
+                reduced, level = self.comm.all_reduce(part, "inter").wait(), Level.I
+        reduced = self._move_up(layout, reduced, level, OS)
+        scale = 1.0 / self.info.n
+        for master, t in zip(self.master, layout.tensors):
+            if OS == Level.N:
+                tmp = torch.empty(self.info.m * t.size_i, dtype=dt, device=self.device)
+                layout.copy_out(reduced, t, tmp)
+                src = tmp[: master.numel()].view(master.shape)
+            else:
+                src = layout.local_view(reduced, t, OS)
+            master.grad = src.to(torch.float32) * scale
+        self.grads_ready = True
+
+    def _move_up(self, layout: FlatLayout, flat: torch.Tensor, level: Level, target: Level) -> torch.Tensor:
+        """All-gather a flat buffer from ``level`` to the coarser ``target`` (G -> I -> N)."""
+        if level == Level.G and target != Level.G:
+            gathered = self.comm.all_gather(flat, "inter").wait()
+            flat = layout.inter_to_i(gathered, torch.empty(layout.sum_i, dtype=flat.dtype, device=self.device))
+            level = Level.I
+        if level == Level.I and target == Level.N:
+            flat = self.comm.all_gather(flat, "intra").wait()
+        return flat
+
+    @torch.no_grad()
+    def push_params(self) -> None:
+        """After the optimizer step: bring the updated master to the P level in param dtype."""
+        if not self.trainable:
+            return
+        layout, P, OS, dt = self.t_layout, self.strategy.p, self.strategy.os, self.mp.param_dtype
+        n_t = len(self.trainable)
+        if OS == Level.N:  # every rank updated whole tensors: slice
+            for local, master, t in zip(self.p_locals, self.master, layout.tensors):
+                local.copy_(t.local_slice(master, P, self.info.k))
+            return
+        flat = self.master_flat.to(dt)
+        if P == OS:
+            self.p_flat[: flat.numel()].copy_(flat)
+        elif P == Level.G:  # OS = I: a slice
+            layout.i_to_g(flat, self.p_flat)
+        elif P == Level.I:  # OS = G: inter all-gather
+            layout.inter_to_i(self.comm.all_gather(flat, "inter").wait(), self.p_flat)
+        else:  # P = N from OS = I or G
+            full = self._move_up(layout, flat, OS, Level.N)
+            for local, t in zip(self.p_locals[:n_t], layout.tensors):
+                tmp = torch.empty(self.info.m * t.size_i, dtype=dt, device=self.device)
+                layout.copy_out(full, t, tmp)
+                local.copy_(tmp[: local.numel()].view(local.shape))
+
+    def zero_grad(self) -> None:
+        if self.grad_acc is not None:
+            self.grad_acc.zero_()
+        for master in self.master:
+            master.grad = None
+        self.grads_ready = False
+        self.has_grads = False
+
+    # ---- accounting ------------------------------------------------------------------------
+    def memory_bytes(self, optimizer_states: dict | None = None) -> dict[str, int]:
+        """Bytes this rank holds for P, G, OS (persistent buffers, padding included)."""
+        p = self.p_flat if self.p_flat is not None else None
+        p_bytes = p.numel() * p.element_size() if p is not None else sum(t.numel() * t.element_size() for t in self.p_locals)
+        g_numel = self.t_layout.numel(self.strategy.g) if self.trainable else 0
+        g_bytes = g_numel * torch.empty((), dtype=self.mp.grad_dtype).element_size()
+        if self.master_flat is not None:
+            os_bytes = self.master_flat.numel() * 4
+        else:
+            os_bytes = sum(m_.numel() * 4 for m_ in self.master)
+        for m_ in self.master:
+            for v in (optimizer_states or {}).get(m_, {}).values():
+                if torch.is_tensor(v) and v.dim() > 0:
+                    os_bytes += v.numel() * v.element_size()
+        return {"P": p_bytes, "G": g_bytes, "OS": os_bytes}

@@ -1,0 +1,127 @@
+"""Per-block and per-model engine state, and the module hooks, registered in one place.
+
+Flow of one micro-step:
+  root pre-forward   gather the root's groups, prefetch the first block
+  block pre-forward  gather (or finish the prefetch), swap whole tensors in, prefetch the next
+  block post-forward swap the DTensor parameters back, free the whole tensors (P = I or G)
+  block pre-backward re-gather, prefetch the block that runs backward next
+  block post-backward reduce the bucket of gradients to the G level, free the whole tensors
+  end of backward    free what is still gathered (frozen blocks), mark the step's gradients
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.autograd import Variable
+
+from .comm import MeshComm
+from .hooks import Unshard, register_pre_backward
+from .mesh import MeshInfo
+from .param_group import ParoParamGroup
+
+
+class ParoBlock:
+    """One module whose parameters move together: one collective per group and phase."""
+
+    def __init__(self, name: str, module: nn.Module, groups: list[ParoParamGroup], model_state: "ParoState") -> None:
+        self.name, self.module, self.groups, self.model_state = name, module, groups, model_state
+        self.is_root = False
+        self._swapped = False
+
+    def gather(self, prefetch_next: bool = True, backward: bool = False) -> None:
+        for g in self.groups:
+            g.unshard()
+        if prefetch_next:
+            nxt = self.model_state.next_block(self, backward)
+            if nxt is not None:
+                for g in nxt.groups:
+                    g.issue_unshard()
+
+    def pre_forward(self, module: nn.Module, args: Any, kwargs: Any):
+        state = self.model_state
+        if self.is_root:
+            state.begin_forward()
+        else:
+            state.forward_order.append(self)
+        self.gather()
+        grad_enabled = torch.is_grad_enabled()
+        for i, g in enumerate(self.groups):
+            fulls = Unshard.apply(self, i, *g.sharded_params) if grad_enabled else g.full_params
+            for ref, full in zip(g.refs, fulls):
+                for owner, attr in ref.owners:
+                    owner._parameters[attr] = full
+        self._swapped = True
+        return args, kwargs
+
+    def post_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any):
+        for g in self.groups:
+            for ref, param in zip(g.refs, g.sharded_params):
+                for owner, attr in ref.owners:
+                    owner._parameters[attr] = param
+            if (g.reshard_after_forward and not self.is_root) or not torch.is_grad_enabled():
+                g.reshard()
+        self._swapped = False
+        if torch.is_grad_enabled():
+            output = register_pre_backward(self, output)
+        return output
+
+    def pre_backward(self) -> None:
+        if self.is_root:
+            self.model_state.begin_backward()
+        self.gather(backward=True)
+
+    def post_backward(self, group_index: int, grads: list[torch.Tensor | None]) -> None:
+        g = self.groups[group_index]
+        g.accumulate_grads(grads[: len(g.trainable)])
+        g.reshard()
+
+
+class ParoState:
+    """The model-wide view: blocks in execution order, the ledger, the end-of-backward work."""
+
+    def __init__(self, info: MeshInfo, comm: MeshComm, blocks: list[ParoBlock]) -> None:
+        self.info, self.comm, self.blocks = info, comm, blocks
+        self.forward_order: list[ParoBlock] = []
+        self._backward_queued = False
+        self.backward_ran = False
+
+    @property
+    def groups(self) -> list[ParoParamGroup]:
+        return [g for b in self.blocks for g in b.groups]
+
+    def begin_forward(self) -> None:
+        self.forward_order = []
+
+    def begin_backward(self) -> None:
+        if not self._backward_queued:
+            self._backward_queued = True
+            Variable._execution_engine.queue_callback(self.end_backward)
+
+    def next_block(self, block: ParoBlock, backward: bool) -> ParoBlock | None:
+        """The block expected to run next: registration order forward, the reverse of the
+        recorded forward order in backward."""
+        if backward:
+            order = self.forward_order[::-1]
+            if block.is_root:
+                return order[0] if order else None
+        else:
+            order = [b for b in self.blocks if not b.is_root]
+            if block.is_root:
+                return order[0] if order else None
+        if block in order:
+            i = order.index(block)
+            return order[i + 1] if i + 1 < len(order) else None
+        return None
+
+    def end_backward(self) -> None:
+        self._backward_queued = False
+        self.backward_ran = True
+        for g in self.groups:
+            g.reshard()
+
+    def install_hooks(self) -> None:
+        for b in self.blocks:
+            b.module.register_forward_pre_hook(b.pre_forward, with_kwargs=True)
+            b.module.register_forward_hook(b.post_forward, with_kwargs=True)

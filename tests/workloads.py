@@ -1,0 +1,73 @@
+"""Shared training workloads for the distributed tests: a tiny Llama, deterministic data,
+a single-process reference run and the same run under paro_shard."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from paro_fsdp import MixedPrecision, ParoOptimizer, init_paro_mesh, paro_shard
+from paro_fsdp.models.llama import Llama, LlamaArgs
+
+TINY = LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_dim=48, max_seq_len=32)
+FROZEN = ("layers.0.attention.wq.weight", "layers.1.ffn_norm.weight", "norm.weight")
+B, T, STEPS, LR, MAX_NORM = 2, 8, 3, 1e-2, 0.5
+
+
+def make_model(seed: int = 0, args: LlamaArgs = TINY) -> Llama:
+    torch.manual_seed(seed)
+    model = Llama(args)
+    for name, p in model.named_parameters():
+        if name in FROZEN:
+            p.requires_grad_(False)
+    return model
+
+
+def batch(rank: int, step: int, micro: int, args: LlamaArgs = TINY) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(10_000 * step + 100 * micro + rank)
+    return torch.randint(0, args.vocab_size, (B, T + 1), generator=gen)
+
+
+def reference(world: int, accum: int) -> dict[str, Any]:
+    """Single process, global batch = every rank's micro-batch side by side."""
+    model = make_model()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.1)
+    losses = []
+    for step in range(STEPS):
+        total = 0.0
+        for a in range(accum):
+            x = torch.cat([batch(r, step, a) for r in range(world)])
+            loss = model(x).loss / accum
+            loss.backward()
+            total += loss.item()
+        norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+        losses.append((total, norm.item()))
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def train_paro(strategy, group_size: int, accum: int, mp: MixedPrecision | None = None, steps: int = STEPS):
+    mesh = init_paro_mesh(group_size)
+    model = paro_shard(make_model(), mesh, strategy, mp=mp)
+    opt = ParoOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=0.1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    model.comm_stats().reset()
+    for step in range(steps):
+        total = torch.zeros(())
+        for a in range(accum):
+            loss = model(batch(rank, step, a)).loss / accum
+            loss.backward()
+            total += loss.detach().float()
+        norm = opt.clip_grad_norm_(MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+        dist.all_reduce(total)
+        losses.append(((total / world).item(), norm.item()))
+    return model, opt, losses
+
+
+def full_params(model) -> dict[str, torch.Tensor]:
+    return {n: p.full_tensor().detach().float() for n, p in model.named_parameters()}
