@@ -29,6 +29,51 @@ def train_cases(cases: list[tuple[str, int, int]]) -> dict[tuple, dict[str, Any]
     return out
 
 
+def profile_cases(cases: list[tuple[str, int, int]]) -> dict[tuple, dict[str, Any]]:
+    """Count collectives from torch.profiler's records of the ops actually dispatched, beside
+    the engine's own ledger, for one optimizer step. The mesh dimension is read from the
+    group size, so use a mesh whose two dimensions differ in size."""
+    from paro_fsdp import ParoOptimizer, init_paro_mesh, paro_shard
+    from workloads import batch, make_model
+
+    kinds = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter", "all_reduce": "all_reduce"}
+    out = {}
+    for strategy, group_size, accum in cases:
+        mesh = init_paro_mesh(group_size)
+        g, m = mesh.size(0), mesh.size(1)
+        dim_of = {m: "intra", g: "inter", g * m: "global"}
+        model = paro_shard(make_model(), mesh, strategy)
+        opt = ParoOptimizer(model, torch.optim.AdamW, lr=1e-3)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+            for a in range(accum):
+                (model(batch(dist.get_rank(), 0, a)).loss / accum).backward()
+            opt.clip_grad_norm_(1.0)
+            opt.step()
+        seen: dict[str, float] = {}
+        for e in prof.events():
+            name = e.name.removeprefix("_c10d_functional::")
+            if e.name.startswith("_c10d_functional::") and name in kinds:
+                numel = 1
+                for s in e.input_shapes[0]:
+                    numel *= s
+                # all_reduce records no group size: only the scalar grad-norm one (global) is expected
+                k = e.concrete_inputs[1] if name != "all_reduce" else (g * m if numel == 1 else 0)
+                if k == 0:
+                    seen["all_reduce/unknown"] = seen.get("all_reduce/unknown", 0.0) + 1
+                    continue
+                if name == "all_gather_into_tensor":
+                    sent = numel * k * (k - 1) / k
+                elif name == "reduce_scatter_tensor":
+                    sent = numel * (k - 1) / k
+                else:
+                    sent = 2 * numel * (k - 1) / k
+                key = f"{kinds[name]}/{dim_of[k]}"
+                seen[key] = seen.get(key, 0.0) + 4 * sent  # fp32
+        stats = model.comm_stats()
+        out[(strategy, group_size, accum)] = {"profiler": seen, "engine": {key: stats.bytes(*key.split("/")) for key in stats.as_dict()}}
+    return out
+
+
 def bf16_case(strategy: str) -> dict[str, Any]:
     _, _, fp32 = train_paro(strategy, 2, 2)
     model, _, bf16 = train_paro(strategy, 2, 2, mp=MixedPrecision(param_dtype=torch.bfloat16))

@@ -12,7 +12,7 @@ from paro_fsdp.models.llama import Llama, LlamaArgs
 
 TINY = LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_dim=48, max_seq_len=32)
 FROZEN = ("layers.0.attention.wq.weight", "layers.1.ffn_norm.weight", "norm.weight")
-B, T, STEPS, LR, MAX_NORM = 2, 8, 3, 1e-2, 0.5
+B, T, STEPS, LR, MAX_NORM = 2, 8, 3, 1e-3, 0.5
 
 
 def make_model(seed: int = 0, args: LlamaArgs = TINY) -> Llama:
