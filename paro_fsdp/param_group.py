@@ -105,6 +105,7 @@ class ParoParamGroup:
         self.state = ShardState.UNSHARDED if P == Level.N else ShardState.SHARDED
         self._pending: Pending | None = None
         self.grad_acc: torch.Tensor | None = None  # allocated at the first backward
+        self._pending_rs: Pending | None = None
         self.grads_ready = False  # reduced to the OS level and handed to the master params
         self.has_grads = False  # at least one backward reached this group since the last step
 
@@ -145,21 +146,36 @@ class ParoParamGroup:
         self.state = ShardState.SHARDED
 
     # ---- gradients: each micro-step ------------------------------------------------------
-    def accumulate_grads(self, grads: list[torch.Tensor | None]) -> None:
-        """Bring this micro-step's whole-tensor gradients to the G level and add them up."""
+    def reduce_grads(self, grads: list[torch.Tensor | None]) -> None:
+        """Start bringing this micro-step's whole-tensor gradients to the G level; the first
+        reduce-scatter stays in flight (overlapping the next block's backward) until
+        ``finish_grad_reduction``."""
         layout, G, dt = self.t_layout, self.strategy.g, self.mp.grad_dtype
         if self.grad_acc is None:
             self.grad_acc = layout.new(G, dt, self.device)
-        full = self.grad_acc if G == Level.N else layout.new(Level.N, dt, self.device)
+        self.has_grads = True
+        if G == Level.N:
+            for t, grad in zip(layout.tensors, grads):
+                if grad is not None:
+                    layout.copy_in(self.grad_acc, t, grad.to(dt), add=True)
+            return
+        dense = all(g_ is not None for g_ in grads) and all(t.d0 == self.info.m * t.c for t in layout.tensors)
+        full = (torch.empty if dense else torch.zeros)(layout.numel(Level.N), dtype=dt, device=self.device)
         for t, grad in zip(layout.tensors, grads):
             if grad is not None:
-                layout.copy_in(full, t, grad.to(dt), add=G == Level.N)
-        if G != Level.N:
-            shard = self.comm.reduce_scatter(full, "intra").wait()
-            if G == Level.G:
-                shard = self.comm.reduce_scatter(layout.i_to_inter(shard, torch.empty(self.info.g * layout.sum_g, dtype=dt, device=self.device)), "inter").wait()
-            self.grad_acc.add_(shard)
-        self.has_grads = True
+                layout.copy_in(full, t, grad.to(dt))
+        self._pending_rs = self.comm.reduce_scatter(full, "intra")
+
+    def finish_grad_reduction(self) -> None:
+        if self._pending_rs is None:
+            return
+        shard = self._pending_rs.wait()
+        self._pending_rs = None
+        if self.strategy.g == Level.G:
+            layout, dt = self.t_layout, self.mp.grad_dtype
+            buf = layout.i_to_inter(shard, torch.empty(self.info.g * layout.sum_g, dtype=dt, device=self.device))
+            shard = self.comm.reduce_scatter(buf, "inter").wait()
+        self.grad_acc.add_(shard)
 
     # ---- the accumulation boundary ---------------------------------------------------------
     def finalize_grads(self) -> None:

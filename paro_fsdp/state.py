@@ -74,7 +74,10 @@ class ParoBlock:
 
     def post_backward(self, group_index: int, grads: list[torch.Tensor | None]) -> None:
         g = self.groups[group_index]
-        g.accumulate_grads(grads[: len(g.trainable)])
+        self.model_state.finish_grad_reductions()  # the previous block's, before issuing ours
+        if g.trainable:
+            g.reduce_grads(grads[: len(g.trainable)])
+            self.model_state.in_flight.append(g)
         g.reshard()
 
 
@@ -85,7 +88,7 @@ class ParoState:
         self.info, self.comm, self.blocks = info, comm, blocks
         self.forward_order: list[ParoBlock] = []
         self._backward_queued = False
-        self.backward_ran = False
+        self.in_flight: list[ParoParamGroup] = []  # groups with a gradient reduction in flight
 
     @property
     def groups(self) -> list[ParoParamGroup]:
@@ -115,9 +118,14 @@ class ParoState:
             return order[i + 1] if i + 1 < len(order) else None
         return None
 
+    def finish_grad_reductions(self) -> None:
+        for g in self.in_flight:
+            g.finish_grad_reduction()
+        self.in_flight.clear()
+
     def end_backward(self) -> None:
         self._backward_queued = False
-        self.backward_ran = True
+        self.finish_grad_reductions()
         for g in self.groups:
             g.reshard()
 
