@@ -1,0 +1,409 @@
+"""Step time of the PaRO engine against FSDP2 on the equivalent strategy (4 CPU gloo ranks).
+
+Run (one command, also ``make bench``; it spawns the 4 gloo ranks itself)::
+
+    .venv/bin/python -m tools.bench_vs_fsdp2              # the table: ~80 s on 2 shared cores
+    .venv/bin/python -m tools.bench_vs_fsdp2 --profile    # + where PaRO's time goes: ~2 min
+
+The default model (dim 128, 4 layers, vocab 1024, micro-batch 2 x 128 tokens, 1.0M params) takes
+~0.2-0.3 s per A=1 step with 4 single-threaded ranks on 2 cores; ``--dim 256 --heads 8 --kv-heads 4
+--ffn 704 --vocab 2048`` (4M params) is ~0.6-0.9 s per step and ~2 min with ``--rounds 5``.
+
+``torchrun --nproc-per-node 4 -m tools.bench_vs_fsdp2`` works too (the script sees RANK in the
+environment and runs as one rank instead of spawning).
+
+Why: PaRO's GGG is ZeRO-3 and III is HSDP/MiCS, so on those two strategies FSDP2 is the yardstick:
+same model, same data, same AdamW, same collectives. The target is PaRO within 1.10x of FSDP2.
+
+Pairs compared (mesh 2 groups x 2 ranks):
+  GGG  paro_shard(model, init_paro_mesh(2), "GGG")   vs  fully_shard on the 1D world mesh (ZeRO-3)
+  III  paro_shard(model, init_paro_mesh(2), "III")   vs  fully_shard on a 2D (2, 2) mesh (HSDP)
+both wrapped per transformer block plus the root, reshard_after_forward=True, fp32, eager.
+
+One step = A micro-steps of forward+backward (loss / A), clip_grad_norm_(1.0), optimizer step,
+zero_grad. For HSDP with A > 1, FSDP2 gets its documented accumulation idiom
+(``set_requires_all_reduce(False)`` except on the last micro-step), which is what PaRO III does
+by construction (inter all-reduce once per step); ZeRO-3 reduce-scatters every micro-step in
+both engines.
+
+Timing: every model (all pairs, both A) lives at once and the rounds interleave them, with the
+PaRO/FSDP2 order flipped every round, so machine noise hits both sides alike. Each timed step
+starts after a barrier; its time is the max over ranks; the table shows the median over rounds
+after warmup. The loss columns (mean over ranks of the last step's loss) are a sanity check:
+same init and data, so they should agree to ~1e-5.
+
+``--profile`` then times the engine's own functions (by wrapping them at runtime: nothing in
+paro_fsdp/ is modified) and prints a torch.profiler op table for PaRO and FSDP2 side by side.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
+import functools  # noqa: E402
+import socket  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from collections import defaultdict  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from typing import Any, Callable  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: E402
+
+from paro_fsdp import ParoOptimizer, init_paro_mesh, paro_shard  # noqa: E402
+from paro_fsdp.models.llama import Llama, LlamaArgs  # noqa: E402
+
+WORLD, GROUP = 4, 2
+LR, WD, MAX_NORM = 1e-3, 0.1, 1.0
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    args: LlamaArgs
+    batch: int
+    seq: int
+    warmup: int
+    rounds: int
+    accums: tuple[int, ...]
+    profile: bool
+
+
+def make_model(args: LlamaArgs, seed: int = 0) -> Llama:
+    torch.manual_seed(seed)
+    return Llama(args)
+
+
+def batch_for(cfg: BenchConfig, rank: int, step: int, micro: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(10_000 * step + 100 * micro + rank)
+    return torch.randint(0, cfg.args.vocab_size, (cfg.batch, cfg.seq + 1), generator=gen)
+
+
+@dataclass
+class Runner:
+    """One sharded model with its optimizer; ``step`` runs one optimizer step on step ``i``'s data."""
+
+    label: str  # "paro" or "fsdp2"
+    model: torch.nn.Module
+    step_fn: Callable[[int], torch.Tensor]
+    n_steps: int = 0
+    times: list[float] = field(default_factory=list)
+    losses: list[torch.Tensor] = field(default_factory=list)
+
+    def step(self) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = self.step_fn(self.n_steps)
+        dt = time.perf_counter() - t0
+        self.n_steps += 1
+        self.losses.append(loss)
+        return dt
+
+
+def paro_runner(cfg: BenchConfig, strategy: str, accum: int) -> Runner:
+    rank = dist.get_rank()
+    model = paro_shard(make_model(cfg.args), init_paro_mesh(GROUP), strategy)
+    opt = ParoOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WD, foreach=True)
+
+    def step(i: int) -> torch.Tensor:
+        total = torch.zeros(())
+        for a in range(accum):
+            loss = model(batch_for(cfg, rank, i, a)).loss / accum
+            loss.backward()
+            total += loss.detach()
+        opt.clip_grad_norm_(MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+        return total
+
+    return Runner("paro", model, step)
+
+
+def fsdp2_runner(cfg: BenchConfig, mesh: DeviceMesh, accum: int) -> Runner:
+    from torch.distributed.fsdp import fully_shard
+
+    rank = dist.get_rank()
+    hsdp = mesh.ndim == 2
+    model = make_model(cfg.args)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, foreach=True)
+
+    def step(i: int) -> torch.Tensor:
+        total = torch.zeros(())
+        for a in range(accum):
+            if hsdp:
+                model.set_requires_all_reduce(a == accum - 1)
+            loss = model(batch_for(cfg, rank, i, a)).loss / accum
+            loss.backward()
+            total += loss.detach()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+        return total
+
+    return Runner("fsdp2", model, step)
+
+
+@dataclass
+class Pair:
+    config: str  # "GGG vs ZeRO-3" / "III vs HSDP"
+    accum: int
+    paro: Runner
+    fsdp: Runner
+
+
+def build_pairs(cfg: BenchConfig) -> list[Pair]:
+    mesh1d = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
+    mesh2d = init_device_mesh("cpu", (WORLD // GROUP, GROUP), mesh_dim_names=("dp_replicate", "dp_shard"))
+    pairs = []
+    for accum in cfg.accums:
+        pairs.append(Pair("GGG vs FSDP2 ZeRO-3", accum, paro_runner(cfg, "GGG", accum), fsdp2_runner(cfg, mesh1d, accum)))
+        pairs.append(Pair("III vs FSDP2 HSDP", accum, paro_runner(cfg, "III", accum), fsdp2_runner(cfg, mesh2d, accum)))
+    return pairs
+
+
+def run_rounds(pairs: list[Pair], warmup: int, rounds: int) -> None:
+    """Interleave every runner; flip the PaRO/FSDP2 order each round (ABBA...)."""
+    for r in range(warmup + rounds):
+        for pair in pairs:
+            order = (pair.paro, pair.fsdp) if r % 2 == 0 else (pair.fsdp, pair.paro)
+            for runner in order:
+                dt = runner.step()
+                if r >= warmup:
+                    runner.times.append(dt)
+
+
+def reduce_max(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def reduce_mean(values: list[torch.Tensor]) -> list[float]:
+    t = torch.stack([v.double() for v in values])
+    dist.all_reduce(t)
+    return (t / dist.get_world_size()).tolist()
+
+
+def report(pairs: list[Pair], cfg: BenchConfig, wall: float) -> None:
+    rows = []
+    for pair in pairs:
+        tp = statistics.median(reduce_max(pair.paro.times)) * 1e3
+        tf = statistics.median(reduce_max(pair.fsdp.times)) * 1e3
+        lp, lf = reduce_mean(pair.paro.losses), reduce_mean(pair.fsdp.losses)
+        dmax = max(abs(a - b) for a, b in zip(lp, lf))
+        rows.append((pair.config, pair.accum, tp, tf, tp / tf, lp[-1], lf[-1], dmax))
+    if dist.get_rank() != 0:
+        return
+    a = cfg.args
+    n_params = sum(p.numel() for p in make_model(a).parameters())
+    print(f"\nmodel: Llama dim={a.dim} layers={a.n_layers} heads={a.n_heads}/{a.n_kv_heads} ffn={a.ffn_dim} "
+          f"vocab={a.vocab_size} ({n_params / 1e6:.2f}M params), micro-batch {cfg.batch}x{cfg.seq} per rank, "
+          f"{WORLD} gloo ranks, mesh {WORLD // GROUP}x{GROUP}, fp32, 1 thread/rank")
+    print(f"timing: median over {cfg.rounds} interleaved steps after {cfg.warmup} warmup, max over ranks\n")
+    head = f"{'config':<22} {'A':>2} {'PaRO ms':>9} {'FSDP2 ms':>9} {'ratio':>6}  {'loss PaRO':>10} {'loss FSDP2':>10} {'max|dloss|':>10}"
+    print(head)
+    print("-" * len(head))
+    for config, accum, tp, tf, ratio, lp, lf, dmax in rows:
+        flag = "" if ratio <= 1.10 else "  > 1.10x"
+        print(f"{config:<22} {accum:>2} {tp:>9.1f} {tf:>9.1f} {ratio:>6.3f}  {lp:>10.6f} {lf:>10.6f} {dmax:>10.2e}{flag}")
+    print(f"\nbench wall time (rank 0, after process-group init): {wall:.1f} s")
+
+
+# ---- --profile: where PaRO's time goes ---------------------------------------------------------
+class SectionTimer:
+    """Wall time of wrapped functions: inclusive, self (minus wrapped callees), calls, and the
+    time spent blocked in ``Pending.wait`` attributed to the wrapped function that waited.
+    Only the calling thread is timed (on CPU, autograd runs backward on that thread)."""
+
+    OUTSIDE = "<caller outside the engine>"
+
+    def __init__(self) -> None:
+        self.labels: list[str] = []
+        self.total: dict[str, float] = defaultdict(float)
+        self.self_: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self.wait_by_caller: dict[str, float] = defaultdict(float)
+        self.enabled = False
+        self._stack: list[list[Any]] = []  # [label, time in wrapped callees]
+        self._undo: list[tuple[Any, str, Any]] = []
+
+    def clear(self) -> None:
+        for d in (self.total, self.self_, self.calls, self.wait_by_caller):
+            d.clear()
+
+    def wrap(self, owner: Any, name: str, label: str) -> None:
+        fn = owner.__dict__[name]
+        is_static = isinstance(fn, staticmethod)
+        raw = fn.__func__ if is_static else fn
+        timer = self
+        is_wait = label.endswith("Pending.wait")
+
+        @functools.wraps(raw)
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            if not timer.enabled:
+                return raw(*args, **kwargs)
+            timer._stack.append([label, 0.0])
+            t0 = time.perf_counter()
+            try:
+                return raw(*args, **kwargs)
+            finally:
+                dt = time.perf_counter() - t0
+                _, inner = timer._stack.pop()
+                timer.total[label] += dt
+                timer.self_[label] += dt - inner
+                timer.calls[label] += 1
+                parent = timer._stack[-1][0] if timer._stack else timer.OUTSIDE
+                if timer._stack:
+                    timer._stack[-1][1] += dt
+                if is_wait:
+                    timer.wait_by_caller[parent] += dt
+
+        setattr(owner, name, staticmethod(wrapped) if is_static else wrapped)
+        self._undo.append((owner, name, fn))
+        self.labels.append(label)
+
+    def restore(self) -> None:
+        for owner, name, fn in reversed(self._undo):
+            setattr(owner, name, fn)
+        self._undo.clear()
+
+
+def instrument_paro(timer: SectionTimer) -> None:
+    """Wrap every method the engine's hot-path classes define (found by introspection, so the
+    profile follows the engine as it is edited; constructors and accounting are skipped)."""
+    import inspect
+
+    from paro_fsdp import comm, layout, optim, param_group, state
+
+    classes = [param_group.ParoParamGroup, state.ParoBlock, state.ParoState, layout.FlatLayout,
+               comm.MeshComm, comm.Pending, optim.ParoOptimizer]
+    skip = {"memory_bytes", "_ring_bytes", "install_hooks", "state_dict", "load_state_dict", "_ensure_state",
+            "_dtensor", "numel", "local_view"}
+    for owner in classes:
+        for name, fn in list(vars(owner).items()):
+            if name.startswith("__") or name in skip:
+                continue
+            if inspect.isfunction(fn) or isinstance(fn, staticmethod):
+                timer.wrap(owner, name, f"{owner.__module__.split('.')[-1]}.{owner.__name__}.{name}")
+
+
+def profile_runners(cfg: BenchConfig, pairs: list[Pair], steps: int) -> None:
+    """Section times of the PaRO engine, and a per-op profile of PaRO vs FSDP2, for each pair."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rank = dist.get_rank()
+    timer = SectionTimer()
+    instrument_paro(timer)
+    for pair in pairs:
+        # 1) engine sections (wrapped functions), PaRO only
+        timer.clear()
+        timer.enabled = True
+        wall = 0.0
+        for _ in range(steps):
+            wall += pair.paro.step()
+        timer.enabled = False
+        labels = sorted(timer.labels)  # the same list on every rank, whatever ran
+        callers = labels + [timer.OUTSIDE]
+        per_step = [timer.total[k] / steps for k in labels] + [timer.self_[k] / steps for k in labels]
+        per_step += [timer.wait_by_caller[k] / steps for k in callers] + [wall / steps]
+        maxed = reduce_max(per_step)
+        n = len(labels)
+        incl, self_ms, waits = maxed[:n], maxed[n:2 * n], maxed[2 * n:2 * n + len(callers)]
+        calls = {k: timer.calls[k] / steps for k in labels}
+        # 2) op profile of one step each, PaRO and FSDP2 (rank 0's view)
+        tables = {}
+        for runner in (pair.paro, pair.fsdp):
+            runner.step()  # settle after instrumentation
+            with profile(activities=[ProfilerActivity.CPU], record_shapes=False) as prof:
+                runner.step()
+            tables[runner.label] = prof.key_averages()
+        if rank != 0:
+            continue
+        print(f"\n===== profile: {pair.config}, A={pair.accum}: PaRO step {maxed[-1] * 1e3:.1f} ms "
+              f"(instrumented; per step, max over ranks)")
+        print(f"{'engine function':<52} {'incl ms':>8} {'self ms':>8} {'calls':>6}")
+        for k, v, sv in sorted(zip(labels, incl, self_ms), key=lambda kv: -kv[1]):
+            if v * 1e3 >= 0.05:
+                print(f"  {k:<50} {v * 1e3:>8.2f} {sv * 1e3:>8.2f} {calls[k]:>6.0f}")
+        print(f"{'blocked in Pending.wait, by the function that waited':<52} {'ms':>8}")
+        for k, w in sorted(zip(callers, waits), key=lambda kv: -kv[1]):
+            if w * 1e3 >= 0.05:
+                print(f"  {k:<50} {w * 1e3:>8.2f}")
+        print(f"\n{'op (self CPU ms, one step, rank 0)':<44} {'PaRO':>9} {'#':>5} {'FSDP2':>9} {'#':>5}")
+        stats = {label: {e.key: (e.self_cpu_time_total / 1e3, e.count) for e in t} for label, t in tables.items()}
+        keys_op = set(stats["paro"]) | set(stats["fsdp2"])
+        top = sorted(keys_op, key=lambda k: -max(stats["paro"].get(k, (0, 0))[0], stats["fsdp2"].get(k, (0, 0))[0]))[:22]
+        for k in top:
+            p, f = stats["paro"].get(k, (0.0, 0)), stats["fsdp2"].get(k, (0.0, 0))
+            print(f"  {k[:42]:<42} {p[0]:>9.2f} {p[1]:>5} {f[0]:>9.2f} {f[1]:>5}")
+        tot_p = sum(v[0] for v in stats["paro"].values())
+        tot_f = sum(v[0] for v in stats["fsdp2"].values())
+        print(f"  {'sum of self CPU (FSDP:: scopes hold waits)':<42} {tot_p:>9.2f} {'':>5} {tot_f:>9.2f}")
+    timer.restore()
+
+
+# ---- entry points ------------------------------------------------------------------------------
+def worker(cfg: BenchConfig) -> None:
+    torch.set_num_threads(1)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    t0 = time.perf_counter()
+    pairs = build_pairs(cfg)
+    run_rounds(pairs, cfg.warmup, cfg.rounds)
+    report(pairs, cfg, time.perf_counter() - t0)
+    if cfg.profile:
+        profile_runners(cfg, pairs, steps=2)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _spawned(rank: int, cfg: BenchConfig, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    worker(cfg)
+
+
+def parse_args() -> BenchConfig:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--ffn", type=int, default=352)
+    ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--accum", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--profile", action="store_true", help="also time PaRO's engine functions and op profiles")
+    ns = ap.parse_args()
+    args = LlamaArgs(dim=ns.dim, n_layers=ns.layers, n_heads=ns.heads, n_kv_heads=ns.kv_heads, vocab_size=ns.vocab,
+                     ffn_dim=ns.ffn, max_seq_len=ns.seq)
+    return BenchConfig(args, ns.batch, ns.seq, ns.warmup, ns.rounds, tuple(ns.accum), ns.profile)
+
+
+def main() -> None:
+    cfg = parse_args()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun
+        if int(os.environ["WORLD_SIZE"]) != WORLD:
+            raise SystemExit(f"this bench needs exactly {WORLD} ranks (2x2 mesh)")
+        worker(cfg)
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.perf_counter()
+    mp.start_processes(_spawned, args=(cfg, port), nprocs=WORLD, start_method="spawn", join=True)
+    print(f"total wall time including process start: {time.perf_counter() - t0:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
