@@ -15,9 +15,11 @@ A group of tensors moves as one flat buffer per level:
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -36,7 +38,15 @@ def placements(level: Level, m: int) -> tuple:
 
 def _rows(d0: int, info: MeshInfo, level: Level, k: int, l: int) -> tuple[int, int]:  # noqa: E741
     """(first row, number of rows) of rank (k, l)'s shard, as DTensor defines it."""
-    shape, offset = _compute_local_shape_and_global_offset((d0,), (info.g, info.m), [k, l], placements(level, info.m))
+    return _dtensor_rows(d0, info.g, info.m, level, k, l)
+
+
+@functools.lru_cache(maxsize=None)
+def _dtensor_rows(d0: int, g: int, m: int, level: Level, k: int, l: int) -> tuple[int, int]:  # noqa: E741
+    # Pure shape metadata, but DTensor computes it with small tensors: step out of any active
+    # FakeTensorMode (tools/estimate.py shards a fake 7B model), and cache, as layers repeat shapes.
+    with unset_fake_temporarily():
+        shape, offset = _compute_local_shape_and_global_offset((d0,), (g, m), [k, l], placements(level, m))
     return (offset[0] if shape[0] else 0), shape[0]
 
 

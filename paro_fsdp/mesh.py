@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 MESH_DIMS = ("inter", "intra")
 
@@ -57,9 +58,10 @@ class MeshInfo:
                 f"paro_shard needs a 2D DeviceMesh named {MESH_DIMS} (use init_paro_mesh(group_size)), "
                 f"got dims {mesh.mesh_dim_names} of shape {tuple(mesh.shape)}"
             )
-        k, l = mesh.get_coordinate()
-        names = {dim: mesh.get_group(dim).group_name for dim in MESH_DIMS}
-        names["global"] = mesh[MESH_DIMS]._flatten().get_group().group_name
+        with unset_fake_temporarily():  # DeviceMesh builds rank tensors: keep them real under FakeTensorMode
+            k, l = mesh.get_coordinate()
+            names = {dim: mesh.get_group(dim).group_name for dim in MESH_DIMS}
+            names["global"] = mesh[MESH_DIMS]._flatten().get_group().group_name
         return cls(mesh, mesh.size(0), mesh.size(1), k, l, names)
 
     def size(self, dim: str) -> int:

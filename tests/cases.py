@@ -108,3 +108,17 @@ def error_cases(_: Any) -> dict[str, str]:
         msgs["no_backward"] = str(e)
     dist.barrier()
     return msgs
+
+
+def suite(payload: dict[str, Any]) -> dict[str, Any]:
+    """Run several kinds of cases in one world: {"train": [...], "profile": [...], "bf16": [...], "errors": True}."""
+    out: dict[str, Any] = {}
+    if "train" in payload:
+        out["train"] = train_cases(payload["train"])
+    if "profile" in payload:
+        out["profile"] = profile_cases(payload["profile"])
+    if "bf16" in payload:
+        out["bf16"] = {s: bf16_case(s) for s in payload["bf16"]}
+    if payload.get("errors"):
+        out["errors"] = error_cases(None)
+    return out

@@ -1,0 +1,280 @@
+"""The spec's ledger and memory formula as code (PARO_SPEC.md section 3), exact for this engine.
+
+Everything here is arithmetic on parameter counts: no tensors, no process group. It exists so
+that what the engine *counts* (``model.comm_stats()``, ``model.memory_report(opt)``) can be
+checked against what the method *says* it costs, by tests on real ranks and by
+``tools/estimate.py`` on a fake 64-rank world.
+
+Notation (spec): n ranks, m per group, g = n / m groups; Psi = all parameters, Psi' = trainable
+ones; A micro-steps per optimizer step; ``param_bytes`` / ``grad_bytes`` = element size of the
+parameter / gradient dtype (P and its all-gathers / G and its reductions); OS = fp32 master + the
+optimizer's states, ``os_bytes`` per trainable element (AdamW: 4 + 4 + 4 = 12 = the spec's K).
+
+Ring cost per rank of a collective over k ranks on a buffer of S bytes (the full, gathered size):
+all-gather and reduce-scatter S(k-1)/k, all-reduce 2S(k-1)/k; a collective over k = 1 rank is
+skipped (the engine issues nothing). Global collectives are hierarchical, as the engine runs them:
+  global AG(S) = inter AG(S/m) + intra AG(S);   global RS(S) = intra RS(S) + inter RS(S/m);
+  global AR(S) = intra RS(S) + inter AR(S/m) + intra AG(S).
+
+The spec's table, row by row, and where each row is in the engine:
+
+  each micro-step, params   P=N none | P=I intra AG(Psi) | P=G global AG(Psi)       ParoParamGroup.unshard
+      once per gather: a block is gathered twice per micro-step (forward, and again in backward
+      because it is freed after forward); the root block's parameters are kept gathered from
+      forward to backward, so they are gathered once (``psi_kept``, see paro_fsdp/api.py).
+  each micro-step, grads    G=N none | G=I intra RS(Psi') | G=G global RS(Psi')     accumulate_grads
+  boundary, grads -> OS     N->N global AR | N->I intra RS + inter AR(/m) |          finalize_grads
+                            N->G global RS | I->N inter AR(/m) + intra AG |
+                            I->I inter AR(/m) | I->G inter RS(/m) |
+                            G->N global AG | G->I inter AG(/m) | G->G none     (all of Psi', grad dtype)
+  boundary, params -> P     OS=N none | OS=I: P=N intra AG, else none |         push_params
+                            OS=G: P=N global AG, P=I inter AG(/m), P=G none    (Psi', param dtype)
+  gradient clipping         one global (flat) all-reduce of one fp32 scalar      ParoOptimizer.clip_grad_norm_
+      (not in the spec's table; reported under dim "global" as the engine records it)
+
+Memory per rank (bytes): M = param_bytes Psi/d(P) + grad_bytes Psi'/d(G) + os_bytes Psi'/d(OS),
+d(N) = 1, d(I) = m, d(G) = n.
+
+Exactness: the engine moves padded flat buffers (every tensor padded to a multiple of m rows, and
+global shards to the largest one in the intra group). When dim 0 of every tensor is divisible by
+n there is no padding and these formulas equal the engine's counts exactly (LLaMA 7B/13B/65B on
+64 ranks qualify); otherwise the engine's numbers are slightly larger.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from .strategy import Level, Strategy, StrategyLike
+
+__all__ = [
+    "Bucket",
+    "Traffic",
+    "buckets_of",
+    "formula_bytes",
+    "formula_memory",
+    "memory_of",
+    "traffic_of",
+]
+
+_N, _I, _G = Level.N, Level.I, Level.G
+
+
+class Traffic:
+    """Collectives one rank issues: count and ring bytes per (kind, mesh dim).
+
+    Same keys and query methods as ``paro_fsdp.CommStats`` (kind: all_gather / reduce_scatter /
+    all_reduce; dim: intra / inter / global), so ``stats.bytes(dim="inter") ==
+    traffic.bytes(dim="inter")`` is the check.
+    """
+
+    def __init__(self, n: int, m: int) -> None:
+        if n % m:
+            raise ValueError(f"world size n={n} is not divisible by the group size m={m}")
+        self.n, self.m, self.g = n, m, n // m
+        self._count: dict[tuple[str, str], float] = defaultdict(float)
+        self._bytes: dict[tuple[str, str], float] = defaultdict(float)
+
+    def _size(self, dim: str) -> int:
+        return {"intra": self.m, "inter": self.g, "global": self.n}[dim]
+
+    def add(self, kind: str, dim: str, full_numel: float, itemsize: int, times: float = 1) -> None:
+        """Record ``times`` collectives of ``kind`` over ``dim`` on a buffer of ``full_numel``
+        elements (the gathered size for an all-gather, the input for a reduction)."""
+        k = self._size(dim)
+        if k == 1 or times == 0:
+            return
+        per = full_numel * itemsize * (k - 1) / k
+        self._count[(kind, dim)] += times
+        self._bytes[(kind, dim)] += times * (2 * per if kind == "all_reduce" else per)
+
+    # hierarchical global collectives, as the engine issues them
+    def all_gather(self, level: Level, numel: float, itemsize: int, times: float = 1) -> None:
+        """Whole tensors from shards at ``level`` (I: intra AG; G: inter AG of 1/m, intra AG)."""
+        if level == _G:
+            self.add("all_gather", "inter", numel / self.m, itemsize, times)
+        if level in (_I, _G):
+            self.add("all_gather", "intra", numel, itemsize, times)
+
+    def reduce_scatter(self, level: Level, numel: float, itemsize: int, times: float = 1) -> None:
+        """Whole unreduced tensors to reduced shards at ``level`` (I: intra RS; G: + inter RS of 1/m)."""
+        if level in (_I, _G):
+            self.add("reduce_scatter", "intra", numel, itemsize, times)
+        if level == _G:
+            self.add("reduce_scatter", "inter", numel / self.m, itemsize, times)
+
+    def bytes(self, kind: str | None = None, dim: str | None = None) -> float:
+        return sum(v for (k, d), v in self._bytes.items() if kind in (None, k) and dim in (None, d))
+
+    def count(self, kind: str | None = None, dim: str | None = None) -> float:
+        return sum(v for (k, d), v in self._count.items() if kind in (None, k) and dim in (None, d))
+
+    def as_dict(self) -> dict[str, dict[str, float]]:
+        """``{"kind/dim": {"count", "bytes"}}``, the format of ``CommStats.as_dict()``."""
+        return {f"{k}/{d}": {"count": self._count[(k, d)], "bytes": self._bytes[(k, d)]} for (k, d) in sorted(self._count)}
+
+    def __iadd__(self, other: "Traffic") -> "Traffic":
+        for key, v in other._count.items():
+            self._count[key] += v
+        for key, v in other._bytes.items():
+            self._bytes[key] += v
+        return self
+
+    def __repr__(self) -> str:
+        rows = [f"{k:>14} {d:>6} {self._count[(k, d)]:>8g} {self._bytes[(k, d)] / 2**20:12.3f} MiB" for (k, d) in sorted(self._count)]
+        return "Traffic(\n" + "\n".join(rows) + "\n)"
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Parameters that move together under one strategy (one ``ParoParamGroup`` of the engine).
+
+    ``gathers``: all-gathers of the bucket's parameters per micro-step: 2 for a block (gathered
+    for forward, freed, gathered again for backward), 1 for the root block or a block built with
+    ``reshard_after_forward=False`` (kept gathered from forward to backward), 0 when P = N.
+    """
+
+    strategy: Strategy
+    numel: int  # Psi of the bucket
+    trainable: int  # Psi' of the bucket
+    gathers: int = 2
+
+
+def _bucket_traffic(t: Traffic, b: Bucket, grad_accum: int, param_bytes: int, grad_bytes: int) -> None:
+    P, G, OS = b.strategy.p, b.strategy.g, b.strategy.os
+    A, psi, psi_t = grad_accum, b.numel, b.trainable
+    # each micro-step: parameters (per gather) and gradients
+    if P != _N:
+        t.all_gather(P, psi, param_bytes, times=A * b.gathers)
+    if psi_t == 0:
+        return  # frozen bucket: no gradient ever reaches it, nothing at the boundary
+    t.reduce_scatter(G, psi_t, grad_bytes, times=A)
+    # boundary: the accumulated gradient to the OS level, fully reduced
+    if G == _N:
+        t.add("reduce_scatter", "intra", psi_t, grad_bytes)  # to I, still partial over inter
+    if G in (_N, _I):
+        if OS == _G:
+            t.add("reduce_scatter", "inter", psi_t / t.m, grad_bytes)
+        else:
+            t.add("all_reduce", "inter", psi_t / t.m, grad_bytes)
+            if OS == _N:
+                t.add("all_gather", "intra", psi_t, grad_bytes)
+    elif OS == _I:  # G = G: gather up to the coarser OS level
+        t.add("all_gather", "inter", psi_t / t.m, grad_bytes)
+    elif OS == _N:
+        t.all_gather(_G, psi_t, grad_bytes)
+    # boundary: updated parameters from the OS level to the P level (finer P is a local slice)
+    if OS == _I and P == _N:
+        t.add("all_gather", "intra", psi_t, param_bytes)
+    elif OS == _G and P == _N:
+        t.all_gather(_G, psi_t, param_bytes)
+    elif OS == _G and P == _I:
+        t.add("all_gather", "inter", psi_t / t.m, param_bytes)
+
+
+def traffic_of(
+    buckets: Iterable[Bucket],
+    n: int,
+    m: int,
+    grad_accum: int = 1,
+    param_bytes: int = 2,
+    grad_bytes: int = 2,
+    clip: bool = True,
+) -> Traffic:
+    """Collectives per rank for one optimizer step of ``grad_accum`` micro-steps (forward,
+    backward; then, if ``clip``, ``clip_grad_norm_``; then ``step``), bucket by bucket, so that
+    counts as well as bytes match ``model.comm_stats()`` (use ``buckets_of(model)``)."""
+    t = Traffic(n, m)
+    for b in buckets:
+        _bucket_traffic(t, b, grad_accum, param_bytes, grad_bytes)
+    if clip:
+        t.add("all_reduce", "global", 1, 4)  # the fp32 squared-norm scalar
+    return t
+
+
+def memory_of(
+    buckets: Iterable[Bucket], n: int, m: int, param_bytes: int = 2, grad_bytes: int = 2, os_bytes: int = 12
+) -> dict[str, float]:
+    """Per-rank bytes of P, G, OS and their total, summed over buckets (``memory_report`` keys)."""
+    out = {"P": 0.0, "G": 0.0, "OS": 0.0}
+    for b in buckets:
+        s = b.strategy
+        out["P"] += param_bytes * b.numel / s.p.divisor(n, m)
+        out["G"] += grad_bytes * b.trainable / s.g.divisor(n, m)
+        out["OS"] += os_bytes * b.trainable / s.os.divisor(n, m)
+    out["total"] = out["P"] + out["G"] + out["OS"]
+    return out
+
+
+def _whole_model(strategy: StrategyLike, psi: int, psi_trainable: int, psi_kept: int,
+                 trainable_kept: int = 0) -> list[Bucket]:
+    s = Strategy.parse(strategy)
+    if not 0 <= psi_kept <= psi or not 0 <= psi_trainable <= psi:
+        raise ValueError(f"need 0 <= psi_kept, psi_trainable <= psi, got {psi_kept}, {psi_trainable}, {psi}")
+    once, twice = (1, 2) if s.p != _N else (0, 0)
+    return [
+        Bucket(s, psi_kept, trainable_kept, once),
+        Bucket(s, psi - psi_kept, psi_trainable - trainable_kept, twice),
+    ]
+
+
+def formula_bytes(
+    strategy: StrategyLike,
+    psi: int,
+    psi_trainable: int,
+    n: int,
+    m: int,
+    grad_accum: int = 1,
+    psi_kept: int = 0,
+    param_bytes: int = 2,
+    grad_bytes: int = 2,
+    clip: bool = True,
+) -> dict[str, float]:
+    """The spec's ledger for a whole model under one strategy: per-rank bytes per optimizer step.
+
+    ``psi_kept``: parameters gathered once per micro-step instead of twice because they stay
+    gathered from forward to backward (the root block's: embeddings, final norm, output layer
+    of the Llama model). Returns ``{"intra", "inter", "global", "total"}``; "global" is the
+    clip-norm all-reduce (``clip=False`` drops it).
+    """
+    t = traffic_of(_whole_model(strategy, psi, psi_trainable, psi_kept), n, m, grad_accum, param_bytes, grad_bytes, clip)
+    out = {dim: t.bytes(dim=dim) for dim in ("intra", "inter", "global")}
+    out["total"] = sum(out.values())
+    return out
+
+
+def formula_memory(
+    strategy: StrategyLike,
+    psi: int,
+    psi_trainable: int,
+    n: int,
+    m: int,
+    param_bytes: int = 2,
+    grad_bytes: int = 2,
+    os_bytes: int = 12,
+) -> dict[str, float]:
+    """The spec's per-rank model-state memory M = 2Psi/d(P) + 2Psi'/d(G) + K Psi'/d(OS), with the
+    dtype sizes as parameters. Returns ``{"P", "G", "OS", "total"}`` in bytes."""
+    return memory_of(_whole_model(strategy, psi, psi_trainable, 0), n, m, param_bytes, grad_bytes, os_bytes)
+
+
+def buckets_of(model: Any) -> list[Bucket]:
+    """The buckets of a model returned by ``paro_shard``, read from the engine's groups.
+
+    Assumes every non-root block runs backward in each micro-step (true whenever some parameter
+    before it, or its own, is trainable); a block that never runs backward is gathered once.
+    """
+    state = getattr(model, "_paro_state", None)
+    if state is None:
+        raise ValueError("buckets_of needs a model returned by paro_shard")
+    out = []
+    for block in state.blocks:
+        for g in block.groups:
+            if g.strategy.p == _N:
+                gathers = 0
+            else:
+                gathers = 2 if g.reshard_after_forward and not block.is_root else 1
+            out.append(Bucket(g.strategy, sum(r.param.numel() for r in g.refs),
+                              sum(r.param.numel() for r in g.trainable), gathers))
+    return out

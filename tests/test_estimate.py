@@ -1,0 +1,122 @@
+"""tools/estimate.py on a fake 64-rank 8x8 mesh: the engine's counted collectives and held bytes
+equal the spec's ledger (paro_fsdp/ledger.py) exactly, and the layer extrapolation is exact.
+
+One process, torch's fake process group and FakeTensorMode: no real communication, no ranks to
+spawn. The model's dims are multiples of 64 so the layout adds no padding and equality is exact.
+"""
+from __future__ import annotations
+
+import pytest
+
+from paro_fsdp import Strategy
+from paro_fsdp.ledger import Bucket, formula_bytes, formula_memory, traffic_of
+from paro_fsdp.models.llama import LlamaArgs
+from tools.estimate import estimate, release_fake_world
+
+N, M = 64, 8
+ARGS = LlamaArgs(dim=64, n_layers=4, n_heads=4, vocab_size=128, ffn_dim=128, max_seq_len=32)
+STRATEGIES = ["NNN", "NIG", "IIG", "IGG", "ING", "III", "GGG"]
+ROOT = 2 * 128 * 64 + 64  # embeddings, output, final norm: gathered once per micro-step
+LAYER = 4 * 64 * 64 + 3 * 64 * 128 + 2 * 64
+NUMERIC = ["mem_P", "mem_G", "mem_OS", "mem_total", "intra_bytes", "inter_bytes", "global_bytes"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fake_world():
+    yield
+    release_fake_world()
+
+
+def _buckets(strategy: str, trainable_layers: int) -> list[Bucket]:
+    """The engine's buckets for one strategy: the root, then one per layer."""
+    s = Strategy.parse(strategy)
+    once, twice = (0, 0) if s.p.value == "N" else (1, 2)
+    root_t = ROOT if trainable_layers == ARGS.n_layers else 0
+    return [Bucket(s, ROOT, root_t, once)] + [
+        Bucket(s, LAYER, LAYER if i < trainable_layers else 0, twice) for i in range(ARGS.n_layers)
+    ]
+
+
+def _check_against_ledger(row: dict, strategy: str, accum: int, trainable_layers: int) -> None:
+    psi = ROOT + ARGS.n_layers * LAYER
+    psi_t = psi if trainable_layers == ARGS.n_layers else trainable_layers * LAYER
+    assert (row["psi"], row["psi_trainable"], row["psi_kept"]) == (psi, psi_t, ROOT)
+    mem = formula_memory(strategy, psi, psi_t, N, M, param_bytes=2, grad_bytes=2, os_bytes=12)
+    for k in ("P", "G", "OS", "total"):
+        assert row[f"mem_{k}"] == mem[k], (strategy, k)
+    fb = formula_bytes(strategy, psi, psi_t, N, M, accum, psi_kept=ROOT, param_bytes=2, grad_bytes=2)
+    for dim in ("intra", "inter", "global"):
+        assert row[f"{dim}_bytes"] == pytest.approx(fb[dim], rel=1e-12, abs=1e-9), (strategy, dim)
+    # counts too, bucket by bucket: every collective the engine issued, of each kind and dim
+    expected = traffic_of(_buckets(strategy, trainable_layers), N, M, accum).as_dict()
+    got = row["collectives"]
+    assert set(got) == set(expected), strategy
+    for key, e in expected.items():
+        assert got[key]["count"] == pytest.approx(e["count"]), (strategy, key)
+        assert got[key]["bytes"] == pytest.approx(e["bytes"], rel=1e-12), (strategy, key)
+
+
+def test_measured_equals_ledger_full_depth():
+    rows = estimate(ARGS, N, M, STRATEGIES, grad_accum=2, full=True)
+    assert [r["strategy"] for r in rows] == STRATEGIES
+    for row in rows:
+        assert row["layers_run"] == "4"
+        _check_against_ledger(row, row["strategy"], 2, ARGS.n_layers)
+
+
+def test_layer_extrapolation_is_exact_and_partial_training():
+    # all trainable: 1- and 2-layer runs extended to 4 layers == running 4 layers
+    full = estimate(ARGS, N, M, ["IIG", "GGG"], grad_accum=2, full=True)
+    fast = estimate(ARGS, N, M, ["IIG", "GGG"], grad_accum=2)
+    for a, b in zip(full, fast):
+        assert b["layers_run"] == "1,2 -> 4"
+        assert {k: a[k] for k in NUMERIC} == pytest.approx({k: b[k] for k in NUMERIC})
+        flat = lambda r: {f"{kd}:{w}": v for kd, e in r["collectives"].items() for w, v in e.items()}  # noqa: E731
+        assert flat(a) == pytest.approx(flat(b))
+    # half the parameters trainable: layers 0-1 train, root and layers 2-3 are frozen
+    frac = 2 * LAYER / (ROOT + 4 * LAYER)
+    full = estimate(ARGS, N, M, ["ING"], grad_accum=2, trainable_fraction=frac, full=True)[0]
+    fast = estimate(ARGS, N, M, ["ING"], grad_accum=2, trainable_fraction=frac)[0]
+    assert fast["layers_run"] == "1,2,2(1 frozen) -> 4"
+    for row in (full, fast):
+        _check_against_ledger(row, "ING", 2, trainable_layers=2)
+
+
+def test_inter_traffic_vs_grad_accum():
+    """The point of PaRO: with P, G at most I, inter-group bytes are paid once per optimizer
+    step, whatever the number of micro-steps; ZeRO-3 pays them every micro-step."""
+    one = {r["strategy"]: r for r in estimate(ARGS, N, M, ["IIG", "GGG"], grad_accum=1)}
+    three = {r["strategy"]: r for r in estimate(ARGS, N, M, ["IIG", "GGG"], grad_accum=3)}
+    assert three["IIG"]["inter_bytes"] == one["IIG"]["inter_bytes"] > 0
+    assert three["IIG"]["intra_bytes"] > one["IIG"]["intra_bytes"]
+    assert three["GGG"]["inter_bytes"] > 2.5 * one["GGG"]["inter_bytes"]
+
+
+def test_ledger_matches_spec_prose():
+    """Spot checks of paro_fsdp.ledger against the examples written out in PARO_SPEC.md."""
+    psi, psi_t, n, m, A = 6_400, 3_200, 64, 8, 4
+    g = n // m
+
+    def ag(S, k):  # ring all-gather / reduce-scatter bytes (2-byte elements)
+        return 2 * S * (k - 1) / k
+
+    # IIG: per micro-step 2 intra AG(psi) + 1 intra RS(psi'); per step inter RS + inter AG of psi'/m
+    b = formula_bytes("IIG", psi, psi_t, n, m, A, clip=False)
+    assert b["intra"] == pytest.approx(A * (2 * ag(psi, m) + ag(psi_t, m)))
+    assert b["inter"] == pytest.approx(2 * ag(psi_t / m, g))
+    # GGG: global AG twice and global RS every micro-step, nothing at the boundary
+    b = formula_bytes("GGG", psi, psi_t, n, m, A, clip=False)
+    assert b["intra"] == pytest.approx(A * (2 * ag(psi, m) + ag(psi_t, m)))
+    assert b["inter"] == pytest.approx(A * (2 * ag(psi / m, g) + ag(psi_t / m, g)))
+    # NNN (DDP): one global all-reduce of the gradients per step
+    b = formula_bytes("NNN", psi, psi_t, n, m, A, clip=False)
+    assert b["intra"] == pytest.approx(2 * ag(psi_t, m)) and b["inter"] == pytest.approx(2 * ag(psi_t / m, g))
+    # kept parameters are gathered once instead of twice
+    kept = formula_bytes("IIG", psi, psi_t, n, m, A, psi_kept=1_000, clip=False)
+    plain = formula_bytes("IIG", psi, psi_t, n, m, A, clip=False)
+    assert kept["intra"] == pytest.approx(plain["intra"] - A * ag(1_000, m))
+    assert kept["inter"] == plain["inter"]
+    # memory: M = 2 psi / d(P) + 2 psi' / d(G) + 12 psi' / d(OS)
+    mem = formula_memory("ING", psi, psi_t, n, m)
+    assert (mem["P"], mem["G"], mem["OS"]) == (2 * psi / m, 2 * psi_t, 12 * psi_t / n)
+    assert mem["total"] == mem["P"] + mem["G"] + mem["OS"]
