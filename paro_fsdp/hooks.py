@@ -41,13 +41,38 @@ class PreBackward(torch.autograd.Function):
         return (None,) + grads
 
 
-def register_pre_backward(block: "ParoBlock", output: Any) -> Any:
-    """Route the block's tensor outputs that need a gradient through ``PreBackward``."""
-    leaves, spec = tree_flatten(output)
+class PostBackward(torch.autograd.Function):
+    """Identity on a block's inputs; its backward fires once the block's backward has produced
+    the input gradients: the point where a frozen group (no gradient of its own, so no
+    ``Unshard`` backward) can be freed."""
+
+    @staticmethod
+    def forward(ctx, block: "ParoBlock", *inputs: torch.Tensor):  # type: ignore[override]
+        ctx.block = block
+        return tuple(i.view_as(i) for i in inputs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
+        ctx.block.post_backward_frozen()
+        return (None,) + grads
+
+
+def _route(fn: type[torch.autograd.Function], block: "ParoBlock", tree: Any) -> Any:
+    leaves, spec = tree_flatten(tree)
     idx = [i for i, x in enumerate(leaves) if torch.is_tensor(x) and x.requires_grad]
     if not idx:
-        return output
-    wrapped = PreBackward.apply(block, *[leaves[i] for i in idx])
+        return tree
+    wrapped = fn.apply(block, *[leaves[i] for i in idx])
     for i, w in zip(idx, wrapped):
         leaves[i] = w
     return tree_unflatten(leaves, spec)
+
+
+def register_post_backward(block: "ParoBlock", args: Any, kwargs: Any) -> tuple[Any, Any]:
+    """Route the block's tensor inputs that need a gradient through ``PostBackward``."""
+    return _route(PostBackward, block, (args, kwargs))
+
+
+def register_pre_backward(block: "ParoBlock", output: Any) -> Any:
+    """Route the block's tensor outputs that need a gradient through ``PreBackward``."""
+    return _route(PreBackward, block, output)

@@ -22,7 +22,7 @@ The spec's table, row by row, and where each row is in the engine:
       once per gather: a block is gathered twice per micro-step (forward, and again in backward
       because it is freed after forward); the root block's parameters are kept gathered from
       forward to backward, so they are gathered once (``psi_kept``, see paro_fsdp/api.py).
-  each micro-step, grads    G=N none | G=I intra RS(Psi') | G=G global RS(Psi')     accumulate_grads
+  each micro-step, grads    G=N none | G=I intra RS(Psi') | G=G global RS(Psi')     reduce_grads
   boundary, grads -> OS     N->N global AR | N->I intra RS + inter AR(/m) |          finalize_grads
                             N->G global RS | I->N inter AR(/m) + intra AG |
                             I->I inter AR(/m) | I->G inter RS(/m) |

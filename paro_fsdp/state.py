@@ -6,7 +6,8 @@ Flow of one micro-step:
   block post-forward swap the DTensor parameters back, free the whole tensors (P = I or G)
   block pre-backward re-gather, prefetch the block that runs backward next
   block post-backward reduce the bucket of gradients to the G level, free the whole tensors
-  end of backward    free what is still gathered (frozen blocks), mark the step's gradients
+  block inputs' grads free the block's frozen groups (they get no post-backward of their own)
+  end of backward    finish gradient reductions, free anything still gathered
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 
 from .comm import MeshComm
-from .hooks import Unshard, register_pre_backward
+from .hooks import Unshard, register_post_backward, register_pre_backward
 from .mesh import MeshInfo
 from .param_group import ParoParamGroup
 
@@ -28,7 +29,6 @@ class ParoBlock:
     def __init__(self, name: str, module: nn.Module, groups: list[ParoParamGroup], model_state: "ParoState") -> None:
         self.name, self.module, self.groups, self.model_state = name, module, groups, model_state
         self.is_root = False
-        self._swapped = False
 
     def gather(self, prefetch_next: bool = True, backward: bool = False) -> None:
         for g in self.groups:
@@ -52,7 +52,8 @@ class ParoBlock:
             for ref, full in zip(g.refs, fulls):
                 for owner, attr in ref.owners:
                     owner._parameters[attr] = full
-        self._swapped = True
+        if grad_enabled and any(not g.trainable for g in self.groups):
+            args, kwargs = register_post_backward(self, args, kwargs)
         return args, kwargs
 
     def post_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any):
@@ -62,7 +63,6 @@ class ParoBlock:
                     owner._parameters[attr] = param
             if (g.reshard_after_forward and not self.is_root) or not torch.is_grad_enabled():
                 g.reshard()
-        self._swapped = False
         if torch.is_grad_enabled():
             output = register_pre_backward(self, output)
         return output
@@ -71,6 +71,11 @@ class ParoBlock:
         if self.is_root:
             self.model_state.begin_backward()
         self.gather(backward=True)
+
+    def post_backward_frozen(self) -> None:
+        for g in self.groups:
+            if not g.trainable:
+                g.reshard()
 
     def post_backward(self, group_index: int, grads: list[torch.Tensor | None]) -> None:
         g = self.groups[group_index]

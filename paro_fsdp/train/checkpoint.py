@@ -1,0 +1,144 @@
+"""Checkpoints with torch.distributed.checkpoint (DCP): atomic saves, pruning, resume.
+
+What is saved (one DCP checkpoint per step folder ``step-<N>``):
+  optimizer     ``ParoOptimizer.state_dict()``: the fp32 master weights (these *are* the model
+                weights: P is recomputed from them on load) and the Adam states, as DTensors
+                keyed by parameter name, plus the param groups;
+  lr_scheduler  the scheduler's step counter;
+  dataloader    the global sample position;
+  train_state   the step and the RNG states.
+Why it reshards: every tensor is a DTensor whose placements describe the saving run's strategy
+and mesh; DCP stores each shard with its global offsets and, on load, reads the pieces each
+rank of the *loading* run needs for its own placements. So a checkpoint of IIG on 4 ranks
+loads under GGG on 2 ranks, and back.
+
+Why atomic: DCP writes into ``step-<N>.tmp`` and rank 0 renames it to ``step-<N>`` only after
+every rank finished writing, so a crash mid-save leaves a ``.tmp`` folder that is never loaded
+(and is removed at the next start), never a checkpoint that loads wrongly.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.optim.lr_scheduler import LambdaLR
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class SchedulerState:
+    """The lr scheduler as a DCP Stateful: only its step counter, the curve comes from the config."""
+
+    def __init__(self, scheduler: LambdaLR) -> None:
+        self.scheduler = scheduler
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_epoch": int(self.scheduler.last_epoch)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        s = self.scheduler
+        s.last_epoch = int(state["last_epoch"])
+        s._step_count = s.last_epoch + 1  # noqa: SLF001 - keeps LambdaLR's "step() before optimizer" check quiet
+        lrs = [base * fn(s.last_epoch) for base, fn in zip(s.base_lrs, s.lr_lambdas)]
+        for group, lr in zip(s.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        s._last_lr = lrs  # noqa: SLF001
+
+
+class TrainState:
+    """Step counter and RNG states (identical on every rank: the trainer seeds them alike)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.step = 0
+        self.device = device
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"step": self.step, "rng_cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            state["rng_cuda"] = torch.cuda.get_rng_state(self.device)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        torch.set_rng_state(state["rng_cpu"].cpu())
+        if "rng_cuda" in state and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["rng_cuda"].cpu(), self.device)
+
+
+def list_checkpoints(folder: str) -> dict[int, str]:
+    """Complete checkpoints in ``folder``: step -> path (a ``.tmp`` folder is never complete)."""
+    out = {}
+    if os.path.isdir(folder):
+        for name in os.listdir(folder):
+            m = _STEP_DIR.match(name)
+            path = os.path.join(folder, name)
+            if m and os.path.isfile(os.path.join(path, ".metadata")):
+                out[int(m.group(1))] = path
+    return dict(sorted(out.items()))
+
+
+class CheckpointManager:
+    """Saves every ``interval`` steps (and after the last step), prunes to ``keep_latest_k``,
+    and resumes from the latest complete checkpoint."""
+
+    def __init__(self, folder: str, interval: int, keep_latest_k: int, enabled: bool, states: dict[str, Any]) -> None:
+        self.folder, self.interval, self.keep_latest_k, self.enabled = folder, interval, keep_latest_k, enabled
+        self.states = states
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        if self.enabled and self.rank == 0:
+            os.makedirs(self.folder, exist_ok=True)
+            for name in os.listdir(self.folder):  # leftovers of a save that crashed
+                if name.endswith(".tmp"):
+                    shutil.rmtree(os.path.join(self.folder, name), ignore_errors=True)
+        self._barrier()
+
+    def _barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def load(self, step: int = -1) -> Optional[int]:
+        """Load the checkpoint of ``step`` (-1: the latest); return its step, or None if there
+        is none to resume from."""
+        if not self.enabled:
+            return None
+        found = list_checkpoints(self.folder)
+        if step == -1:
+            if not found:
+                return None
+            step = max(found)
+        elif step not in found:
+            raise FileNotFoundError(
+                f"checkpoint.load_step = {step}: no complete checkpoint of that step in {self.folder}; "
+                f"valid: -1 or one of {sorted(found)}"
+            )
+        dcp.load(self.states, checkpoint_id=found[step])
+        return step
+
+    def should_save(self, step: int, last_step: int) -> bool:
+        return self.enabled and (step % self.interval == 0 or step == last_step)
+
+    def save(self, step: int) -> str:
+        """Write ``step-<step>`` atomically, then prune. Every rank must call it."""
+        final = os.path.join(self.folder, f"step-{step}")
+        tmp = final + ".tmp"
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        self._barrier()
+        dcp.save(self.states, checkpoint_id=tmp)
+        self._barrier()  # every rank's shards are on disk; rank 0 already wrote .metadata
+        if self.rank == 0:
+            if os.path.exists(final):
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            if self.keep_latest_k > 0:
+                steps = sorted(list_checkpoints(self.folder))
+                for old in steps[: -self.keep_latest_k]:
+                    shutil.rmtree(os.path.join(self.folder, f"step-{old}"), ignore_errors=True)
+        self._barrier()
+        return final

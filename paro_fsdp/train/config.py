@@ -1,0 +1,585 @@
+"""The trainer's configuration: one dataclass per TOML section, torchtitan v0.2 names.
+
+Sources, later ones winning: the dataclass defaults, the TOML file (``--job.config_file``),
+then CLI overrides in torchtitan's form ``--section.key value`` (``--section.key=value``;
+booleans also as a bare ``--section.flag`` or ``--section.flag false``; lists as ``a,b,c``;
+the ``paro_policy`` table as ``pattern=STRATEGY,pattern=STRATEGY``).
+
+Why so strict: a typo in a long-running job's config (``--training.step 1000``) must stop it
+at start-up, not hours later, so every unknown section or key, every wrong type and every
+impossible combination raises :class:`ConfigError` with one line that names the key and the
+valid choices. ``train.py`` prints that line and exits with status 2.
+
+This module does not import torch, so parsing and ``--print-config`` stay fast.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, get_args, get_origin
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+FLAVOR_NAMES = ("debug", "llama7b", "llama13b", "llama65b")  # paro_fsdp.models.llama.FLAVORS
+MODEL_NAMES = ("llama",)
+
+
+class ConfigError(ValueError):
+    """A configuration problem, described in one line that names the key and valid choices."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Sections. Field docstrings (the string after each field) are what --help prints.
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Job:
+    config_file: Optional[str] = None
+    """TOML file the config was read from"""
+    dump_folder: str = "./outputs"
+    """Folder for everything a run writes: TensorBoard logs, traces, checkpoints, metrics.jsonl"""
+    description: str = "default job"
+    """Free text, printed at start-up"""
+
+
+@dataclass
+class Model:
+    name: str = "llama"
+    """Model family; one of: llama"""
+    flavor: str = "debug"
+    """Model size: debug, llama7b, llama13b, llama65b"""
+    tokenizer: str = "byte"
+    """"byte" (UTF-8 bytes + BOS/EOS, 258 ids) or the path of a HuggingFace tokenizer.json"""
+    vocab_size: int = -1
+    """Embedding rows; -1: the flavor's, widened to the tokenizer's vocabulary if that is larger"""
+
+
+@dataclass
+class Optimizer:
+    name: Literal["AdamW", "Adam"] = "AdamW"
+    """Optimizer run on the fp32 master shards"""
+    lr: float = 8e-4
+    """Peak learning rate"""
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    implementation: Literal["for-loop", "foreach", "fused"] = "foreach"
+    """torch.optim implementation"""
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 200
+    """Linear warmup steps"""
+    decay_ratio: Optional[float] = None
+    """Fraction of steps spent decaying at the end (warmup-stable-decay); unset: decay right after warmup"""
+    decay_type: Literal["linear", "sqrt", "cosine", "constant"] = "linear"
+    """Shape of the decay; constant keeps the peak lr after warmup"""
+    min_lr_factor: float = 0.0
+    """The decay ends at lr * min_lr_factor"""
+
+
+@dataclass
+class Training:
+    dataset: Literal["embedded", "text", "jsonl"] = "embedded"
+    """embedded: the shipped corpus; text: .txt/.md/.rst files; jsonl: JSON lines with a "text" field"""
+    dataset_path: Optional[str] = None
+    """File or folder for dataset = text / jsonl"""
+    local_batch_size: int = 8
+    """Sequences per rank per micro-step"""
+    global_batch_size: int = -1
+    """Sequences per optimizer step over all ranks; -1: local_batch_size x ranks (no accumulation)"""
+    seq_len: int = 2048
+    """Tokens per sequence (windows of seq_len + 1 tokens are packed from the stream)"""
+    max_norm: float = 1.0
+    """Gradient clipping on the global norm; <= 0 disables clipping (the norm is still logged)"""
+    steps: int = 10000
+    """Optimizer steps to train"""
+    seed: int = 42
+    """Seed of model init and data order (the same on every rank)"""
+    deterministic: bool = False
+    """torch.use_deterministic_algorithms(True)"""
+    mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
+    """Dtype of parameters P (all-gathers, compute); the optimizer's master copy is fp32"""
+    mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of gradients G (reduce-scatters, accumulation)"""
+
+
+@dataclass
+class Parallelism:
+    paro_strategy: str = "IIG"
+    """PaRO strategy: three letters of N/I/G for P, G, OS (IIG, NIG, GGG = ZeRO-3, NNN = DDP, ...)"""
+    paro_group_size: int = -1
+    """Ranks per group (m); -1: ranks per node (LOCAL_WORLD_SIZE)"""
+    paro_policy: dict[str, str] = field(default_factory=dict)
+    """Per-tensor strategies: fnmatch pattern over parameter names = strategy; the first match wins"""
+    paro_reshard_after_forward: bool = True
+    """Free gathered block parameters after forward (re-gather in backward)"""
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: Literal["none", "full"] = "none"
+    """full: recompute each transformer block's forward in backward (torch.utils.checkpoint)"""
+
+
+@dataclass
+class Compile:
+    enable: bool = False
+    """torch.compile the model (not supported yet)"""
+    backend: str = "inductor"
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 10
+    """Log one line (and TensorBoard scalars) every log_freq steps"""
+    enable_tensorboard: bool = False
+    save_tb_folder: str = "tb"
+    """TensorBoard folder, under job.dump_folder"""
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = False
+    save_traces_folder: str = "profile_traces"
+    """torch.profiler traces (tensorboard_trace_handler), under job.dump_folder"""
+    profile_freq: int = 10
+    """Trace one step every profile_freq steps"""
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = False
+    folder: str = "checkpoint"
+    """Checkpoint folder, under job.dump_folder"""
+    interval: int = 500
+    """Save every interval steps (and after the last step)"""
+    keep_latest_k: int = 10
+    """Keep the newest k checkpoints; 0 keeps all"""
+    load_step: int = -1
+    """Resume from this step's checkpoint; -1: the latest complete one (if any)"""
+
+
+@dataclass
+class Comm:
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """auto: nccl when CUDA is available, else gloo (CPU)"""
+    init_timeout_seconds: int = 300
+    """Collective timeout during start-up and the first step"""
+    train_timeout_seconds: int = 100
+    """Collective timeout after the first step"""
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    metrics: Metrics = field(default_factory=Metrics)
+    profiling: Profiling = field(default_factory=Profiling)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    comm: Comm = field(default_factory=Comm)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def to_toml(self) -> str:
+        return to_toml(self)
+
+
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(JobConfig)}  # type: ignore[misc]
+
+
+# ---------------------------------------------------------------------------------------------
+# Types
+# ---------------------------------------------------------------------------------------------
+def _hints(section: str) -> dict[str, Any]:
+    return typing.get_type_hints(SECTIONS[section])
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(json.dumps(a) for a in get_args(tp))
+    if origin is typing.Union:
+        inner = [a for a in get_args(tp) if a is not type(None)]
+        return _type_name(inner[0]) + " (or unset)"
+    if origin is list:
+        return f"a list of {_type_name(get_args(tp)[0])}"
+    if origin is dict:
+        return "a table of pattern = strategy strings"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
+
+
+def _check(key: str, value: Any, tp: Any) -> Any:
+    """Return ``value`` converted to ``tp`` or raise ConfigError naming ``key``."""
+    origin = get_origin(tp)
+    bad = ConfigError(f"{key} = {_show(value)} has the wrong type; valid: {_type_name(tp)}")
+    if origin is typing.Union:
+        if value is None:
+            return None
+        inner = [a for a in get_args(tp) if a is not type(None)][0]
+        return _check(key, value, inner)
+    if origin is Literal:
+        if value not in get_args(tp):
+            raise ConfigError(f"{key} = {_show(value)} is not a valid choice; valid: {_type_name(tp)}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise bad
+        return [_check(f"{key}[{i}]", v, get_args(tp)[0]) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise bad
+        return {str(k): _check(f"{key}.{k}", v, str) for k, v in value.items()}
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise bad
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise bad
+        return value
+    raise TypeError(f"unsupported config type {tp} for {key}")  # a bug in this module
+
+
+def _show(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, (str, bool, int, float, type(None), list, dict)) else repr(value)
+
+
+_TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
+
+
+def _from_cli(key: str, text: str, tp: Any) -> Any:
+    """Turn a CLI string into a value of ``tp`` (then checked by :func:`_check`)."""
+    origin = get_origin(tp)
+    if origin is typing.Union:
+        if text.lower() in ("none", "null", ""):
+            return None
+        return _from_cli(key, text, [a for a in get_args(tp) if a is not type(None)][0])
+    if tp is bool:
+        low = text.lower()
+        if low in _TRUE:
+            return True
+        if low in _FALSE:
+            return False
+        raise ConfigError(f"--{key} {text!r} is not a boolean; valid: true or false")
+    if tp is int:
+        try:
+            return int(text)
+        except ValueError:
+            raise ConfigError(f"--{key} {text!r} has the wrong type; valid: an integer") from None
+    if tp is float:
+        try:
+            return float(text)
+        except ValueError:
+            raise ConfigError(f"--{key} {text!r} has the wrong type; valid: a number") from None
+    if origin is list:
+        return [_from_cli(key, part.strip(), get_args(tp)[0]) for part in text.split(",") if part.strip()]
+    if origin is dict:
+        out = {}
+        for item in filter(None, (p.strip() for p in text.split(","))):
+            if "=" not in item:
+                raise ConfigError(f"--{key} item {item!r} is not pattern=STRATEGY; valid: e.g. 'output.*=NIG,default=IIG'")
+            k, v = item.split("=", 1)
+            out[k.strip()] = v.strip()
+        return out
+    return text  # str and Literal
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+def _set(cfg: JobConfig, section: str, key: str, value: Any, source: str) -> None:
+    if section not in SECTIONS:
+        raise ConfigError(f"unknown section [{section}] in {source}; valid sections: {', '.join(SECTIONS)}")
+    hints = _hints(section)
+    if key not in hints:
+        raise ConfigError(f"unknown key {section}.{key} in {source}; valid keys of [{section}]: {', '.join(hints)}")
+    setattr(getattr(cfg, section), key, _check(f"{section}.{key}", value, hints[key]))
+
+
+def load_toml(cfg: JobConfig, path: str) -> None:
+    """Apply a TOML file to ``cfg`` (every section and key checked)."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"job.config_file = {path!r} does not exist; valid: the path of a TOML file, e.g. train_configs/debug_paro.toml") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"job.config_file = {path!r} is not valid TOML: {exc}") from None
+    for section, table in data.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"unknown section [{section}] in {path}; valid sections: {', '.join(SECTIONS)}")
+        if not isinstance(table, dict):
+            raise ConfigError(f"{section} in {path} must be a [section] table; valid sections: {', '.join(SECTIONS)}")
+        for key, value in table.items():
+            _set(cfg, section, key, value, path)
+    cfg.job.config_file = path
+
+
+@dataclass
+class CliArgs:
+    """What ``train.py`` was asked to do besides training."""
+
+    print_config: bool = False
+    estimate: bool = False
+    world: Optional[int] = None
+    help: bool = False
+
+
+def parse_args(argv: list[str], world_size: Optional[int] = None, local_world_size: Optional[int] = None) -> tuple[JobConfig, CliArgs]:
+    """Build the config from defaults, ``--job.config_file`` and CLI overrides, then validate it
+    for ``world_size`` ranks (default: $WORLD_SIZE, or 1)."""
+    cli = CliArgs()
+    overrides: list[tuple[str, str, Optional[str]]] = []  # (section, key, text or None for a bare flag)
+    config_file = None
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        if arg in ("-h", "--help"):
+            cli.help = True
+            continue
+        if arg == "--print-config":
+            cli.print_config = True
+            continue
+        if arg == "--estimate":
+            cli.estimate = True
+            continue
+        if arg.startswith("--world"):
+            text = arg.split("=", 1)[1] if "=" in arg else (argv[i] if i < len(argv) else "")
+            i += 0 if "=" in arg else 1
+            try:
+                cli.world = int(text)
+            except ValueError:
+                raise ConfigError(f"--world {text!r} must be an integer (the number of ranks to estimate for)") from None
+            continue
+        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
+            raise ConfigError(
+                f"unexpected argument {arg!r}; valid: --section.key value (sections: {', '.join(SECTIONS)}), "
+                "--print-config, --estimate [--world N], --help"
+            )
+        name, eq, text = arg[2:].partition("=")
+        section, _, key = name.partition(".")
+        if section not in SECTIONS:
+            raise ConfigError(f"unknown option --{name}: no section [{section}]; valid sections: {', '.join(SECTIONS)}")
+        hints = _hints(section)
+        if key not in hints:
+            raise ConfigError(f"unknown option --{name}; valid keys of [{section}]: {', '.join(hints)}")
+        if not eq:
+            tp = hints[key]
+            nxt = argv[i] if i < len(argv) else None
+            if tp is bool:
+                if nxt is not None and not nxt.startswith("--"):
+                    text, i = nxt, i + 1
+                else:
+                    text = "true"
+            else:
+                if nxt is None or (nxt.startswith("--") and len(nxt) > 2):
+                    raise ConfigError(f"--{name} needs a value; valid: {_type_name(tp)}")
+                text, i = nxt, i + 1
+        if name == "job.config_file":
+            config_file = text
+        else:
+            overrides.append((section, key, text))
+
+    cfg = JobConfig()
+    if config_file is not None:
+        load_toml(cfg, config_file)
+    for section, key, text in overrides:
+        tp = _hints(section)[key]
+        _set(cfg, section, key, _from_cli(f"{section}.{key}", text, tp), "the command line")
+    if world_size is None:  # unknown before torchrun: the trainer validates again once it knows
+        if cli.estimate and cli.world:
+            world_size = cli.world
+        elif "WORLD_SIZE" in os.environ:
+            world_size = int(os.environ["WORLD_SIZE"])
+    if local_world_size is None and world_size is not None:
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if not cli.estimate else min(8, world_size)
+    validate(cfg, world_size, local_world_size, for_training=not (cli.estimate or cli.print_config))
+    return cfg, cli
+
+
+# ---------------------------------------------------------------------------------------------
+# Combinations
+# ---------------------------------------------------------------------------------------------
+def _is_strategy(text: str) -> bool:
+    return isinstance(text, str) and len(text.strip()) == 3 and all(c in "NIG" for c in text.strip().upper())
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def group_size(cfg: JobConfig, world_size: int, local_world_size: Optional[int] = None) -> int:
+    """The resolved paro group size (-1 -> ranks per node)."""
+    m = cfg.parallelism.paro_group_size
+    if m == -1:
+        m = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        m = m if world_size % m == 0 else world_size
+    return m
+
+
+def grad_accum_steps(cfg: JobConfig, world_size: int) -> int:
+    t = cfg.training
+    gbs = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * world_size
+    return gbs // (t.local_batch_size * world_size)
+
+
+def validate(cfg: JobConfig, world_size: Optional[int], local_world_size: Optional[int] = None, for_training: bool = True) -> None:
+    """Raise ConfigError for values that are well-typed but impossible (for ``world_size`` ranks).
+    ``world_size=None`` skips the checks that need it; ``for_training=False`` (``--estimate``,
+    ``--print-config``) skips what only matters when the model really runs."""
+
+    def positive(key: str, value: float, allow_zero: bool = False) -> None:
+        if value < 0 or (value == 0 and not allow_zero):
+            raise ConfigError(f"{key} = {_show(value)} must be {'>= 0' if allow_zero else '> 0'}")
+
+    m, t, p = cfg.model, cfg.training, cfg.parallelism
+    if m.name not in MODEL_NAMES:
+        raise ConfigError(f"model.name = {_show(m.name)} is not a known model; valid: {', '.join(MODEL_NAMES)}")
+    if m.flavor not in FLAVOR_NAMES:
+        raise ConfigError(f"model.flavor = {_show(m.flavor)} is not a known flavor; valid: {', '.join(FLAVOR_NAMES)}")
+    if m.vocab_size != -1 and m.vocab_size < 1:
+        raise ConfigError(f"model.vocab_size = {m.vocab_size} is invalid; valid: -1 (from flavor and tokenizer) or a positive integer")
+    for key in ("local_batch_size", "seq_len", "steps"):
+        positive(f"training.{key}", getattr(t, key))
+    positive("optimizer.lr", cfg.optimizer.lr)
+    positive("optimizer.eps", cfg.optimizer.eps)
+    positive("optimizer.weight_decay", cfg.optimizer.weight_decay, allow_zero=True)
+    positive("lr_scheduler.warmup_steps", cfg.lr_scheduler.warmup_steps, allow_zero=True)
+    if not 0.0 <= cfg.lr_scheduler.min_lr_factor <= 1.0:
+        raise ConfigError(f"lr_scheduler.min_lr_factor = {cfg.lr_scheduler.min_lr_factor} is out of range; valid: a number in [0, 1]")
+    if cfg.lr_scheduler.decay_ratio is not None and not 0.0 <= cfg.lr_scheduler.decay_ratio <= 1.0:
+        raise ConfigError(f"lr_scheduler.decay_ratio = {cfg.lr_scheduler.decay_ratio} is out of range; valid: unset or a number in [0, 1]")
+    if t.dataset in ("text", "jsonl") and not t.dataset_path:
+        raise ConfigError(f"training.dataset_path is required when training.dataset = {_show(t.dataset)}; valid: a file or folder path")
+    if t.dataset_path and not os.path.exists(t.dataset_path):
+        raise ConfigError(f"training.dataset_path = {_show(t.dataset_path)} does not exist; valid: an existing file or folder")
+    per_step = t.local_batch_size * (world_size or 1)
+    if world_size is not None and t.global_batch_size != -1 and (t.global_batch_size < per_step or t.global_batch_size % per_step):
+        examples = ", ".join(str(per_step * k) for k in (1, 2, 4))
+        raise ConfigError(
+            f"training.global_batch_size = {t.global_batch_size} is not a multiple of training.local_batch_size "
+            f"({t.local_batch_size}) x data-parallel ranks ({world_size}) = {per_step}; valid: -1 or a multiple of {per_step} (e.g. {examples})"
+        )
+    if not _is_strategy(p.paro_strategy):
+        raise ConfigError(
+            f"parallelism.paro_strategy = {_show(p.paro_strategy)} is not a PaRO strategy; valid: three letters of N, I, G "
+            "for the P, G, OS levels, e.g. IIG, NIG, IGG, ING, GGG (ZeRO-3), NNG (ZeRO-1), NNN (DDP)"
+        )
+    for pattern, strategy in p.paro_policy.items():
+        if not _is_strategy(strategy):
+            raise ConfigError(
+                f"parallelism.paro_policy.{pattern} = {_show(strategy)} is not a PaRO strategy; valid: three letters of N, I, G, e.g. IIG"
+            )
+    if p.paro_group_size != -1 and p.paro_group_size < 1:
+        raise ConfigError(f"parallelism.paro_group_size = {p.paro_group_size} is invalid; valid: -1 (ranks per node) or a positive divisor of the world size")
+    if p.paro_group_size != -1 and world_size is not None:
+        if world_size % p.paro_group_size:
+            raise ConfigError(
+                f"parallelism.paro_group_size = {p.paro_group_size} does not divide the world size {world_size}; "
+                f"valid: -1 (ranks per node) or one of {_divisors(world_size)}"
+            )
+    if cfg.compile.enable:
+        raise ConfigError("compile.enable = true is not supported yet (the compile issue will add it); valid: false")
+    sharded_p = [s for s in (p.paro_strategy, *p.paro_policy.values()) if s.strip().upper()[0] != "N"]
+    if cfg.activation_checkpoint.mode == "full" and p.paro_reshard_after_forward and sharded_p and for_training:
+        raise ConfigError(
+            f"activation_checkpoint.mode = \"full\" with strategy {sharded_p[0]} (sharded P) needs "
+            "parallelism.paro_reshard_after_forward = false: the engine frees the parameters it re-gathers for the "
+            "recomputed forward before backward uses them; valid: mode \"none\", or paro_reshard_after_forward = false, "
+            "or a strategy with P = N"
+        )
+    positive("metrics.log_freq", cfg.metrics.log_freq)
+    positive("profiling.profile_freq", cfg.profiling.profile_freq)
+    positive("checkpoint.interval", cfg.checkpoint.interval)
+    positive("checkpoint.keep_latest_k", cfg.checkpoint.keep_latest_k, allow_zero=True)
+    if cfg.checkpoint.load_step < -1:
+        raise ConfigError(f"checkpoint.load_step = {cfg.checkpoint.load_step} is invalid; valid: -1 (latest) or a saved step")
+    positive("comm.init_timeout_seconds", cfg.comm.init_timeout_seconds)
+    positive("comm.train_timeout_seconds", cfg.comm.train_timeout_seconds)
+
+
+# ---------------------------------------------------------------------------------------------
+# Printing
+# ---------------------------------------------------------------------------------------------
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(type(v))
+
+
+def to_toml(cfg: JobConfig) -> str:
+    """The merged config as TOML that :func:`load_toml` reads back to the same values."""
+    lines: list[str] = []
+    for section, values in cfg.to_dict().items():
+        lines.append(f"[{section}]")
+        tables = []
+        for key, v in values.items():
+            if v is None:
+                lines.append(f"# {key} = (unset)")
+            elif isinstance(v, dict):
+                tables.append((key, v))
+            else:
+                lines.append(f"{key} = {_toml_value(v)}")
+        for key, table in tables:
+            lines.append(f"[{section}.{key}]")
+            lines.extend(f"{json.dumps(k)} = {_toml_value(val)}" for k, val in table.items())
+        lines.append("")
+    return "\n".join(lines)
+
+
+def help_text() -> str:
+    """Every key with its type, default and description (``train.py --help``)."""
+    import ast
+    import inspect
+
+    out = [
+        "usage: torchrun --nproc-per-node N train.py --job.config_file FILE.toml [--section.key value ...]",
+        "       python train.py --job.config_file FILE.toml --print-config | --estimate --world N",
+        "",
+    ]
+    defaults = JobConfig()
+    for section, cls in SECTIONS.items():
+        docs: dict[str, str] = {}
+        try:
+            body = ast.parse(inspect.getsource(cls)).body[0].body  # type: ignore[attr-defined]
+            for a, b in zip(body, body[1:]):
+                if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
+                    docs[a.target.id] = str(b.value.value)  # type: ignore[union-attr]
+        except (OSError, TypeError):
+            pass
+        out.append(f"[{section}]")
+        for key, tp in _hints(section).items():
+            default = getattr(getattr(defaults, section), key)
+            out.append(f"  --{section}.{key} ({_type_name(tp)}; default {_show(default)})  {docs.get(key, '')}".rstrip())
+    return "\n".join(out)

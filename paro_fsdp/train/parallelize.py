@@ -1,0 +1,103 @@
+"""Build the model for a config: Llama args, activation checkpointing, then PaRO sharding.
+
+Activation checkpointing and the engine. torchtitan wraps each block's *forward* in
+``torch.utils.checkpoint`` and puts FSDP's hooks outside it. With this engine that order fails
+in backward: the recomputed forward reads the module's parameters, which after the block's
+post-forward hook are the sharded DTensors again ("aten.mul.Tensor got mixed torch.Tensor and
+DTensor"). So here the checkpoint wraps the block's whole ``__call__``, hooks included: the
+recomputation re-runs the engine's pre-forward hook, which hands the block its whole parameters
+again. That is exact (tested against no checkpointing) with two limits of the current engine:
+  * the recomputation's post-forward hook frees the re-gathered parameters before backward
+    uses them when blocks reshard after forward ("setStorage: ... out of bounds for storage of
+    size 0"), so ``mode = "full"`` needs ``paro_reshard_after_forward = false`` whenever a
+    strategy shards P (config.validate rejects the other combinations);
+  * the recomputation's pre-forward hook prefetches the next block in *forward* order, which
+    in backward has already finished: up to one wasted all-gather per block and micro-step.
+Early stopping of the recomputation is turned off so that the post-forward hook always runs
+and the module gets its sharded parameters back.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+from paro_fsdp import MixedPrecision, paro_shard
+from paro_fsdp.models.llama import Llama, LlamaArgs, flavor
+
+from .config import JobConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def model_args(cfg: JobConfig, tokenizer_vocab: int) -> LlamaArgs:
+    """The flavor's shapes, with the vocabulary widened to the tokenizer's and RoPE tables long
+    enough for ``seq_len``."""
+    base = flavor(cfg.model.flavor)
+    vocab = cfg.model.vocab_size if cfg.model.vocab_size != -1 else max(base.vocab_size, tokenizer_vocab)
+    if vocab < tokenizer_vocab:
+        raise ValueError(
+            f"model.vocab_size = {vocab} is smaller than the tokenizer's vocabulary ({tokenizer_vocab}); "
+            f"valid: -1 or at least {tokenizer_vocab}"
+        )
+    return flavor(cfg.model.flavor, vocab_size=vocab, max_seq_len=max(base.max_seq_len, cfg.training.seq_len))
+
+
+def paro_policy(cfg: JobConfig) -> Any:
+    """``paro_strategy`` alone, or the ``paro_policy`` table with ``paro_strategy`` as default."""
+    p = cfg.parallelism
+    if not p.paro_policy:
+        return p.paro_strategy
+    table = dict(p.paro_policy)
+    table.setdefault("default", p.paro_strategy)
+    return table
+
+
+class _CheckpointedCall:
+    """Mixed into a block's class: run the whole module call (engine hooks included) under
+    non-reentrant activation checkpointing."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with set_checkpoint_early_stop(False):
+            return checkpoint(nn.Module.__call__, self, *args, use_reentrant=False, **kwargs)
+
+
+def apply_activation_checkpointing(model: Llama) -> None:
+    for block in model.layers:
+        cls = block.__class__
+        block.__class__ = type(f"Checkpointed{cls.__name__}", (_CheckpointedCall, cls), {})
+
+
+def build_model(cfg: JobConfig, args: LlamaArgs, device: torch.device) -> Llama:
+    """The unsharded model, initialised from ``training.seed`` (identically on every rank, as
+    ``paro_shard`` requires)."""
+    torch.manual_seed(cfg.training.seed)
+    with torch.device(device):
+        model = Llama(args)
+    return model
+
+
+def parallelize(model: Llama, cfg: JobConfig, mesh: Any) -> nn.Module:
+    """Activation checkpointing (if asked), then ``paro_shard`` with the config's policy."""
+    if cfg.activation_checkpoint.mode == "full":
+        apply_activation_checkpointing(model)
+    t = cfg.training
+    mp = MixedPrecision(param_dtype=DTYPES[t.mixed_precision_param], reduce_dtype=DTYPES[t.mixed_precision_reduce])
+    return paro_shard(model, mesh, paro_policy(cfg), mp=mp,
+                      reshard_after_forward=cfg.parallelism.paro_reshard_after_forward)
+
+
+def check_policy(cfg: JobConfig, args: LlamaArgs) -> Optional[str]:
+    """Resolve the policy against the model's parameter names (on the meta device, so before
+    any memory is spent); return the engine's error message, or None."""
+    from paro_fsdp.strategy import resolve_policy
+
+    with torch.device("meta"):
+        names = list(Llama(args).named_parameters())
+    try:
+        resolve_policy(paro_policy(cfg), names)
+    except (ValueError, TypeError) as exc:
+        return f"parallelism.paro_policy: {exc}"
+    return None

@@ -1,0 +1,84 @@
+"""Tokenizers for the trainer: a byte-level default, and HuggingFace ``tokenizer.json`` files.
+
+The byte-level tokenizer needs no vocabulary file, so the default run works offline on any
+machine; its 256 byte ids plus BOS/EOS fit the ``debug`` flavor after the trainer widens the
+embedding to ``vocab_size`` (258). A ``tokenizer.json`` (the file HuggingFace ships next to a
+model) is loaded with the ``tokenizers`` package when it is installed.
+"""
+from __future__ import annotations
+
+import os
+from typing import Protocol
+
+import numpy as np
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    bos_id: int | None
+    eos_id: int | None
+
+    def encode(self, text: str) -> np.ndarray: ...
+
+    def decode(self, ids) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255, then BOS = 256 and EOS = 257.
+
+    Why bytes: no vocabulary to download or train, every string round-trips exactly, and the
+    vocabulary is small enough for the CPU-sized ``debug`` model.
+    """
+
+    name = "byte"
+
+    def __init__(self) -> None:
+        self.bos_id = 256
+        self.eos_id = 257
+        self.vocab_size = 258
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+
+    def decode(self, ids) -> str:
+        data = bytes(int(i) for i in ids if 0 <= int(i) < 256)
+        return data.decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A HuggingFace ``tokenizer.json``, through the ``tokenizers`` package."""
+
+    def __init__(self, path: str) -> None:
+        try:
+            from tokenizers import Tokenizer as _HFTokenizer
+        except ImportError as exc:  # pragma: no cover - depends on the environment
+            raise RuntimeError(
+                f"model.tokenizer = {path!r} needs the 'tokenizers' package (pip install tokenizers); "
+                "or use model.tokenizer = \"byte\""
+            ) from exc
+        self.name = path
+        self._tok = _HFTokenizer.from_file(path)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        self.bos_id = next((vocab[t] for t in ("<s>", "<|begin_of_text|>", "<bos>", "[CLS]") if t in vocab), None)
+        self.eos_id = next((vocab[t] for t in ("</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>", "[SEP]") if t in vocab), None)
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids])
+
+
+def build_tokenizer(spec: str) -> Tokenizer:
+    """``"byte"`` -> :class:`ByteTokenizer`; a path to a ``tokenizer.json`` (or a folder that
+    holds one) -> :class:`HFTokenizer`."""
+    if spec == "byte":
+        return ByteTokenizer()
+    path = os.path.join(spec, "tokenizer.json") if os.path.isdir(spec) else spec
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"model.tokenizer = {spec!r}: no such tokenizer.json; use \"byte\" or the path of a "
+            "HuggingFace tokenizer.json (or the folder holding it)"
+        )
+    return HFTokenizer(path)

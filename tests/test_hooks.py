@@ -1,0 +1,49 @@
+"""When the engine gathers and frees, checked on a fake 8-rank process group in this process
+(the fake group runs no data movement, so only the control flow is under test)."""
+import pytest
+import torch
+
+from paro_fsdp import paro_shard
+from paro_fsdp.param_group import ParoParamGroup, ShardState
+from tools.estimate import fake_mesh, release_fake_world
+from workloads import batch, make_model
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    yield fake_mesh(8, 4)
+    release_fake_world()
+
+
+def test_frozen_block_is_freed_right_after_its_backward(mesh, monkeypatch):
+    model = make_model()
+    for p in model.layers[1].parameters():
+        p.requires_grad_(False)
+    model = paro_shard(model, mesh, "ING")
+    blocks = {b.name: b for b in model._paro_state.blocks}
+    events = []
+    original = ParoParamGroup.reduce_grads
+
+    def spy(self, grads):
+        # when block 0's gradients arrive, the frozen block 1 (run backward before it) must be free
+        events.append((self.name, blocks["layers.1"].groups[0].state))
+        return original(self, grads)
+
+    monkeypatch.setattr(ParoParamGroup, "reduce_grads", spy)
+    model(batch(0, 0, 0)).loss.backward()
+    states = dict(events)
+    assert states["layers.0:ING"] == ShardState.SHARDED
+    assert all(g.state == ShardState.SHARDED for b in blocks.values() for g in b.groups)
+
+
+def test_blocks_are_freed_after_forward_and_root_is_kept(mesh):
+    model = paro_shard(make_model(), mesh, "IIG")
+    with torch.no_grad():
+        model(batch(0, 0, 0))
+    assert all(g.state == ShardState.SHARDED for g in model._paro_state.groups)
+    out = model(batch(0, 0, 0))
+    root, *layers = model._paro_state.blocks
+    assert all(g.state == ShardState.UNSHARDED for g in root.groups)
+    assert all(g.state == ShardState.SHARDED for b in layers for g in b.groups)
+    out.loss.backward()
+    assert all(g.state == ShardState.SHARDED for g in model._paro_state.groups)
