@@ -33,7 +33,17 @@ def init_paro_mesh(group_size: int, backend: str | None = None) -> DeviceMesh:
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
-    return init_device_mesh(device_type, (world // group_size, group_size), mesh_dim_names=MESH_DIMS)
+    # one mesh per shape and default group: every new mesh creates process groups (threads,
+    # sockets), so a second call (another model, a test case) reuses the first one's
+    # (the cache holds the default group itself, so a re-initialised world never matches it)
+    cached = _MESHES.get((world, group_size))
+    if cached is None or cached[0] is not dist.group.WORLD:
+        mesh = init_device_mesh(device_type, (world // group_size, group_size), mesh_dim_names=MESH_DIMS)
+        cached = _MESHES[(world, group_size)] = (dist.group.WORLD, mesh)
+    return cached[1]
+
+
+_MESHES: dict[tuple[int, int], tuple[object, DeviceMesh]] = {}
 
 
 @dataclass

@@ -9,6 +9,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from .layout import placements
+from .param_group import drive
 from .strategy import Level
 
 
@@ -46,8 +47,8 @@ class ParoOptimizer:
                 "ParoOptimizer: no gradients since the last step; call loss.backward() on the "
                 "sharded model's output before clip_grad_norm_() / step()"
             )
-        for g in self.groups:
-            g.finalize_grads()
+        self.state.finish_grad_reductions()
+        drive([g.finalize_grads() for g in self.groups])
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -55,24 +56,20 @@ class ParoOptimizer:
         self._finalize()
         info = self.state.info
         norm_type = float(norm_type)
-        local = torch.zeros((), dtype=torch.float32, device=self.groups[0].device)
+        owned = []
         for g in self.groups:
             # count each element once: an OS shard replicated r times is counted on one replica
-            owner = {Level.G: True, Level.I: info.k == 0, Level.N: info.k == 0 and info.l == 0}[g.strategy.os]
-            if not owner:
-                continue
-            for master in g.master:
-                if math.isinf(norm_type):
-                    local = torch.maximum(local, master.grad.abs().max() if master.numel() else local)
-                else:
-                    local += master.grad.pow(norm_type).sum()
+            if {Level.G: True, Level.I: info.k == 0, Level.N: info.k == 0 and info.l == 0}[g.strategy.os]:
+                owned += [m.grad for m in g.master if m.numel()]
+        local = torch.zeros((), dtype=torch.float32, device=self.groups[0].device)
+        if owned:
+            norms = torch.stack(torch._foreach_norm(owned, norm_type))
+            local = norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
         op = "max" if math.isinf(norm_type) else "sum"
         total = self.state.comm.all_reduce(local, "global", op).wait()
         total = total if math.isinf(norm_type) else total.pow(1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in self.groups:
-            for master in g.master:
-                master.grad.mul_(coef)
+        torch._foreach_mul_([m.grad for g in self.groups for m in g.master], coef)
         return total
 
     def step(self) -> None:
@@ -80,8 +77,7 @@ class ParoOptimizer:
         self.inner.step()
         for g in self.state.groups:
             g.reshard()  # a gathered copy (root in eval, prefetch) would now be stale
-        for g in self.groups:
-            g.push_params()
+        drive([g.push_params() for g in self.groups])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for g in self.state.groups:
@@ -144,5 +140,4 @@ class ParoOptimizer:
                     pg[k] = v
         for g in self.state.groups:
             g.reshard()
-        for g in self.groups:
-            g.push_params()
+        drive([g.push_params() for g in self.groups])

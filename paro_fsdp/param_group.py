@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Generator
 
 import torch
 import torch.nn as nn
@@ -22,6 +23,29 @@ from .layout import FlatLayout, TensorLayout, placements, tensor_layout
 from .mesh import MeshInfo
 from .mixed_precision import MixedPrecision
 from .strategy import Level, Strategy
+
+
+Steps = Generator[Pending, torch.Tensor, None]  # yields issued collectives, receives their results
+
+
+def drive(sequences: list[Steps]) -> None:
+    """Run several groups' collective sequences side by side: every group's next collective is
+    issued before any is waited on. Every rank runs the same groups in the same order, so the
+    collectives on each process group match across ranks."""
+    active = []
+    for seq in sequences:
+        try:
+            active.append((seq, next(seq)))
+        except StopIteration:
+            pass
+    while active:
+        nxt = []
+        for seq, pending in active:
+            try:
+                nxt.append((seq, seq.send(pending.wait())))
+            except StopIteration:
+                pass
+        active = nxt
 
 
 @dataclass
@@ -178,47 +202,52 @@ class ParoParamGroup:
         self.grad_acc.add_(shard)
 
     # ---- the accumulation boundary ---------------------------------------------------------
-    def finalize_grads(self) -> None:
+    # Both boundary moves are generators that yield each collective they issue and receive its
+    # result: ``drive`` runs every group's sequence side by side, so that the groups' boundary
+    # collectives are all in flight together instead of one group after another.
+    def finalize_grads(self) -> Steps:
         """Reduce the accumulated gradient over all ranks at the OS level and hand it to the
-        fp32 master parameters as the mean over data-parallel ranks."""
+        fp32 master parameters as the mean over data-parallel ranks (spec step 3)."""
         if self.grads_ready or not self.trainable:
             return
         layout, G, OS, dt = self.t_layout, self.strategy.g, self.strategy.os, self.mp.grad_dtype
         acc = self.grad_acc if self.grad_acc is not None else layout.new(G, dt, self.device)
         if G == Level.G:
             reduced, level = acc, Level.G
-        else:
-            part = self.comm.reduce_scatter(acc, "intra").wait() if G == Level.N else acc  # I, partial over inter
+        else:  # to I, still partial over inter
+            part = (yield self.comm.reduce_scatter(acc, "intra")) if G == Level.N else acc
             if OS == Level.G:
                 buf = layout.i_to_inter(part, torch.empty(self.info.g * layout.sum_g, dtype=dt, device=self.device))
-                reduced, level = self.comm.reduce_scatter(buf, "inter").wait(), Level.G
+                reduced, level = (yield self.comm.reduce_scatter(buf, "inter")), Level.G
             else:
-                reduced, level = self.comm.all_reduce(part, "inter").wait(), Level.I
-        reduced = self._move_up(layout, reduced, level, OS)
+                reduced, level = (yield self.comm.all_reduce(part, "inter")), Level.I
+        reduced = yield from self._move_up(layout, reduced, level, OS)
         scale = 1.0 / self.info.n
-        for master, t in zip(self.master, layout.tensors):
-            if OS == Level.N:
+        if OS == Level.N:
+            for master, t in zip(self.master, layout.tensors):
                 tmp = torch.empty(self.info.m * t.size_i, dtype=dt, device=self.device)
                 layout.copy_out(reduced, t, tmp)
-                src = tmp[: master.numel()].view(master.shape)
-            else:
-                src = layout.local_view(reduced, t, OS)
-            master.grad = src.to(torch.float32) * scale
+                master.grad = tmp[: master.numel()].view(master.shape).to(torch.float32) * scale
+        else:
+            grads = reduced.to(torch.float32) * scale  # one fp32 buffer per group; grads are views
+            for master, t in zip(self.master, layout.tensors):
+                master.grad = layout.local_view(grads, t, OS)
         self.grads_ready = True
 
-    def _move_up(self, layout: FlatLayout, flat: torch.Tensor, level: Level, target: Level) -> torch.Tensor:
+    def _move_up(self, layout: FlatLayout, flat: torch.Tensor, level: Level, target: Level) -> Steps:
         """All-gather a flat buffer from ``level`` to the coarser ``target`` (G -> I -> N)."""
         if level == Level.G and target != Level.G:
-            gathered = self.comm.all_gather(flat, "inter").wait()
+            gathered = yield self.comm.all_gather(flat, "inter")
             flat = layout.inter_to_i(gathered, torch.empty(layout.sum_i, dtype=flat.dtype, device=self.device))
             level = Level.I
         if level == Level.I and target == Level.N:
-            flat = self.comm.all_gather(flat, "intra").wait()
+            flat = yield self.comm.all_gather(flat, "intra")
         return flat
 
     @torch.no_grad()
-    def push_params(self) -> None:
-        """After the optimizer step: bring the updated master to the P level in param dtype."""
+    def push_params(self) -> Steps:
+        """After the optimizer step: bring the updated master to the P level in param dtype
+        (spec step 5)."""
         if not self.trainable:
             return
         layout, P, OS, dt = self.t_layout, self.strategy.p, self.strategy.os, self.mp.param_dtype
@@ -233,9 +262,9 @@ class ParoParamGroup:
         elif P == Level.G:  # OS = I: a slice
             layout.i_to_g(flat, self.p_flat)
         elif P == Level.I:  # OS = G: inter all-gather
-            layout.inter_to_i(self.comm.all_gather(flat, "inter").wait(), self.p_flat)
+            layout.inter_to_i((yield self.comm.all_gather(flat, "inter")), self.p_flat)
         else:  # P = N from OS = I or G
-            full = self._move_up(layout, flat, OS, Level.N)
+            full = yield from self._move_up(layout, flat, OS, Level.N)
             for local, t in zip(self.p_locals[:n_t], layout.tensors):
                 tmp = torch.empty(self.info.m * t.size_i, dtype=dt, device=self.device)
                 layout.copy_out(full, t, tmp)

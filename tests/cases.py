@@ -57,7 +57,7 @@ def profile_cases(cases: list[tuple[str, int, int]]) -> dict[tuple, dict[str, An
                 for s in e.input_shapes[0]:
                     numel *= s
                 # all_reduce records no group size: only the scalar grad-norm one (global) is expected
-                k = e.concrete_inputs[1] if name != "all_reduce" else (g * m if numel == 1 else 0)
+                k = {"all_gather_into_tensor": e.concrete_inputs[1], "reduce_scatter_tensor": e.concrete_inputs[2]}.get(name, g * m if numel == 1 else 0)
                 if k == 0:
                     seen["all_reduce/unknown"] = seen.get("all_reduce/unknown", 0.0) + 1
                     continue
