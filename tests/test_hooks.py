@@ -47,3 +47,30 @@ def test_blocks_are_freed_after_forward_and_root_is_kept(mesh):
     assert all(g.state == ShardState.SHARDED for b in layers for g in b.groups)
     out.loss.backward()
     assert all(g.state == ShardState.SHARDED for g in model._paro_state.groups)
+
+
+def test_next_block_is_prefetched_in_forward_and_backward(mesh, monkeypatch):
+    model = paro_shard(make_model(), mesh, "GGG")
+    log = []
+    issue, finish = ParoParamGroup.issue_unshard, ParoParamGroup.unshard
+
+    def spy_issue(self):
+        if self.state == ShardState.SHARDED:
+            log.append(("issue", self.name.split(":")[0]))
+        return issue(self)
+
+    def spy_finish(self):
+        was_sharded = self.state != ShardState.UNSHARDED
+        finish(self)
+        if was_sharded:
+            log.append(("use", self.name.split(":")[0]))
+
+    monkeypatch.setattr(ParoParamGroup, "issue_unshard", spy_issue)
+    monkeypatch.setattr(ParoParamGroup, "unshard", spy_finish)
+    model(batch(0, 0, 0)).loss.backward()
+    # forward: block i+1's all-gather is issued before block i computes; backward mirrors it
+    assert log == [
+        ("issue", "<root>"), ("use", "<root>"), ("issue", "layers.0"),
+        ("use", "layers.0"), ("issue", "layers.1"), ("use", "layers.1"),
+        ("issue", "layers.1"), ("use", "layers.1"), ("issue", "layers.0"), ("use", "layers.0"),
+    ]
