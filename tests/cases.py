@@ -110,6 +110,35 @@ def error_cases(_: Any) -> dict[str, str]:
     return msgs
 
 
+def dcp_case(payload: tuple[str, str, str]) -> dict[str, Any]:
+    """Train under one strategy, save the optimizer with torch.distributed.checkpoint, load it
+    into a fresh model under another strategy; return both sides' whole tensors."""
+    import torch.distributed.checkpoint as dcp
+
+    from paro_fsdp import ParoOptimizer, init_paro_mesh, paro_shard
+    from workloads import LR, make_model
+
+    src, dst, folder = payload
+    model, opt, _ = train_paro(src, 2, 1)
+    # frozen weights are model state (P level); trainable ones come back from the fp32 master
+    dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=folder)
+    saved = opt.state_dict()
+    fresh = paro_shard(make_model(seed=1), init_paro_mesh(2), dst)
+    opt2 = ParoOptimizer(fresh, torch.optim.AdamW, lr=LR, weight_decay=0.1)
+    sd = {"model": fresh.state_dict(), "optim": opt2.state_dict()}
+    dcp.load(sd, checkpoint_id=folder)
+    opt2.load_state_dict(sd["optim"])
+    loaded = opt2.state_dict()
+    whole = lambda d: {k: v.full_tensor() for k, v in d.items()}  # noqa: E731
+    return {
+        "params": (full_params(model), full_params(fresh)),
+        "master": (whole(saved["master"]), whole(loaded["master"])),
+        "exp_avg_sq": ({k: v["exp_avg_sq"].full_tensor() for k, v in saved["state"].items()},
+                       {k: v["exp_avg_sq"].full_tensor() for k, v in loaded["state"].items()}),
+        "step": (saved["state"]["output.weight"]["step"], loaded["state"]["output.weight"]["step"]),
+    }
+
+
 def suite(payload: dict[str, Any]) -> dict[str, Any]:
     """Run several kinds of cases in one world: {"train": [...], "profile": [...], "bf16": [...], "errors": True}."""
     out: dict[str, Any] = {}
@@ -119,6 +148,8 @@ def suite(payload: dict[str, Any]) -> dict[str, Any]:
         out["profile"] = profile_cases(payload["profile"])
     if "bf16" in payload:
         out["bf16"] = {s: bf16_case(s) for s in payload["bf16"]}
+    if "dcp" in payload:
+        out["dcp"] = dcp_case(payload["dcp"])
     if payload.get("errors"):
         out["errors"] = error_cases(None)
     return out

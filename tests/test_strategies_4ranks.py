@@ -18,8 +18,9 @@ BF16 = ["IIG", "GGG", "NNN"]
 
 
 @pytest.fixture(scope="module")
-def world_results():
-    return run_world(WORLD, "cases:suite", {"train": CASES, "bf16": BF16, "errors": True})
+def world_results(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("dcp"))
+    return run_world(WORLD, "cases:suite", {"train": CASES, "bf16": BF16, "errors": True, "dcp": ("IIG", "NGI", folder)})
 
 
 @pytest.fixture(scope="module")
@@ -128,3 +129,14 @@ def test_bad_input_errors_name_the_fix(world_results):
     assert "three letters from N, I, G" in msgs["letters"]
     assert "match no parameter" in msgs["pattern"] and "weigth" in msgs["pattern"]
     assert "call loss.backward()" in msgs["no_backward"]
+
+
+def test_optimizer_state_round_trips_through_dcp_across_strategies(world_results):
+    """Saved under IIG, loaded under NGI: master, Adam states, step and the P-level params agree."""
+    got = world_results[0]["dcp"]
+    for key in ("params", "master", "exp_avg_sq"):
+        before, after = got[key]
+        assert before.keys() == after.keys() and before
+        for name in before:
+            torch.testing.assert_close(after[name], before[name], rtol=0, atol=0, msg=f"{key} {name}")
+    assert float(got["step"][0]) == float(got["step"][1]) == 3.0
