@@ -22,7 +22,11 @@ test: install
 test-all: install
 	$(PY) -m pytest -q tests
 
+# The trainer resumes from the latest checkpoint in its dump folder; `make train` starts the debug
+# run afresh unless RESUME=1.
+RESUME ?= 0
 train: install
+	@if [ "$(RESUME)" != 1 ] && [ "$(CONFIG)" = train_configs/debug_paro.toml ]; then rm -rf outputs/debug_paro; fi
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) train.py --job.config_file $(CONFIG)
 
 estimate: install

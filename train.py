@@ -1,0 +1,307 @@
+"""Train a Llama with PaRO data parallelism: the torchtitan-style trainer of paro-fsdp.
+
+    torchrun --standalone --nproc-per-node 4 train.py --job.config_file train_configs/debug_paro.toml
+    torchrun ... train.py --job.config_file FILE.toml --training.steps 50 --parallelism.paro_strategy NIG
+    python train.py --job.config_file FILE.toml --print-config      # the merged config, as TOML
+    python train.py --job.config_file train_configs/llama7b_paro.toml --estimate --world 32
+    python train.py --help                                         # every key
+
+The same code runs on CPU + gloo and on CUDA + NCCL: the device follows ``[comm] backend``
+(auto: NCCL when GPUs are visible). Read top to bottom, as torchtitan's trainer: config ->
+distributed -> tokenizer and data -> model -> PaRO sharding -> optimizer and lr schedule ->
+checkpoint (resume) -> metrics -> the training loop.
+"""
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from paro_fsdp import ParoOptimizer, init_paro_mesh
+from paro_fsdp.train.checkpoint import CheckpointManager, SchedulerState, TrainState
+from paro_fsdp.train.config import ConfigError, JobConfig, grad_accum_steps, group_size, help_text, parse_args, validate
+from paro_fsdp.train.data import build_dataloader, describe
+from paro_fsdp.train.lr import build_lr_scheduler
+from paro_fsdp.train.metrics import CommMeter, MetricsLogger, StepTimer, build_profiler
+from paro_fsdp.train.parallelize import build_model, check_policy, model_args, parallelize
+from paro_fsdp.train.tokenizer import build_tokenizer
+
+REPO = Path(__file__).resolve().parent
+
+
+def _log(msg: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"[paro] {msg}", flush=True)
+
+
+class Trainer:
+    """One training job. ``Trainer(cfg).train()`` runs it; the attributes (model, optimizer,
+    data loader, checkpointer) stay available afterwards, which the tests use."""
+
+    def __init__(self, cfg: JobConfig) -> None:
+        self.cfg = cfg
+        t = cfg.training
+
+        # ---- distributed: process group, device, mesh ---------------------------------------
+        self.owns_process_group = not dist.is_initialized()
+        self.device = self._init_distributed()
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        validate(cfg, self.world_size)  # the real world size, whatever the environment said
+        self.group_size = group_size(cfg, self.world_size)
+        self.grad_accum = grad_accum_steps(cfg, self.world_size)
+        self.mesh = init_paro_mesh(self.group_size)
+        if t.deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
+            torch.backends.cudnn.benchmark = False
+
+        # ---- tokenizer and data --------------------------------------------------------------
+        try:
+            self.tokenizer = build_tokenizer(cfg.model.tokenizer)
+        except (FileNotFoundError, RuntimeError) as exc:
+            raise ConfigError(str(exc)) from None
+        self.data = build_dataloader(t.dataset, t.dataset_path, self.tokenizer, t.seq_len, t.local_batch_size,
+                                     dp_rank=self.rank, dp_world=self.world_size, grad_accum=self.grad_accum, seed=t.seed)
+        global_batch = t.local_batch_size * self.world_size * self.grad_accum
+        self.tokens_per_step = global_batch * t.seq_len
+
+        # ---- model, sharded with PaRO --------------------------------------------------------
+        try:
+            self.model_args = model_args(cfg, self.tokenizer.vocab_size)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        problem = check_policy(cfg, self.model_args)
+        if problem:
+            raise ConfigError(problem)
+        model = build_model(cfg, self.model_args, self.device)
+        self.model = parallelize(model, cfg, self.mesh)
+
+        # ---- optimizer on the fp32 master shards, lr schedule ----------------------------------
+        o = cfg.optimizer
+        optim_cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[o.name]
+        impl = {"for-loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}[o.implementation]
+        self.optimizer = ParoOptimizer(self.model, optim_cls, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                       weight_decay=o.weight_decay, **impl)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer.inner, cfg.lr_scheduler, t.steps)
+
+        # ---- checkpoint: resume from the latest complete one -----------------------------------
+        self.state = TrainState(self.device)
+        c = cfg.checkpoint
+        self.checkpointer = CheckpointManager(
+            os.path.join(cfg.job.dump_folder, c.folder), c.interval, c.keep_latest_k, c.enable,
+            states={"optimizer": self.optimizer, "lr_scheduler": SchedulerState(self.lr_scheduler),
+                    "dataloader": self.data, "train_state": self.state},
+        )
+        self.resumed_from = self.checkpointer.load(c.load_step)
+
+        # ---- metrics, profiler ---------------------------------------------------------------
+        if cfg.metrics.enable_tensorboard and importlib.util.find_spec("tensorboard") is None:
+            raise ConfigError("metrics.enable_tensorboard = true needs the tensorboard package (pip install tensorboard, "
+                              "or this project's [train] extra); valid: false, or install it")
+        run_name = time.strftime("%Y%m%d-%H%M%S")
+        self.metrics = MetricsLogger(cfg, self.rank, self.device, t.steps, self.tokens_per_step, self.world_size, run_name)
+        self.comm = CommMeter(self.model.comm_stats())
+        self.losses: dict[int, float] = {}
+        self._print_header(global_batch)
+
+    def _init_distributed(self) -> torch.device:
+        backend = self.cfg.comm.backend
+        if dist.is_initialized():
+            backend = dist.get_backend()
+        else:
+            if backend == "auto":
+                backend = "nccl" if torch.cuda.is_available() else "gloo"
+            if backend == "nccl" and not torch.cuda.is_available():
+                raise ConfigError("comm.backend = \"nccl\" needs CUDA GPUs and none is visible; valid: auto, gloo")
+            if "RANK" not in os.environ:  # plain `python train.py`: a world of one
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", 0))
+                    port = s.getsockname()[1]
+                os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            timeout = datetime.timedelta(seconds=self.cfg.comm.init_timeout_seconds)
+            if backend == "nccl":  # one GPU per local rank, named so NCCL need not guess
+                device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+                torch.cuda.set_device(device)
+                dist.init_process_group(backend, timeout=timeout, device_id=device)
+            else:
+                dist.init_process_group(backend, timeout=timeout)
+        if backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _print_header(self, global_batch: int) -> None:
+        cfg, a = self.cfg, self.model_args
+        n_params = sum(p.numel() for p in self.model.parameters())
+        strategies = sorted({str(s) for s in self.model.paro_strategies().values()})
+        _log(f"{cfg.job.description} | world {self.world_size} = {self.world_size // self.group_size} groups x "
+             f"{self.group_size} | strategy {', '.join(strategies)} | {dist.get_backend()} on {self.device.type}")
+        _log(f"model {cfg.model.name}/{cfg.model.flavor}: {n_params / 1e6:,.2f}M params, vocab {a.vocab_size}, "
+             f"seq {cfg.training.seq_len} | params {cfg.training.mixed_precision_param}, grads "
+             f"{cfg.training.mixed_precision_reduce}, master fp32 | activation checkpoint {cfg.activation_checkpoint.mode}")
+        _log(f"batch {cfg.training.local_batch_size} per rank x {self.world_size} ranks x {self.grad_accum} accumulation = "
+             f"{global_batch} sequences = {self.tokens_per_step:,} tokens per step")
+        _log(f"data: {describe(self.data, cfg.training.dataset, cfg.training.dataset_path)}")
+        if self.resumed_from is not None:
+            _log(f"resumed from {self.checkpointer.folder}/step-{self.resumed_from}")
+        elif cfg.checkpoint.enable:
+            _log(f"no checkpoint in {self.checkpointer.folder}: starting from step 0")
+
+    # ---- the training loop --------------------------------------------------------------------
+    def train_step(self) -> tuple[float, float]:
+        """One optimizer step: ``grad_accum`` micro-steps, clip, step. Returns (loss averaged
+        over ranks and micro-steps, global grad norm before clipping)."""
+        total = torch.zeros((), device=self.device)
+        for _ in range(self.grad_accum):
+            batch = next(self.data).to(self.device, non_blocking=True)
+            loss = self.model(batch).loss / self.grad_accum
+            loss.backward()
+            total += loss.detach().float()
+        max_norm = self.cfg.training.max_norm if self.cfg.training.max_norm > 0 else float("inf")
+        grad_norm = self.optimizer.clip_grad_norm_(max_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        dist.all_reduce(total)
+        return (total / self.world_size).item(), float(grad_norm)
+
+    def train(self) -> dict[int, float]:
+        """Train until ``training.steps``; return the loss of every step run here."""
+        cfg, steps = self.cfg, self.cfg.training.steps
+        if self.state.step >= steps:
+            _log(f"checkpoint step {self.state.step} already reaches training.steps = {steps}: nothing to train "
+                 f"(raise --training.steps, or remove {os.path.abspath(self.checkpointer.folder)} to start over)")
+            return self.losses
+        timer = StepTimer(self.device)
+        t_start = time.perf_counter()
+        with build_profiler(cfg, self.rank, self.device, self.state.step) as profiler:
+            while self.state.step < steps:
+                self.state.step += 1
+                step = self.state.step
+                timer.start()
+                lr = self.optimizer.param_groups[0]["lr"]
+                loss, grad_norm = self.train_step()
+                self.lr_scheduler.step()
+                step_time = timer.stop()
+                self.losses[step] = loss
+                self.metrics.log(step, loss, grad_norm, lr, step_time, self.comm.delta(),
+                                 self.model.memory_report(self.optimizer))
+                if step == (self.resumed_from or 0) + 1:
+                    self._set_train_timeout()
+                if self.checkpointer.should_save(step, steps):
+                    path = self.checkpointer.save(step)
+                    _log(f"saved checkpoint {path}")
+                profiler.step()
+        elapsed = time.perf_counter() - t_start
+        first, last = self.losses[min(self.losses)], self.losses[max(self.losses)]
+        _log(f"trained steps {min(self.losses)}..{steps} in {elapsed:.1f} s: loss {first:.4f} -> {last:.4f}")
+        self._print_where_to_look()
+        return self.losses
+
+    def _set_train_timeout(self) -> None:
+        """After the first step the (usually shorter) training timeout applies, as in torchtitan."""
+        timeout = datetime.timedelta(seconds=self.cfg.comm.train_timeout_seconds)
+        try:
+            from torch.distributed.distributed_c10d import _get_default_group, _set_pg_timeout
+
+            _set_pg_timeout(timeout, _get_default_group())
+        except (ImportError, AttributeError, RuntimeError):  # not every backend/torch supports it
+            pass
+
+    def _print_where_to_look(self) -> None:
+        if self.rank != 0:
+            return
+        dump = os.path.abspath(self.cfg.job.dump_folder)
+        tb_bin = Path(sys.executable).parent / "tensorboard"
+        tb = str(tb_bin) if tb_bin.exists() else "tensorboard"
+        if self.metrics.tb_dir:
+            _log(f"TensorBoard logs: {os.path.abspath(self.metrics.tb_dir)}")
+            _log(f"open them with:   {tb} --logdir {dump} --port 6006   then browse http://localhost:6006")
+        if self.cfg.profiling.enable_profiling:
+            traces = os.path.join(dump, self.cfg.profiling.save_traces_folder)
+            _log(f"profiler traces:  {traces} (open a rank*.pt.trace.json in Perfetto or chrome://tracing; "
+                 f"TensorBoard's torch-tb-profiler tab lists them but draws its charts only with internet access)")
+        _log(f"metrics per logged step: {os.path.join(dump, 'metrics.jsonl')}")
+
+    def close(self) -> None:
+        self.metrics.close()
+        if self.owns_process_group and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+# ---- --estimate: memory and communication without hardware --------------------------------------
+def run_estimate(cfg: JobConfig, world: Optional[int]) -> int:
+    """Per-rank model-state memory and per-step communication of ``cfg`` on ``world`` ranks,
+    measured by running one optimizer step through the engine on a fake process group
+    (tools/estimate.py), next to the spec's formulas, with ZeRO-3 (GGG) for comparison."""
+    if not world:
+        print("train.py: error: --estimate needs --world N (the number of ranks to estimate for)", file=sys.stderr)
+        return 2
+    from tools.estimate import estimate, format_table
+
+    t, p = cfg.training, cfg.parallelism
+    m = group_size(cfg, world, local_world_size=min(8, world))
+    accum = grad_accum_steps(cfg, world)
+    try:
+        args = model_args(cfg, build_tokenizer(cfg.model.tokenizer).vocab_size)
+    except (FileNotFoundError, RuntimeError, ValueError) as exc:
+        print(f"train.py: error: {exc}", file=sys.stderr)
+        return 2
+    dtype = {"bfloat16": "bf16", "float32": "fp32"}
+    strategies = [p.paro_strategy.upper()] + (["GGG"] if p.paro_strategy.upper() != "GGG" else [])
+    wall = time.perf_counter()
+    rows = estimate(args, world, m, strategies, grad_accum=accum, dtype=dtype[t.mixed_precision_param],
+                    reduce_dtype=dtype[t.mixed_precision_reduce], max_norm=t.max_norm if t.max_norm > 0 else 1.0)
+    r0 = rows[0]
+    print(f"{cfg.job.config_file or 'default config'}: {cfg.model.flavor}, {r0['psi'] / 1e9:.3f} B parameters, "
+          f"{world} ranks = {world // m} groups x {m}, {accum} micro-steps of {t.local_batch_size} x {t.seq_len} tokens "
+          f"per rank per step, P {t.mixed_precision_param}, G {t.mixed_precision_reduce}, OS fp32 {cfg.optimizer.name}")
+    print("per rank: model-state memory (P, G, OS) and bytes sent per optimizer step, measured through the engine "
+          "on a fake process group, beside the spec's formulas (activations not included)")
+    print(format_table(rows))
+    if p.paro_policy:
+        print(f"note: the per-tensor paro_policy {p.paro_policy} is not modelled; every tensor uses {p.paro_strategy}")
+    print(f"({time.perf_counter() - wall:.1f} s)")
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    is_rank0 = os.environ.get("RANK", "0") == "0"
+    had_process_group = dist.is_initialized()
+    trainer = None
+    try:
+        cfg, cli = parse_args(argv)
+        if cli.help:
+            print(help_text())
+            return 0
+        if cli.print_config:
+            if is_rank0:
+                print(cfg.to_toml(), end="")
+            return 0
+        if cli.estimate:
+            return run_estimate(cfg, cli.world) if is_rank0 else 0
+        trainer = Trainer(cfg)
+        trainer.train()
+    except ConfigError as exc:
+        if is_rank0:
+            print(f"train.py: error: {exc}", file=sys.stderr, flush=True)
+        if trainer is None and dist.is_initialized() and not had_process_group:
+            dist.destroy_process_group()
+        return 2
+    finally:
+        if trainer is not None:
+            trainer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
