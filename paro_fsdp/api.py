@@ -1,7 +1,7 @@
 """``paro_shard``: turn a model into a PaRO data-parallel model on a 2D mesh."""
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.nn as nn
@@ -50,6 +50,7 @@ def paro_shard(
     mp: Optional[MixedPrecision] = None,
     blocks: Optional[Iterable[nn.Module]] = None,
     reshard_after_forward: bool = True,
+    param_init_fn: Optional[Callable[[str, torch.Tensor], None]] = None,
 ) -> nn.Module:
     """Shard ``model`` in place with a PaRO ``policy`` and return it.
 
@@ -58,11 +59,18 @@ def paro_shard(
     the same initial values on every rank. The root's parameters stay gathered from forward to
     backward (as FSDP2 does for its root); blocks are freed after forward unless
     ``reshard_after_forward=False``.
+
+    A model on the meta device is materialised one tensor at a time: ``param_init_fn(name,
+    tensor)`` fills each whole fp32 tensor (identically on every rank), this rank keeps its
+    shards, and the whole tensor is dropped, so no rank ever holds the whole model.
     """
     if hasattr(model, "_paro_state"):
         raise ValueError("model is already sharded by paro_shard")
     mp = mp or MixedPrecision()
     info = MeshInfo.from_mesh(mesh)
+    if any(p.is_meta for p in model.parameters()) and param_init_fn is None:
+        raise ValueError("the model has parameters on the meta device: pass param_init_fn=(name, tensor) -> None "
+                         "to paro_shard so it can materialise them shard by shard")
     comm = MeshComm(info)
 
     owners: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
@@ -88,7 +96,7 @@ def paro_shard(
             if block_of.get(p, model) is module:
                 by_strategy.setdefault(strategies[fqn], []).append(ParamRef(fqn, p, owners[p]))
         groups = [
-            ParoParamGroup(f"{name}:{s}", s, refs, info, comm, mp, reshard_after_forward)
+            ParoParamGroup(f"{name}:{s}", s, refs, info, comm, mp, reshard_after_forward, param_init_fn)
             for s, refs in by_strategy.items()
         ]
         block = ParoBlock(name, module, groups, state)

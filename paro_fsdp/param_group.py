@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Generator
+from typing import Callable, Generator
 
 import torch
 import torch.nn as nn
@@ -73,12 +73,16 @@ class ParoParamGroup:
         comm: MeshComm,
         mp: MixedPrecision,
         reshard_after_forward: bool,
+        param_init_fn: Callable[[str, torch.Tensor], None] | None = None,
     ) -> None:
         self.name, self.strategy, self.info, self.comm, self.mp = name, strategy, info, comm, mp
         self.refs = sorted(refs, key=lambda r: not r.param.requires_grad)  # trainable first
         self.trainable = [r for r in self.refs if r.param.requires_grad]
         self.reshard_after_forward = reshard_after_forward and strategy.p != Level.N
         device = refs[0].param.device
+        if device.type == "meta":
+            device = torch.device(info.mesh.device_type, torch.cuda.current_device()) if info.mesh.device_type == "cuda" \
+                else torch.device(info.mesh.device_type)
         self.device = device
         layouts = [tensor_layout(r.fqn, r.param.shape, info) for r in self.refs]
         self.p_layout = FlatLayout(layouts, info)
@@ -87,6 +91,11 @@ class ParoParamGroup:
             assert self.t_layout.tensors[-1].off_i + self.t_layout.tensors[-1].size_i <= self.p_layout.sum_i
 
         originals = [r.param.detach() for r in self.refs]
+        if param_init_fn is not None:  # materialise meta tensors whole, one group at a time
+            for i, (r, o) in enumerate(zip(self.refs, originals)):
+                if o.is_meta:
+                    originals[i] = torch.empty(o.shape, dtype=torch.float32, device=device)
+                    param_init_fn(r.fqn, originals[i])
         P, OS = strategy.p, strategy.os
         with torch.no_grad():
             # P storage, and the DTensor parameters that view it

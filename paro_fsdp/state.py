@@ -39,30 +39,40 @@ class ParoBlock:
                 for g in nxt.groups:
                     g.issue_unshard()
 
+    @staticmethod
+    def _swap(group: ParoParamGroup, tensors: list[torch.Tensor]) -> None:
+        """Point every module attribute holding the group's parameters at ``tensors``."""
+        for ref, t in zip(group.refs, tensors):
+            for owner, attr in ref.owners:
+                owner._parameters[attr] = t
+
     def pre_forward(self, module: nn.Module, args: Any, kwargs: Any):
+        # Inside backward, activation checkpointing is recomputing the block (hooks included):
+        # run the same autograd Functions, so the recomputation saves what the forward saved,
+        # but neither record the order nor prefetch.
         state = self.model_state
-        if self.is_root:
-            state.begin_forward()
+        if _in_backward():
+            for g in self.groups:
+                g.unshard()
         else:
-            state.forward_order.append(self)
-        self.gather()
+            if self.is_root:
+                state.begin_forward()
+            else:
+                state.forward_order.append(self)
+            self.gather()
         grad_enabled = torch.is_grad_enabled()
         for i, g in enumerate(self.groups):
-            fulls = Unshard.apply(self, i, *g.sharded_params) if grad_enabled else g.full_params
-            for ref, full in zip(g.refs, fulls):
-                for owner, attr in ref.owners:
-                    owner._parameters[attr] = full
+            self._swap(g, Unshard.apply(self, i, *g.sharded_params) if grad_enabled else g.full_params)
         if grad_enabled and any(not g.trainable for g in self.groups):
             args, kwargs = register_post_backward(self, args, kwargs)
         return args, kwargs
 
     def post_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any):
-        for g in self.groups:
-            for ref, param in zip(g.refs, g.sharded_params):
-                for owner, attr in ref.owners:
-                    owner._parameters[attr] = param
-            if (g.reshard_after_forward and not self.is_root) or not torch.is_grad_enabled():
-                g.reshard()
+        if not _in_backward():  # a recomputation keeps the whole tensors until the block's backward ends
+            for g in self.groups:
+                self._swap(g, g.sharded_params)
+                if (g.reshard_after_forward and not self.is_root) or not torch.is_grad_enabled():
+                    g.reshard()
         if torch.is_grad_enabled():
             output = register_pre_backward(self, output)
         return output
@@ -72,10 +82,14 @@ class ParoBlock:
             self.model_state.begin_backward()
         self.gather(backward=True)
 
+    def release(self, group: ParoParamGroup) -> None:
+        self._swap(group, group.sharded_params)
+        group.reshard()
+
     def post_backward_frozen(self) -> None:
         for g in self.groups:
             if not g.trainable:
-                g.reshard()
+                self.release(g)
 
     def post_backward(self, group_index: int, grads: list[torch.Tensor | None]) -> None:
         g = self.groups[group_index]
@@ -83,7 +97,11 @@ class ParoBlock:
         if g.trainable:
             g.reduce_grads(grads[: len(g.trainable)])
             self.model_state.in_flight.append(g)
-        g.reshard()
+        self.release(g)
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
 
 
 class ParoState:
@@ -131,8 +149,9 @@ class ParoState:
     def end_backward(self) -> None:
         self._backward_queued = False
         self.finish_grad_reductions()
-        for g in self.groups:
-            g.reshard()
+        for b in self.blocks:
+            for g in b.groups:
+                b.release(g)
 
     def install_hooks(self) -> None:
         for b in self.blocks:

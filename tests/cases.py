@@ -11,13 +11,15 @@ from paro_fsdp import MixedPrecision
 from workloads import STEPS, full_params, train_paro
 
 
-def train_cases(cases: list[tuple[str, int, int]]) -> dict[tuple, dict[str, Any]]:
-    """(strategy, group_size, accum) -> losses, final full params, comm ledger, memory."""
+def train_cases(cases: list[tuple]) -> dict[tuple, dict[str, Any]]:
+    """(strategy, group_size, accum[, activation checkpointing]) -> losses, final full params,
+    comm ledger, memory."""
     out = {}
-    for strategy, group_size, accum in cases:
-        model, opt, losses = train_paro(strategy, group_size, accum)
+    for case in cases:
+        strategy, group_size, accum, ac = (*case, None)[:4]
+        model, opt, losses = train_paro(strategy, group_size, accum, ac=ac)
         stats = model.comm_stats()
-        out[(strategy, group_size, accum)] = {
+        out[case] = {
             "losses": losses,
             "params": full_params(model),
             "comm": {key: stats.bytes(*key.split("/")) / STEPS for key in stats.as_dict()},
@@ -139,6 +141,27 @@ def dcp_case(payload: tuple[str, str, str]) -> dict[str, Any]:
     }
 
 
+def meta_init_case(strategy: str) -> dict[str, Any]:
+    """A model built on the meta device and materialised shard by shard inside paro_shard equals
+    the same model initialised whole, then sharded."""
+    from functools import partial
+
+    from paro_fsdp import init_paro_mesh, paro_shard
+    from paro_fsdp.models.llama import Llama
+    from workloads import TINY
+
+    mesh = init_paro_mesh(2)
+    whole = Llama(TINY)
+    whole.init_weights(seed=7)
+    whole = paro_shard(whole, mesh, strategy)
+    with torch.device("meta"):
+        lazy = Llama(TINY)
+    lazy = paro_shard(lazy, mesh, strategy, param_init_fn=partial(lazy.init_param, seed=7))
+    lazy.init_buffers(torch.device("cpu"))
+    x = torch.randint(0, TINY.vocab_size, (2, 9))
+    return {"params": (full_params(whole), full_params(lazy)), "loss": (whole(x).loss.item(), lazy(x).loss.item())}
+
+
 def suite(payload: dict[str, Any]) -> dict[str, Any]:
     """Run several kinds of cases in one world: {"train": [...], "profile": [...], "bf16": [...], "errors": True}."""
     out: dict[str, Any] = {}
@@ -148,6 +171,8 @@ def suite(payload: dict[str, Any]) -> dict[str, Any]:
         out["profile"] = profile_cases(payload["profile"])
     if "bf16" in payload:
         out["bf16"] = {s: bf16_case(s) for s in payload["bf16"]}
+    if "meta" in payload:
+        out["meta"] = {s: meta_init_case(s) for s in payload["meta"]}
     if "dcp" in payload:
         out["dcp"] = dcp_case(payload["dcp"])
     if payload.get("errors"):

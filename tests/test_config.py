@@ -77,7 +77,6 @@ def test_print_config_round_trips(tmp_path):
          "global_batch_size = 12 is not a multiple of training.local_batch_size (2) x data-parallel ranks (4) = 8; valid: -1 or a multiple of 8"),
         (["--compile.enable"], "compile.enable = true is not supported yet"),
         (["--activation_checkpoint.mode", "selective"], 'valid: one of "none", "full"'),
-        (["--activation_checkpoint.mode", "full"], "needs parallelism.paro_reshard_after_forward = false"),
         (["--training.dataset", "jsonl"], "training.dataset_path is required when training.dataset = \"jsonl\""),
         (["--training.steps"], "--training.steps needs a value; valid: an integer"),
         (["stray"], "unexpected argument 'stray'"),

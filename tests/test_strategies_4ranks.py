@@ -15,12 +15,15 @@ CASES = [(s, 2, a) for s in ALL_STRATEGIES for a in (1, 3)]
 
 
 BF16 = ["IIG", "GGG", "NNN"]
+META = ["IIG", "GGG", "NNN"]
+AC = [(s, 2, 3, "outer") for s in ("IIG", "GGG", "NIG", "ING")]
 
 
 @pytest.fixture(scope="module")
 def world_results(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("dcp"))
-    return run_world(WORLD, "cases:suite", {"train": CASES, "bf16": BF16, "errors": True, "dcp": ("IIG", "NGI", folder)})
+    return run_world(WORLD, "cases:suite", {"train": CASES + AC, "bf16": BF16, "errors": True, "dcp": ("IIG", "NGI", folder),
+                                                "meta": META})
 
 
 @pytest.fixture(scope="module")
@@ -140,3 +143,19 @@ def test_optimizer_state_round_trips_through_dcp_across_strategies(world_results
         for name in before:
             torch.testing.assert_close(after[name], before[name], rtol=0, atol=0, msg=f"{key} {name}")
     assert float(got["step"][0]) == float(got["step"][1]) == 3.0
+
+
+@pytest.mark.parametrize("strategy,group,accum,where", AC, ids=[f"{s}-{w}" for s, _, _, w in AC])
+def test_activation_checkpointing_is_exact(results, refs, strategy, group, accum, where):
+    """Blocks recomputed in backward (the whole module call, engine hooks included) read the
+    gathered parameters, free nothing early, and give the reference's numbers."""
+    check_against_reference(results[0][(strategy, group, accum, where)], refs[accum])
+
+
+@pytest.mark.parametrize("strategy", META)
+def test_meta_device_model_is_materialised_shard_by_shard(world_results, strategy):
+    got = world_results[0]["meta"][strategy]
+    whole, lazy = got["params"]
+    for name in whole:
+        torch.testing.assert_close(lazy[name], whole[name], rtol=0, atol=0, msg=name)
+    assert got["loss"][0] == got["loss"][1]

@@ -48,9 +48,24 @@ def reference(world: int, accum: int) -> dict[str, Any]:
     return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def train_paro(strategy, group_size: int, accum: int, mp: MixedPrecision | None = None, steps: int = STEPS):
+def checkpoint_blocks(model: Llama) -> None:
+    """Activation checkpointing of every block's whole module call, engine hooks included (the
+    recomputation runs the hooks again inside backward)."""
+    from torch.utils.checkpoint import checkpoint
+
+    for block in model.layers:
+        call = block.__class__.__call__
+        block.__class__ = type("Checkpointed", (block.__class__,), {
+            "__call__": lambda self, *a, **k: checkpoint(call, self, *a, use_reentrant=False, **k)})
+
+
+def train_paro(strategy, group_size: int, accum: int, mp: MixedPrecision | None = None, steps: int = STEPS,
+               ac: str | None = None):
     mesh = init_paro_mesh(group_size)
-    model = paro_shard(make_model(), mesh, strategy, mp=mp)
+    model = make_model()
+    if ac:
+        checkpoint_blocks(model)
+    model = paro_shard(model, mesh, strategy, mp=mp)
     opt = ParoOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=0.1)
     rank, world = dist.get_rank(), dist.get_world_size()
     losses = []

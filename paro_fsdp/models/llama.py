@@ -5,6 +5,7 @@ Flavors follow LLaMA-1 shapes for 7B/13B/65B; ``debug`` is small enough for CPU 
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass, replace
 from typing import NamedTuple, Optional
 
@@ -138,16 +139,29 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: Optional[int] = None) -> None:
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
-        std = 0.02
         for name, p in self.named_parameters():
-            if p.dim() == 1:
-                p.fill_(1.0)
-            elif p.device.type == "meta" or not isinstance(p, torch.Tensor):
-                continue
-            else:
-                out_scale = 1.0 / math.sqrt(2 * self.args.n_layers) if name.endswith(("wo.weight", "w2.weight")) else 1.0
-                p.normal_(0.0, std * out_scale, generator=gen)
+            if p.device.type != "meta":
+                self.init_param(name, p, seed)
+
+    @torch.no_grad()
+    def init_param(self, name: str, tensor: torch.Tensor, seed: Optional[int] = None) -> None:
+        """Initialise one parameter. With a ``seed`` the values depend only on (seed, name), so a
+        model built on the meta device and materialised tensor by tensor inside ``paro_shard``
+        (``param_init_fn``) gets the same values on every rank, in any order."""
+        if tensor.dim() == 1:
+            tensor.fill_(1.0)
+            return
+        std = 0.02 / (math.sqrt(2 * self.args.n_layers) if name.endswith(("wo.weight", "w2.weight")) else 1.0)
+        if seed is None:
+            tensor.normal_(0.0, std)
+        else:
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            tensor.copy_(torch.empty(tensor.shape).normal_(0.0, std, generator=gen))
+
+    def init_buffers(self, device: torch.device) -> None:
+        """RoPE tables on ``device`` (for a model built on the meta device)."""
+        cos, sin = rope_tables(self.args.dim // self.args.n_heads, self.args.max_seq_len, self.args.rope_theta)
+        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
 
     def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None) -> ModelOutput:
         """``tokens`` [B, T]; without ``labels`` it is a [B, T+1] window predicting itself shifted."""

@@ -505,14 +505,6 @@ def validate(cfg: JobConfig, world_size: Optional[int], local_world_size: Option
             )
     if cfg.compile.enable:
         raise ConfigError("compile.enable = true is not supported yet (the compile issue will add it); valid: false")
-    sharded_p = [s for s in (p.paro_strategy, *p.paro_policy.values()) if s.strip().upper()[0] != "N"]
-    if cfg.activation_checkpoint.mode == "full" and p.paro_reshard_after_forward and sharded_p and for_training:
-        raise ConfigError(
-            f"activation_checkpoint.mode = \"full\" with strategy {sharded_p[0]} (sharded P) needs "
-            "parallelism.paro_reshard_after_forward = false: the engine frees the parameters it re-gathers for the "
-            "recomputed forward before backward uses them; valid: mode \"none\", or paro_reshard_after_forward = false, "
-            "or a strategy with P = N"
-        )
     positive("metrics.log_freq", cfg.metrics.log_freq)
     positive("profiling.profile_freq", cfg.profiling.profile_freq)
     positive("checkpoint.interval", cfg.checkpoint.interval)

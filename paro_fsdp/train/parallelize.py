@@ -1,20 +1,10 @@
 """Build the model for a config: Llama args, activation checkpointing, then PaRO sharding.
 
-Activation checkpointing and the engine. torchtitan wraps each block's *forward* in
-``torch.utils.checkpoint`` and puts FSDP's hooks outside it. With this engine that order fails
-in backward: the recomputed forward reads the module's parameters, which after the block's
-post-forward hook are the sharded DTensors again ("aten.mul.Tensor got mixed torch.Tensor and
-DTensor"). So here the checkpoint wraps the block's whole ``__call__``, hooks included: the
-recomputation re-runs the engine's pre-forward hook, which hands the block its whole parameters
-again. That is exact (tested against no checkpointing) with two limits of the current engine:
-  * the recomputation's post-forward hook frees the re-gathered parameters before backward
-    uses them when blocks reshard after forward ("setStorage: ... out of bounds for storage of
-    size 0"), so ``mode = "full"`` needs ``paro_reshard_after_forward = false`` whenever a
-    strategy shards P (config.validate rejects the other combinations);
-  * the recomputation's pre-forward hook prefetches the next block in *forward* order, which
-    in backward has already finished: up to one wasted all-gather per block and micro-step.
-Early stopping of the recomputation is turned off so that the post-forward hook always runs
-and the module gets its sharded parameters back.
+Activation checkpointing wraps each block's whole ``__call__``, engine hooks included: in
+backward the recomputation re-runs the engine's pre-forward hook, which sees it is inside backward
+and hands the block its gathered parameters again without prefetching or freeing anything; the
+block is freed after its own backward as usual. (torchtitan's order, hooks outside a checkpointed
+``forward``, is not supported: the recomputation saves different tensors than the forward did.)
 """
 from __future__ import annotations
 

@@ -1,0 +1,295 @@
+"""PaRO-CC: global collectives run as intra-group + inter-group collectives, chunked so the
+phases overlap (spec section 4).
+
+Why: a flat ring over all n ranks, laid out in rank order, crosses between groups on only one
+edge per group, and that edge carries (n-1)/n of the data (twice that for all-reduce). Rearranged
+hierarchically, the slow part moves 1/m of the data per rank in m rings (one per local index l)
+that run at once, so every link out of a group is busy and each group sends
+m * (g-1)/g * S/m = (g-1)/g * S between groups instead of (n-1)/n * S (all-gather, reduce-scatter;
+both doubled for all-reduce), with the remaining work on the fast links inside the group:
+
+    all-gather      = inter all-gather  -> intra all-gather
+    reduce-scatter  = intra reduce-scatter -> inter reduce-scatter
+    all-reduce      = intra reduce-scatter -> inter all-reduce -> intra all-gather
+
+Each tensor is cut into chunks. Every chunk's first phase is issued at once (it needs nothing
+else); ``wait()`` then walks the chunks, waiting for chunk c's phase and issuing its next phase
+on the *other* process group, so the intra phase of chunk c runs while the inter phase of chunk
+c+1 is still on the wire. The ``_c10d_functional`` ops are asynchronous until ``wait_tensor``,
+and the intra and inter groups are separate process groups with their own worker threads, so
+the two phases truly run side by side (on gloo, NCCL alike).
+
+Semantics ("order"):
+  "flat"    exactly the flat collective over mesh["inter", "intra"]._flatten(): rank
+            r = k * m + l owns block r. all_gather / reduce_scatter work on dim 0 like
+            all_gather_into_tensor / reduce_scatter_tensor, so results equal the flat ones
+            (bit for bit for all-gather; for sums up to the order of additions).
+  "nested"  the engine's layout (spec section 2, nesting rule): block l * g + k belongs to rank
+            (k, l), i.e. the global shard is sub-chunk k of intra chunk l. This is the natural
+            output of the hierarchy, so it saves the local transpose "flat" needs.
+all_reduce is elementwise, so it has no order. Sizes need not divide the chunk count (chunks
+are uneven) and all_reduce takes any numel (padded internally to a multiple of m per chunk).
+
+Every collective issued is recorded in an optional ``CommStats`` under "intra" / "inter", with
+the same ring formula as ``MeshComm``, so the engine's ledger stays truthful when it switches.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .comm import CommStats
+from .mesh import MeshInfo
+
+_ops = torch.ops._c10d_functional
+
+ORDERS = ("flat", "nested")
+#: reductions gloo and NCCL both run in reduce_scatter_tensor / all_reduce
+REDUCE_OPS = ("sum", "avg", "max", "min")
+
+DEFAULT_CHUNK_BYTES = 8 << 20
+DEFAULT_MAX_CHUNKS = 8
+
+
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    return _ops.wait_tensor(t)
+
+
+@dataclass
+class HierPending:
+    """An issued PaRO-CC collective. The first phase of every chunk is already in flight;
+    ``wait()`` drives the remaining phases (overlapping them across chunks) and returns the
+    result. Same contract as ``comm.Pending``: call ``wait()`` exactly where the result is needed
+    — every rank must call it in the same order relative to its other collectives, because the
+    later phases are *issued* inside ``wait()``."""
+
+    _finish: Callable[[], torch.Tensor] | None
+    _result: torch.Tensor | None = None
+    issued: bool = field(default=True)
+
+    def wait(self) -> torch.Tensor:
+        if self._finish is not None:
+            self._result = self._finish()
+            self._finish = None
+        return self._result  # type: ignore[return-value]
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The result (waits); mirrors ``Pending.tensor`` for code that reads it after wait."""
+        return self.wait()
+
+
+def _done(t: torch.Tensor) -> HierPending:
+    return HierPending(None, t, issued=False)
+
+
+def _bounds(total: int, chunks: int) -> list[tuple[int, int]]:
+    """Split range(total) into ``chunks`` nearly equal, non-empty, contiguous pieces."""
+    chunks = max(1, min(chunks, total)) if total else 1
+    base, extra = divmod(total, chunks)
+    out, start = [], 0
+    for c in range(chunks):
+        size = base + (1 if c < extra else 0)
+        out.append((start, start + size))
+        start += size
+    return out
+
+
+class ParoCC:
+    """Hierarchical collectives over the 2D ("inter", "intra") mesh described by ``info``.
+
+    ``chunk_bytes``: target bytes of the *whole* message per chunk (all-gather output,
+    reduce-scatter input, all-reduce tensor); ``max_chunks`` caps the count, since every chunk
+    adds a latency term per phase. ``chunks`` forces a count (benchmarks, tests).
+    """
+
+    def __init__(self, info: MeshInfo, chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_chunks: int = DEFAULT_MAX_CHUNKS,
+                 stats: CommStats | None = None) -> None:
+        if chunk_bytes <= 0 or max_chunks <= 0:
+            raise ValueError(f"chunk_bytes and max_chunks must be positive, got {chunk_bytes}, {max_chunks}")
+        self.info = info
+        self.chunk_bytes = chunk_bytes
+        self.max_chunks = max_chunks
+        self.stats = stats
+        self._intra = info.group_names["intra"]
+        self._inter = info.group_names["inter"]
+
+    @classmethod
+    def from_groups(cls, g: int, m: int, intra: str, inter: str, **kw) -> "ParoCC":
+        """For callers with process-group names but no mesh (the graph pass, benchmarks)."""
+        info = MeshInfo(None, g, m, -1, -1, {"intra": intra, "inter": inter})  # type: ignore[arg-type]
+        return cls(info, **kw)
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _nchunks(self, nbytes: int, limit: int, chunks: int | None) -> int:
+        if chunks is None:
+            chunks = min(self.max_chunks, max(1, math.ceil(nbytes / self.chunk_bytes)))
+        return max(1, min(chunks, max(limit, 1)))
+
+    def _record(self, kind: str, dim: str, full_numel: int, t: torch.Tensor) -> None:
+        if self.stats is None:
+            return
+        k = self.info.g if dim == "inter" else self.info.m
+        per_rank = full_numel * t.element_size() * (k - 1) / k
+        self.stats.record(kind, dim, 2 * per_rank if kind == "all_reduce" else per_rank)
+
+    def _ag(self, x: torch.Tensor, dim: str) -> torch.Tensor:
+        k = self.info.g if dim == "inter" else self.info.m
+        self._record("all_gather", dim, x.numel() * k, x)
+        return _ops.all_gather_into_tensor(x, k, self._inter if dim == "inter" else self._intra)
+
+    def _rs(self, x: torch.Tensor, dim: str, op: str) -> torch.Tensor:
+        k = self.info.g if dim == "inter" else self.info.m
+        self._record("reduce_scatter", dim, x.numel(), x)
+        return _ops.reduce_scatter_tensor(x, op, k, self._inter if dim == "inter" else self._intra)
+
+    def _ar(self, x: torch.Tensor, dim: str, op: str) -> torch.Tensor:
+        self._record("all_reduce", dim, x.numel(), x)
+        return _ops.all_reduce(x, op, self._inter if dim == "inter" else self._intra)
+
+    @staticmethod
+    def _check(order: str, op: str | None = None) -> None:
+        if order not in ORDERS:
+            raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+        if op is not None and op not in REDUCE_OPS:
+            raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")
+
+    def _blocks(self, flat: torch.Tensor, s: int, order: str) -> torch.Tensor:
+        """View a buffer of n blocks of ``s`` elements as [k][l][s] (rank (k, l)'s block)."""
+        g, m = self.info.g, self.info.m
+        return flat.view(g, m, s) if order == "flat" else flat.view(m, g, s).transpose(0, 1)
+
+    # ---- all-gather --------------------------------------------------------------------------
+    def all_gather(self, shard: torch.Tensor, order: str = "flat", chunks: int | None = None) -> HierPending:
+        """Concatenate every rank's ``shard`` along dim 0 (rank order per ``order``):
+        inter all-gather, then intra all-gather, per chunk."""
+        self._check(order)
+        g, m = self.info.g, self.info.m
+        n = g * m
+        out_shape = (n * shard.shape[0], *shard.shape[1:]) if shard.dim() else (n,)
+        x = shard.reshape(-1)
+        if not x.is_contiguous():
+            x = x.contiguous()
+        if g == 1 or m == 1:  # one level only: the global group *is* that level, same rank order
+            res = self._ag(x, "intra" if g == 1 else "inter")
+            return HierPending(lambda: _wait(res).view(out_shape))
+        s = x.numel()
+        if s == 0:
+            return _done(x.new_empty(out_shape))
+        bounds = _bounds(s, self._nchunks(n * s * x.element_size(), s, chunks))
+        inter = [self._ag(x[a:b], "inter") for a, b in bounds]  # [k][j] per chunk, all in flight
+
+        def finish() -> torch.Tensor:
+            intra = []
+            for part in inter:  # intra phase of chunk c overlaps the inter phase of c + 1 ...
+                intra.append(self._ag(_wait(part), "intra"))
+            if len(bounds) == 1 and order == "nested":
+                return _wait(intra[0]).view(out_shape)  # [l][k][s] is the nested layout itself
+            out = torch.empty(n * s, dtype=x.dtype, device=x.device)
+            dst = self._blocks(out, s, order)
+            for (a, b), part in zip(bounds, intra):
+                dst[:, :, a:b].copy_(_wait(part).view(m, g, b - a).transpose(0, 1))
+            return out.view(out_shape)
+
+        return HierPending(finish)
+
+    # ---- reduce-scatter ----------------------------------------------------------------------
+    def reduce_scatter(self, full: torch.Tensor, op: str = "sum", order: str = "flat",
+                       chunks: int | None = None) -> HierPending:
+        """Reduce ``full`` (dim 0 = n blocks) over all ranks and keep this rank's block:
+        intra reduce-scatter, then inter reduce-scatter, per chunk."""
+        self._check(order, op)
+        g, m = self.info.g, self.info.m
+        n = g * m
+        if full.dim() == 0 or full.shape[0] % n:
+            raise ValueError(f"reduce_scatter needs dim 0 divisible by the world size {n}, got shape {tuple(full.shape)}")
+        out_shape = (full.shape[0] // n, *full.shape[1:])
+        x = full.reshape(-1)
+        if not x.is_contiguous():
+            x = x.contiguous()
+        if g == 1 or m == 1:
+            res = self._rs(x, "intra" if g == 1 else "inter", op)
+            return HierPending(lambda: _wait(res).view(out_shape))
+        s = x.numel() // n
+        if s == 0:
+            return _done(x.new_empty(out_shape))
+        bounds = _bounds(s, self._nchunks(x.numel() * x.element_size(), s, chunks))
+        src = self._blocks(x, s, order)  # [k][l][s]
+        if len(bounds) == 1 and order == "nested":
+            intra = [self._rs(x, "intra", op)]  # the input already is [l][k][s]
+        else:  # per chunk a contiguous [l][k][s_c] buffer: intra RS hands rank l its [k][s_c]
+            intra = [self._rs(src[:, :, a:b].transpose(0, 1).contiguous().view(-1), "intra", op) for a, b in bounds]
+
+        def finish() -> torch.Tensor:
+            inter = [self._rs(_wait(part), "inter", op) for part in intra]
+            if len(bounds) == 1:
+                return _wait(inter[0]).view(out_shape)
+            out = torch.empty(s, dtype=x.dtype, device=x.device)
+            for (a, b), part in zip(bounds, inter):
+                out[a:b].copy_(_wait(part))
+            return out.view(out_shape)
+
+        return HierPending(finish)
+
+    # ---- all-reduce --------------------------------------------------------------------------
+    def all_reduce(self, t: torch.Tensor, op: str = "sum", chunks: int | None = None) -> HierPending:
+        """Reduce ``t`` over all ranks (any shape and size): intra reduce-scatter, inter
+        all-reduce of the 1/m piece, intra all-gather, per chunk, three phases pipelined."""
+        self._check("flat", op)
+        g, m = self.info.g, self.info.m
+        shape = t.shape
+        x = t.reshape(-1)
+        if not x.is_contiguous():
+            x = x.contiguous()
+        if g == 1 or m == 1:
+            res = self._ar(x, "intra" if g == 1 else "inter", op)
+            return HierPending(lambda: _wait(res).view(shape))
+        numel = x.numel()
+        if numel == 0:
+            return _done(t.clone())
+        nch = self._nchunks(numel * x.element_size(), max(1, numel // m), chunks)
+        q = m * max(1, math.ceil(numel / (nch * m)))  # padded chunk length, a multiple of m
+        if nch * q == numel:
+            buf = x
+        else:  # pad once; the padding is reduced along and dropped at the end
+            buf = torch.zeros(nch * q, dtype=x.dtype, device=x.device)
+            buf[:numel].copy_(x)
+        rs = [self._rs(buf[c * q:(c + 1) * q], "intra", op) for c in range(nch)]
+
+        def finish() -> torch.Tensor:
+            ar: list[torch.Tensor] = []
+            ag: list[torch.Tensor] = []
+            for c in range(nch):  # keep both links busy: chunk c's inter AR next to c-1's intra AG
+                ar.append(self._ar(_wait(rs[c]), "inter", op))
+                if c:
+                    ag.append(self._ag(_wait(ar[c - 1]), "intra"))
+            ag.append(self._ag(_wait(ar[-1]), "intra"))
+            if nch == 1 and q == numel:
+                return _wait(ag[0]).view(shape)
+            out = torch.empty(numel, dtype=x.dtype, device=x.device)
+            for c, part in enumerate(ag):
+                a, b = c * q, min((c + 1) * q, numel)
+                if a < b:
+                    out[a:b].copy_(_wait(part)[: b - a])
+                else:
+                    _wait(part)
+            return out.view(shape)
+
+        return HierPending(finish)
+
+
+def flat_to_nested(t: torch.Tensor, g: int, m: int) -> torch.Tensor:
+    """Reorder n = g * m dim-0 blocks from flat rank order (k * m + l) to nested (l * g + k)."""
+    n = g * m
+    blk = t.reshape(n, -1)
+    return blk.view(g, m, -1).transpose(0, 1).reshape(t.shape)
+
+
+def nested_to_flat(t: torch.Tensor, g: int, m: int) -> torch.Tensor:
+    """Inverse of ``flat_to_nested``."""
+    n = g * m
+    blk = t.reshape(n, -1)
+    return blk.view(m, g, -1).transpose(0, 1).reshape(t.shape)
