@@ -82,7 +82,7 @@ class Trainer:
         if problem:
             raise ConfigError(problem)
         model = build_model(cfg, self.model_args, self.device)
-        self.model = parallelize(model, cfg, self.mesh)
+        self.model = parallelize(model, cfg, self.mesh, self.device)
 
         # ---- optimizer on the fp32 master shards, lr schedule ----------------------------------
         o = cfg.optimizer

@@ -8,6 +8,7 @@ block is freed after its own backward as usual. (torchtitan's order, hooks outsi
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Optional
 
 import torch
@@ -61,22 +62,24 @@ def apply_activation_checkpointing(model: Llama) -> None:
 
 
 def build_model(cfg: JobConfig, args: LlamaArgs, device: torch.device) -> Llama:
-    """The unsharded model, initialised from ``training.seed`` (identically on every rank, as
-    ``paro_shard`` requires)."""
-    torch.manual_seed(cfg.training.seed)
-    with torch.device(device):
-        model = Llama(args)
-    return model
+    """The model on the meta device: ``parallelize`` materialises it shard by shard, so no rank
+    ever holds the whole model (65B included)."""
+    with torch.device("meta"):
+        return Llama(args)
 
 
-def parallelize(model: Llama, cfg: JobConfig, mesh: Any) -> nn.Module:
-    """Activation checkpointing (if asked), then ``paro_shard`` with the config's policy."""
+def parallelize(model: Llama, cfg: JobConfig, mesh: Any, device: torch.device) -> nn.Module:
+    """Activation checkpointing (if asked), then ``paro_shard`` with the config's policy. Each
+    parameter is initialised from (``training.seed``, its name), identically on every rank."""
     if cfg.activation_checkpoint.mode == "full":
         apply_activation_checkpointing(model)
     t = cfg.training
     mp = MixedPrecision(param_dtype=DTYPES[t.mixed_precision_param], reduce_dtype=DTYPES[t.mixed_precision_reduce])
-    return paro_shard(model, mesh, paro_policy(cfg), mp=mp,
-                      reshard_after_forward=cfg.parallelism.paro_reshard_after_forward)
+    model = paro_shard(model, mesh, paro_policy(cfg), mp=mp,
+                       reshard_after_forward=cfg.parallelism.paro_reshard_after_forward,
+                       param_init_fn=partial(model.init_param, seed=t.seed))
+    model.init_buffers(device)
+    return model
 
 
 def check_policy(cfg: JobConfig, args: LlamaArgs) -> Optional[str]:
