@@ -2,13 +2,13 @@
 
 ``Unshard`` hands a block its whole parameters (the collectives already ran) and, in backward,
 receives their gradients in one call: the natural place to reduce a block's gradients as one
-bucket. ``PreBackward`` is an identity on a block's outputs whose backward fires just before
-the block's own backward: the place to re-gather its parameters and prefetch the next block.
+bucket. ``OnBackward`` is an identity whose backward calls back into the engine: on a block's
+outputs it fires just before the block's backward, on its inputs just after.
 Both are plain autograd Functions, which dynamo/AOTAutograd can trace.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -29,50 +29,38 @@ class Unshard(torch.autograd.Function):
         return (None, None) + (None,) * len(grads)
 
 
-class PreBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, block: "ParoBlock", *outputs: torch.Tensor):  # type: ignore[override]
-        ctx.block = block
-        return tuple(o.view_as(o) for o in outputs)
+class OnBackward(torch.autograd.Function):
+    """Identity on some tensors whose backward calls ``callback`` once the gradients of all of
+    them are ready. On a block's outputs: just before the block's own backward (re-gather its
+    parameters, prefetch the next). On its inputs: once the block's backward has produced the
+    input gradients (free fully frozen groups, which get no ``Unshard`` backward of their own)."""
 
     @staticmethod
-    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
-        ctx.block.pre_backward()
-        return (None,) + grads
-
-
-class PostBackward(torch.autograd.Function):
-    """Identity on a block's inputs; its backward fires once the block's backward has produced
-    the input gradients: the point where a frozen group (no gradient of its own, so no
-    ``Unshard`` backward) can be freed."""
-
-    @staticmethod
-    def forward(ctx, block: "ParoBlock", *inputs: torch.Tensor):  # type: ignore[override]
-        ctx.block = block
-        return tuple(i.view_as(i) for i in inputs)
+    def forward(ctx, callback: Callable[[], None], *tensors: torch.Tensor):  # type: ignore[override]
+        ctx.callback = callback
+        return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
-        ctx.block.post_backward_frozen()
+        ctx.callback()
         return (None,) + grads
 
 
-def _route(fn: type[torch.autograd.Function], block: "ParoBlock", tree: Any) -> Any:
+def _route(callback: Callable[[], None], tree: Any) -> Any:
+    """Pass the tensors of ``tree`` that need a gradient through one ``OnBackward``."""
     leaves, spec = tree_flatten(tree)
     idx = [i for i, x in enumerate(leaves) if torch.is_tensor(x) and x.requires_grad]
     if not idx:
         return tree
-    wrapped = fn.apply(block, *[leaves[i] for i in idx])
+    wrapped = OnBackward.apply(callback, *[leaves[i] for i in idx])
     for i, w in zip(idx, wrapped):
         leaves[i] = w
     return tree_unflatten(leaves, spec)
 
 
 def register_post_backward(block: "ParoBlock", args: Any, kwargs: Any) -> tuple[Any, Any]:
-    """Route the block's tensor inputs that need a gradient through ``PostBackward``."""
-    return _route(PostBackward, block, (args, kwargs))
+    return _route(block.post_backward_frozen, (args, kwargs))
 
 
 def register_pre_backward(block: "ParoBlock", output: Any) -> Any:
-    """Route the block's tensor outputs that need a gradient through ``PreBackward``."""
-    return _route(PreBackward, block, output)
+    return _route(block.pre_backward, output)
