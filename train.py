@@ -78,6 +78,8 @@ class Trainer:
             self.model_args = model_args(cfg, self.tokenizer.vocab_size)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        if cfg.parallelism.paro_strategy.strip().lower() == "auto":
+            self._choose_strategy()
         problem = check_policy(cfg, self.model_args)
         if problem:
             raise ConfigError(problem)
@@ -111,6 +113,34 @@ class Trainer:
         self.comm = CommMeter(self.model.comm_stats())
         self.losses: dict[int, float] = {}
         self._print_header(global_batch)
+
+    def _choose_strategy(self) -> None:
+        """``paro_strategy = "auto"``: the advisor (paro_fsdp/advisor.py) ranks all 27 strategies
+        on the given cluster file, or on this mesh calibrated now; log the table, train with the
+        fastest that fits. Rank 0's choice is broadcast so every rank shards the same way."""
+        from paro_fsdp.advisor import AdvisorError, calibrate_in_process, choose_strategy, load_cluster
+
+        t, p = self.cfg.training, self.cfg.parallelism
+        dtype = {"bfloat16": "bf16", "float32": "fp32"}
+        try:
+            if p.paro_cluster_file:
+                cluster, source = load_cluster(p.paro_cluster_file), p.paro_cluster_file
+            else:
+                cluster = calibrate_in_process(self.mesh, self.model_args, t.local_batch_size, t.seq_len,
+                                               dtype[t.mixed_precision_param])
+                source = "calibrated at start-up"
+            strategy, table = choose_strategy(
+                self.model_args, self.world_size, self.group_size, t.local_batch_size, self.grad_accum, t.seq_len,
+                dtype[t.mixed_precision_param], cluster, reduce_dtype=dtype[t.mixed_precision_reduce],
+                activation_checkpoint=self.cfg.activation_checkpoint.mode,
+                reshard_after_forward=p.paro_reshard_after_forward)
+        except AdvisorError as exc:
+            raise ConfigError(f"parallelism.paro_strategy = \"auto\": {exc}") from None
+        choice = [strategy.name]
+        dist.broadcast_object_list(choice, src=0)
+        p.paro_strategy = choice[0]
+        _log(f"paro_strategy = auto ({source}):\n{table}")
+        _log(f"paro_strategy = auto: training with {choice[0]}")
 
     def _init_distributed(self) -> torch.device:
         backend = self.cfg.comm.backend
@@ -256,7 +286,22 @@ def run_estimate(cfg: JobConfig, world: Optional[int]) -> int:
         print(f"train.py: error: {exc}", file=sys.stderr)
         return 2
     dtype = {"bfloat16": "bf16", "float32": "fp32"}
-    strategies = [p.paro_strategy.upper()] + (["GGG"] if p.paro_strategy.upper() != "GGG" else [])
+    chosen = p.paro_strategy.upper()
+    if chosen == "AUTO":  # rank the strategies on the cluster file (default: the A100 preset)
+        from paro_fsdp.advisor import AdvisorError, choose_strategy
+
+        try:
+            best, table = choose_strategy(args, world, m, t.local_batch_size, accum, t.seq_len,
+                                          dtype[t.mixed_precision_param], p.paro_cluster_file or "a100_ib",
+                                          reduce_dtype=dtype[t.mixed_precision_reduce],
+                                          activation_checkpoint=cfg.activation_checkpoint.mode,
+                                          reshard_after_forward=p.paro_reshard_after_forward)
+        except AdvisorError as exc:
+            print(f"train.py: error: {exc}", file=sys.stderr)
+            return 2
+        print(table)
+        chosen = best.name
+    strategies = [chosen] + (["GGG"] if chosen != "GGG" else [])
     wall = time.perf_counter()
     rows = estimate(args, world, m, strategies, grad_accum=accum, dtype=dtype[t.mixed_precision_param],
                     reduce_dtype=dtype[t.mixed_precision_reduce], max_norm=t.max_norm if t.max_norm > 0 else 1.0)

@@ -19,8 +19,9 @@ Memory per GPU = model states (ledger, exact)
   + gradient working set: one block's whole gradient before its reduction and the one in
     flight (2 x layer x max(param, grad bytes));
   + activations (:func:`activation_bytes`): the tensors autograd saves for this Llama, per token
-    per layer 24h + 8f + 4 heads + 8 bytes with 2-byte activations (measured exactly on CPU by
-    tests/test_advisor.py with saved-tensor hooks), root 8h + 4V + 20; with activation
+    per layer 24h + 8f + 4 heads + 8 bytes with 2-byte activations, root 8h + 4V + 20 (equal to
+    what saved-tensor hooks count: on CPU in tests/test_advisor.py, and on an H200 with CUDA's
+    SDPA for the LLaMA-7B shape, 3.459 GiB for 4 layers x 2 x 2048 tokens); with activation
     checkpointing only each block's input (2h per token) + one recomputed layer; plus a transient
     of max(one layer, 6V per token: the logits, their fp32 copy and log-softmax at the loss).
   It fits when it is at most ``memory_gib x usable_memory_fraction`` of the cluster's GPU.
@@ -40,9 +41,10 @@ Step time = A x (compute_fwd + compute_bwd + exposed_fwd + exposed_bwd) + bounda
     hops x latency + ring bytes / bandwidth,     hops = k - 1 (AG, RS) or 2(k - 1) (AR),
   ring bytes from the ledger (S(k-1)/k, 2S(k-1)/k), bandwidth = bus bandwidth per GPU of the
   links that dimension's rings use: the ``intra`` link (NVLink) when its rings stay inside a
-  node, else the ``inter`` link (per-GPU share of the node's NICs, since all GPUs of a node run
-  their inter rings at once). Intra and inter parts of a hierarchical collective add up (one
-  communication stream, each bucket's inter phase waits for / feeds its intra phase).
+  node, else the node's network shared by the rings that leave the node at once (with groups
+  = nodes: the m inter rings of a node each get 1/m of its NICs, ``inter.bandwidth_gbs``;
+  see ``_link_for`` for other layouts). Intra and inter parts of a hierarchical collective add
+  up (one communication stream; each bucket's inter phase waits for / feeds its intra phase).
   Overlap. Per micro-step collectives overlap that micro-step's compute up to a fraction
   ``overlap`` of it (prefetched all-gathers in forward and backward, reduce-scatters behind the
   next block's backward), except what cannot be prefetched: in forward the root's and the first
@@ -53,17 +55,16 @@ Step time = A x (compute_fwd + compute_bwd + exposed_fwd + exposed_bwd) + bounda
   all-reduce) are fully exposed, and so is the optimizer: AdamW on the OS shard, memory bound,
   (28 + grad bytes) bytes per element / ``memory_bandwidth_gbs``.
 Not modelled: per-call framework overhead, gradient accumulation adds, stragglers, network
-congestion beyond the per-node NIC share, and PaRO-CC's chunked overlap of intra and inter
-phases (the engine does not chunk).
+congestion beyond the per-node NIC share, and PaRO-CC's chunked overlap of the intra and inter
+phases of one collective (the model adds them, which is what unchunked collectives do).
 """
 from __future__ import annotations
 
-import math
 import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
@@ -78,22 +79,26 @@ else:  # pragma: no cover - Python 3.10
 
 __all__ = [
     "ACTIVATION_CHECKPOINT_MODES",
+    "CLUSTER_DIR",
+    "NAMED_STRATEGIES",
+    "AdvisorError",
     "Cluster",
     "Link",
     "ModelSpec",
-    "NAMED_STRATEGIES",
     "Prediction",
-    "AdvisorError",
     "activation_bytes",
+    "buckets",
     "calibrate_in_process",
     "choose_strategy",
+    "cluster_from_dict",
     "cluster_to_toml",
+    "custom_model",
     "format_table",
     "load_cluster",
     "model_spec",
     "predict",
     "rank_strategies",
-    "CLUSTER_DIR",
+    "traffic_time",
 ]
 
 GiB, GB = 2**30, 1e9
@@ -517,12 +522,36 @@ def _check_sizes(n: int, m: int, micro_batch: int, grad_accum: int, seq_len: int
         raise AdvisorError(f"group size {m} does not divide the number of GPUs {n}; valid group sizes: {divisors}")
 
 
+def _scaled(link: Link, factor: float, cap: Link) -> Link:
+    """``link`` with ``factor`` times its bandwidth, at most ``cap``'s, kind by kind."""
+    def bw(kind: str) -> float:
+        return min(link.cost(kind)[0] * factor, cap.cost(kind)[0]) / GB
+
+    per_kind = {k: (bw(k), link.cost(k)[1] * 1e6) for k in KINDS}
+    return Link(bw("all_gather"), link.latency_us, per_kind)
+
+
 def _link_for(dim: str, n: int, m: int, cluster: Cluster) -> Link:
-    """The links a mesh dimension's rings use: NVLink when they stay inside a node."""
+    """The links a mesh dimension's rings run on, as seen per GPU.
+
+    A dimension whose rings stay inside a node runs on NVLink (``intra``). Otherwise each ring
+    is as slow as its node-crossing hop, and the node's network (``inter.bandwidth_gbs`` x GPUs
+    per node) is shared by the rings of that dimension that leave the node at once:
+      inter dim, m dividing the GPUs per node: each node holds (GPUs/node) / m members of each of
+        m rings, so m rings share it: per GPU inter x (GPUs/node) / m (= inter when m = GPUs/node);
+      intra dim, groups spanning whole nodes (m a multiple of GPUs/node): one ring per node:
+        inter x GPUs/node;
+    never faster than NVLink; any other layout gets the plain per-GPU share (conservative)."""
     gpn = cluster.gpus_per_node
     if dim == "intra":
-        return cluster.intra if m <= gpn and gpn % m == 0 else cluster.inter
-    return cluster.intra if n <= gpn else cluster.inter
+        if m <= gpn and gpn % m == 0:
+            return cluster.intra
+        return _scaled(cluster.inter, gpn, cluster.intra) if m % gpn == 0 else cluster.inter
+    if n <= gpn:
+        return cluster.intra
+    if m <= gpn and gpn % m == 0:
+        return _scaled(cluster.inter, gpn / m, cluster.intra) if m != gpn else cluster.inter
+    return cluster.inter
 
 
 def traffic_time(t: Traffic, cluster: Cluster) -> dict[str, float]:
@@ -799,7 +828,7 @@ def calibrate_in_process(
     Collective: every rank of ``mesh`` (the PaRO ("inter", "intra") mesh) must call it. For each
     mesh dimension of size > 1 and each of all-gather / reduce-scatter / all-reduce, times
     ``reps`` calls at several buffer sizes (every group of the dimension runs at once, as in
-    training), fits time = hops x latency + ring bytes / bandwidth, and keeps the slowest rank's
+    training; the fastest call counts), fits time = hops x latency + ring bytes / bandwidth, and keeps the slowest rank's
     numbers; measures matmul FLOP/s, a transformer block's forward + backward at
     ``model_args``' shape (the ``achieved_tflops`` the advisor uses), memory bandwidth (an
     in-place add), and how much a collective overlaps with compute. All ranks agree on the result
@@ -827,6 +856,8 @@ def calibrate_in_process(
             torch.cuda.synchronize()
 
     def timed(fn, r: int) -> float:
+        """The fastest of ``r`` timed calls after a warm-up: the figure least disturbed by other
+        work on a shared machine (a collective's figure is then the slowest rank's)."""
         fn()
         sync()
         ts = []
@@ -835,7 +866,7 @@ def calibrate_in_process(
             fn()
             sync()
             ts.append(time.perf_counter() - t0)
-        return statistics.median(ts)
+        return min(ts)
 
     def slowest(values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=dev)
@@ -874,7 +905,10 @@ def calibrate_in_process(
             measured[f"{d}_{kind}_seconds"] = [round(t, 7) for t in times]
         default_bw, default_lat = per_kind["all_gather"]
         links[d] = Link(default_bw, default_lat, {kd: v for kd, v in per_kind.items() if v != (default_bw, default_lat)})
-    if not links:
+    for d, other in (("intra", "inter"), ("inter", "intra")):
+        measured[f"{d}_link"] = "measured" if d in links else (f"copied from {other}" if other in links else
+                                                                "not measured (one rank): placeholder")
+    if not links:  # a single rank: nothing to time; the advisor then sees communication as free
         links["intra"] = links["inter"] = Link(1e3, 0.0)
     links.setdefault("intra", links.get("inter"))
     links.setdefault("inter", links.get("intra"))
@@ -917,15 +951,22 @@ def calibrate_in_process(
         t_comm = timed(comm, reps)
         n_mm = max(1, int(round(t_comm / max(t_mm, 1e-9))))
         comp = lambda: [a_ @ b_ for _ in range(n_mm)]  # noqa: E731
-        t_comp = timed(comp, reps)
 
         def both() -> None:
             work = all_gather(full, shard, group=grp, async_op=True)
             comp()
             work.wait()
 
-        dist.barrier()
-        t_both = timed(both, reps)
+        # interleaved rounds and medians: the three figures must come from the same conditions
+        samples: dict[str, list[float]] = {"comm": [], "comp": [], "both": []}
+        for _ in range(max(reps, 5)):
+            for key, fn in (("comm", comm), ("comp", comp), ("both", both)):
+                dist.barrier()
+                t0 = time.perf_counter()
+                fn()
+                sync()
+                samples[key].append(time.perf_counter() - t0)
+        t_comm, t_comp, t_both = (statistics.median(samples[k]) for k in ("comm", "comp", "both"))
         t_comm, t_comp, t_both = slowest([t_comm, t_comp, t_both])
         overlap = min(1.0, max(0.0, (t_comm + t_comp - t_both) / max(min(t_comm, t_comp), 1e-12)))
     t_mm, t_block, t_bw = slowest([t_mm, t_block, t_bw])

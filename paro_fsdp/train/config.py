@@ -115,7 +115,9 @@ class Training:
 @dataclass
 class Parallelism:
     paro_strategy: str = "IIG"
-    """PaRO strategy: three letters of N/I/G for P, G, OS (IIG, NIG, GGG = ZeRO-3, NNN = DDP, ...)"""
+    """PaRO strategy: three letters of N/I/G for P, G, OS (IIG, NIG, GGG = ZeRO-3, NNN = DDP, ...), or "auto" (the advisor picks)"""
+    paro_cluster_file: str = ""
+    """With paro_strategy = "auto": cluster TOML for the advisor (a tools/clusters preset or tools.calibrate output); empty: calibrate at start-up"""
     paro_group_size: int = -1
     """Ranks per group (m); -1: ranks per node (LOCAL_WORLD_SIZE)"""
     paro_policy: dict[str, str] = field(default_factory=dict)
@@ -485,7 +487,11 @@ def validate(cfg: JobConfig, world_size: Optional[int], local_world_size: Option
             f"training.global_batch_size = {t.global_batch_size} is not a multiple of training.local_batch_size "
             f"({t.local_batch_size}) x data-parallel ranks ({world_size}) = {per_step}; valid: -1 or a multiple of {per_step} (e.g. {examples})"
         )
-    if not _is_strategy(p.paro_strategy):
+    if p.paro_strategy.strip().lower() == "auto":
+        if p.paro_policy:
+            raise ConfigError("parallelism.paro_strategy = \"auto\" cannot be combined with parallelism.paro_policy "
+                              "(the advisor picks one strategy for the whole model); valid: an explicit strategy, or no paro_policy")
+    elif not _is_strategy(p.paro_strategy):
         raise ConfigError(
             f"parallelism.paro_strategy = {_show(p.paro_strategy)} is not a PaRO strategy; valid: three letters of N, I, G "
             "for the P, G, OS levels, e.g. IIG, NIG, IGG, ING, GGG (ZeRO-3), NNG (ZeRO-1), NNN (DDP)"
