@@ -82,6 +82,8 @@ def test_print_config_round_trips(tmp_path):
         (["stray"], "unexpected argument 'stray'"),
         (["--job.config_file", "/nonexistent.toml"], "does not exist; valid: the path of a TOML file"),
         (["--lr_scheduler.min_lr_factor", "2"], "min_lr_factor = 2.0 is out of range; valid: a number in [0, 1]"),
+        (["--parallelism.paro_strategy", "auto", "--parallelism.paro_policy", "output.*=GGG"],
+         'paro_strategy = "auto" cannot be combined with parallelism.paro_policy'),
     ],
 )
 def test_errors_name_key_and_choices(argv, needle):
@@ -106,6 +108,7 @@ def test_toml_errors(tmp_path):
 
 
 def test_activation_checkpoint_combinations():
+    parse_args(["--activation_checkpoint.mode", "full"], world_size=4)  # with re-sharding after forward
     parse_args(["--activation_checkpoint.mode", "full", "--parallelism.paro_reshard_after_forward", "false"], world_size=4)
     parse_args(["--activation_checkpoint.mode", "full", "--parallelism.paro_strategy", "NNG"], world_size=4)
 

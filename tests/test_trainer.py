@@ -86,7 +86,7 @@ def world4_first(tmp: str) -> dict[str, Any]:
                       "--training.mixed_precision_param", "bfloat16"])
     out["policy_bf16"] = losses
     # full activation checkpointing (exact against no checkpointing)
-    for name, argv in {"ac/IIG": ["--parallelism.paro_strategy", "IIG", "--parallelism.paro_reshard_after_forward", "false"],
+    for name, argv in {"ac/IIG": ["--parallelism.paro_strategy", "IIG"],  # re-sharded after forward, re-gathered for the recompute
                        "ac/NNG": ["--parallelism.paro_strategy", "NNG"]}.items():
         trainer, losses = _run(argv + ["--parallelism.paro_group_size", "2", "--training.steps", "3",
                                        "--activation_checkpoint.mode", "full"])
