@@ -28,10 +28,27 @@ Semantics ("order"):
             (k, l), i.e. the global shard is sub-chunk k of intra chunk l. This is the natural
             output of the hierarchy, so it saves the local transpose "flat" needs.
 all_reduce is elementwise, so it has no order. Sizes need not divide the chunk count (chunks
-are uneven) and all_reduce takes any numel (padded internally to a multiple of m per chunk).
+are uneven) and all_reduce takes any numel (only a last partial row of m elements is padded).
 
 Every collective issued is recorded in an optional ``CommStats`` under "intra" / "inter", with
-the same ring formula as ``MeshComm``, so the engine's ledger stays truthful when it switches.
+the same ring formula as ``MeshComm``, so the engine's ledger stays truthful when it switches
+(bytes are exactly those of the unchunked hierarchy; counts grow with the chunks).
+
+How the engine uses it (param_group.py issues every global collective as two or three
+dependent calls today; each becomes one call, with ``cc = ParoCC(info, stats=comm.stats)``):
+  * global all-gather of a G buffer (unshard with P=G, ``_move_up`` G -> N):
+        pending = cc.all_gather(g_flat, order="nested")       # issue_unshard: inter phase in flight
+        nested = pending.wait()                                # [m][g][sum_g], rank (k, l) at l*g+k
+    then per intra row l apply ``FlatLayout.inter_to_i`` to nested.view(m, g * sum_g)[l] to get
+    the FULL buffer [m, sum_i] (today it is applied once, between the two all-gathers).
+  * global reduce-scatter to a G buffer (G=G each micro-step; G=N -> OS=G at the boundary):
+    lay the FULL buffer out as [m][g][sum_g] (``i_to_inter`` on each of its m rows), then
+        shard = cc.reduce_scatter(nested_full, order="nested").wait()   # [sum_g], the G buffer
+  * global all-reduce (G=N -> OS=N): ``cc.all_reduce(acc).wait()`` replaces intra RS + inter
+    AR + intra AG; it is elementwise, so the FULL layout is untouched.
+``HierPending`` has ``wait()`` like ``comm.Pending``, so it can be yielded to ``drive``. Its later
+phases are issued inside ``wait()``: like every collective, waits must happen in the same order
+on every rank (``drive`` guarantees that).
 """
 from __future__ import annotations
 
@@ -173,6 +190,8 @@ class ParoCC:
         x = shard.reshape(-1)
         if not x.is_contiguous():
             x = x.contiguous()
+        if n == 1:
+            return _done(x.clone().view(out_shape))
         if g == 1 or m == 1:  # one level only: the global group *is* that level, same rank order
             res = self._ag(x, "intra" if g == 1 else "inter")
             return HierPending(lambda: _wait(res).view(out_shape))
@@ -210,6 +229,8 @@ class ParoCC:
         x = full.reshape(-1)
         if not x.is_contiguous():
             x = x.contiguous()
+        if n == 1:
+            return _done(x.clone().view(out_shape))
         if g == 1 or m == 1:
             res = self._rs(x, "intra" if g == 1 else "inter", op)
             return HierPending(lambda: _wait(res).view(out_shape))
@@ -244,38 +265,42 @@ class ParoCC:
         x = t.reshape(-1)
         if not x.is_contiguous():
             x = x.contiguous()
+        if g * m == 1:
+            return _done(x.clone().view(shape))
         if g == 1 or m == 1:
             res = self._ar(x, "intra" if g == 1 else "inter", op)
             return HierPending(lambda: _wait(res).view(shape))
         numel = x.numel()
         if numel == 0:
             return _done(t.clone())
-        nch = self._nchunks(numel * x.element_size(), max(1, numel // m), chunks)
-        q = m * max(1, math.ceil(numel / (nch * m)))  # padded chunk length, a multiple of m
-        if nch * q == numel:
-            buf = x
-        else:  # pad once; the padding is reduced along and dropped at the end
-            buf = torch.zeros(nch * q, dtype=x.dtype, device=x.device)
-            buf[:numel].copy_(x)
-        rs = [self._rs(buf[c * q:(c + 1) * q], "intra", op) for c in range(nch)]
+        # chunks are whole rows of m elements (the intra reduce-scatter splits each into m
+        # pieces); only a last partial row is padded, so a tensor whose size m divides moves
+        # exactly its own bytes (the ledger stays exact) and is never copied
+        rows = math.ceil(numel / m)
+        bounds = [(a * m, min(b * m, numel)) for a, b in _bounds(rows, self._nchunks(numel * x.element_size(), rows, chunks))]
+
+        def piece(a: int, b: int) -> torch.Tensor:
+            if (b - a) % m == 0:
+                return x[a:b]
+            padded = torch.zeros(math.ceil((b - a) / m) * m, dtype=x.dtype, device=x.device)
+            padded[: b - a].copy_(x[a:b])
+            return padded
+
+        rs = [self._rs(piece(a, b), "intra", op) for a, b in bounds]
 
         def finish() -> torch.Tensor:
             ar: list[torch.Tensor] = []
             ag: list[torch.Tensor] = []
-            for c in range(nch):  # keep both links busy: chunk c's inter AR next to c-1's intra AG
+            for c in range(len(bounds)):  # keep both links busy: chunk c's inter AR next to c-1's intra AG
                 ar.append(self._ar(_wait(rs[c]), "inter", op))
                 if c:
                     ag.append(self._ag(_wait(ar[c - 1]), "intra"))
             ag.append(self._ag(_wait(ar[-1]), "intra"))
-            if nch == 1 and q == numel:
+            if len(bounds) == 1 and numel % m == 0:
                 return _wait(ag[0]).view(shape)
             out = torch.empty(numel, dtype=x.dtype, device=x.device)
-            for c, part in enumerate(ag):
-                a, b = c * q, min((c + 1) * q, numel)
-                if a < b:
-                    out[a:b].copy_(_wait(part)[: b - a])
-                else:
-                    _wait(part)
+            for (a, b), part in zip(bounds, ag):
+                out[a:b].copy_(_wait(part)[: b - a])
             return out.view(shape)
 
         return HierPending(finish)

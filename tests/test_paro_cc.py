@@ -1,0 +1,185 @@
+"""PaRO-CC (paro_fsdp/paro_cc.py) equals the flat collective over the flattened mesh, on real
+gloo ranks: 4 ranks as 2 groups x 2, and 8 ranks as 2 x 4 (the case where m > g, so a wrong
+rank order or block transpose cannot hide). Uneven sizes, forced chunk counts, fp32 and bf16.
+
+Why integer-valued data: a hierarchical sum adds in a different order than the flat ring, so
+random floats may differ in the last bit; small integers sum exactly in fp32 and bf16, which
+lets the sum / max / min cases demand bit equality. One random-float case per kind checks
+tolerance-level agreement too.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_harness import run_world
+
+AG_SHAPES = [(1,), (5,), (7, 3), (1000,), (33, 2, 3)]
+RS_BLOCK_SHAPES = [(1,), (5,), (7, 3), (1000,)]  # per-rank block; the input is n times dim 0
+AR_SHAPES = [(1,), (3,), (5,), (17,), (7, 3), (1001,), (64, 4)]
+CHUNKS = [None, 1, 3, 4]
+DTYPES = ["float32", "bfloat16"]
+
+
+def _cases() -> list[tuple]:
+    cases: list[tuple] = []
+    for dt in DTYPES:
+        for shape in AG_SHAPES:
+            for ch in CHUNKS:
+                for order in ("flat", "nested"):
+                    cases.append(("all_gather", dt, shape, ch, order, "sum", "int"))
+        for shape in RS_BLOCK_SHAPES:
+            for ch in CHUNKS:
+                for order in ("flat", "nested"):
+                    cases.append(("reduce_scatter", dt, shape, ch, order, "sum", "int"))
+            for op in ("avg", "max"):
+                cases.append(("reduce_scatter", dt, shape, 3, "flat", op, "int"))
+        for shape in AR_SHAPES:
+            for ch in CHUNKS:
+                cases.append(("all_reduce", dt, shape, ch, "flat", "sum", "int"))
+            for op in ("avg", "max", "min"):
+                cases.append(("all_reduce", dt, shape, 3, "flat", op, "int"))
+        for kind, shape in (("all_gather", (257,)), ("reduce_scatter", (257,)), ("all_reduce", (1001,))):
+            cases.append((kind, dt, shape, 4, "flat", "sum", "rand"))
+    return cases
+
+
+CASES = _cases()
+
+
+def _case_id(case: tuple) -> str:
+    kind, dt, shape, ch, order, op, data = case
+    return f"{kind}-{dt}-{'x'.join(map(str, shape))}-c{ch}-{order}-{op}-{data}"
+
+
+def suite(payload: dict) -> dict:
+    """Runs on every rank: each case through PaRO-CC and through the flat collective."""
+    import torch.distributed as dist
+
+    from paro_fsdp.comm import CommStats
+    from paro_fsdp.mesh import MeshInfo, init_paro_mesh
+    from paro_fsdp.paro_cc import ParoCC, flat_to_nested, nested_to_flat
+
+    ops = torch.ops._c10d_functional
+    m = payload["m"]
+    info = MeshInfo.from_mesh(init_paro_mesh(m))
+    n, rank = info.n, dist.get_rank()
+    assert rank == info.k * info.m + info.l  # the flat order the module promises
+    stats = CommStats()
+    cc = ParoCC(info, chunk_bytes=256, max_chunks=5, stats=stats)  # small chunks: default chunking kicks in
+    gname = info.group_names["global"]
+    out: dict = {}
+    for case in payload["cases"]:
+        kind, dt, shape, ch, order, op, data = case
+        dtype = getattr(torch, dt)
+        gen = torch.Generator().manual_seed(1000 * rank + len(out))
+        if kind == "reduce_scatter":
+            shape = (n * shape[0], *shape[1:])
+        if data == "int":
+            x = torch.randint(-8, 9, shape, generator=gen).to(dtype)
+        else:
+            x = torch.randn(shape, generator=gen).to(dtype)
+        try:
+            if kind == "all_gather":
+                want = ops.wait_tensor(ops.all_gather_into_tensor(x, n, gname))
+                got = cc.all_gather(x, order=order, chunks=ch).wait()
+                if order == "nested":
+                    assert torch.equal(nested_to_flat(flat_to_nested(want, info.g, m), info.g, m), want)
+                    want = flat_to_nested(want, info.g, m)
+            elif kind == "reduce_scatter":
+                if order == "nested":  # the nested input holds rank (k, l)'s block at l * g + k
+                    want = ops.wait_tensor(ops.reduce_scatter_tensor(x, op, n, gname))
+                    got = cc.reduce_scatter(flat_to_nested(x, info.g, m), op=op, order="nested", chunks=ch).wait()
+                else:
+                    want = ops.wait_tensor(ops.reduce_scatter_tensor(x, op, n, gname))
+                    got = cc.reduce_scatter(x, op=op, order="flat", chunks=ch).wait()
+            else:
+                want = ops.wait_tensor(ops.all_reduce(x.clone(), op, gname))
+                got = cc.all_reduce(x, op=op, chunks=ch).wait()
+        except Exception as e:  # noqa: BLE001 - report per case
+            out[case] = {"error": f"{type(e).__name__}: {e}"}
+            continue
+        exact = data == "int" and op != "avg"
+        err = (got.float() - want.float()).abs().max().item() if got.numel() else 0.0
+        out[case] = {
+            "shape_ok": tuple(got.shape) == tuple(want.shape),
+            "dtype_ok": got.dtype == want.dtype,
+            "equal": torch.equal(got, want),
+            "max_err": err,
+            "scale": want.float().abs().max().item() if want.numel() else 0.0,
+            "exact": exact,
+        }
+    # one-level meshes (1 x n: all intra; n x 1: all inter) reduce to the plain collective
+    for m_alt in (n, 1):
+        alt = ParoCC(MeshInfo.from_mesh(init_paro_mesh(m_alt)), chunk_bytes=256)
+        x = torch.arange(6.0) + rank
+        ok = torch.equal(alt.all_gather(x).wait(), ops.wait_tensor(ops.all_gather_into_tensor(x, n, gname)))
+        y = torch.arange(6.0 * n) * (rank + 1)
+        ok &= torch.equal(alt.reduce_scatter(y).wait(), ops.wait_tensor(ops.reduce_scatter_tensor(y, "sum", n, gname)))
+        ok &= torch.equal(alt.all_reduce(y[:7]).wait(), ops.wait_tensor(ops.all_reduce(y[:7].clone(), "sum", gname)))
+        out[f"one_level_{m_alt}"] = ok
+    # ledger: a 4-chunk all-gather of a (1000,) fp32 shard records 4 inter + 4 intra all-gathers
+    stats.reset()
+    cc.all_gather(torch.ones(1000), chunks=4).wait()
+    out["stats"] = {"count_inter": stats.count("all_gather", "inter"), "count_intra": stats.count("all_gather", "intra"),
+                    "bytes_inter": stats.bytes(dim="inter"), "bytes_intra": stats.bytes(dim="intra")}
+    # all-reduce: chunks are whole rows of m, so a size m divides is counted exactly
+    stats.reset()
+    cc.all_reduce(torch.ones(m * 300), chunks=3).wait()
+    out["stats_ar"] = {dim: stats.bytes(dim=dim) for dim in ("intra", "inter")}
+    # the first phase of every chunk is issued by the call itself (overlap needs it): the
+    # functional ops' outputs exist before wait() is called
+    pend = cc.reduce_scatter(torch.ones(n * 64), chunks=4)
+    out["async_ok"] = pend._finish is not None
+    out["async_val"] = torch.equal(pend.wait(), torch.full((64,), float(n)))
+    return out
+
+
+def _check(results: list[dict], case: tuple) -> None:
+    for rank, res in enumerate(results):
+        r = res[case]
+        assert "error" not in r, f"rank {rank}: {r.get('error')}"
+        assert r["shape_ok"] and r["dtype_ok"], (rank, r)
+        if r["exact"]:
+            assert r["equal"], (rank, r)
+        else:
+            tol = (2e-2 if case[1] == "bfloat16" else 1e-5) * max(1.0, r["scale"])
+            assert r["max_err"] <= tol, (rank, r)
+
+
+@pytest.fixture(scope="module")
+def results4() -> list[dict]:
+    return run_world(4, "test_paro_cc:suite", {"m": 2, "cases": CASES})
+
+
+@pytest.fixture(scope="module")
+def results8() -> list[dict]:
+    return run_world(8, "test_paro_cc:suite", {"m": 4, "cases": CASES})
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_equals_flat_2x2(results4, case):
+    _check(results4, case)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_equals_flat_2x4(results8, case):
+    _check(results8, case)
+
+
+def test_stats_and_async(results4, results8):
+    for results, (g, m) in ((results4, (2, 2)), (results8, (2, 4))):
+        n = g * m
+        for r in results:
+            s = r["stats"]
+            assert s["count_inter"] == 4 and s["count_intra"] == 4, s
+            # inter AG of the shard: (g-1) * 1000 * 4 bytes; intra AG of g * 1000: (m-1) * g * 1000 * 4
+            assert s["bytes_inter"] == pytest.approx((g - 1) * 4000)
+            assert s["bytes_intra"] == pytest.approx((m - 1) * g * 4000)
+            assert r["async_ok"] and r["async_val"]
+            assert r["one_level_1"] and r[f"one_level_{n}"]
+            # intra RS(S) + intra AG(S) = 2 (m-1)/m S; inter AR(S/m) = 2 (g-1)/g S/m; S = m * 300 * 4 bytes
+            size = m * 300 * 4
+            assert r["stats_ar"]["intra"] == pytest.approx(2 * (m - 1) / m * size)
+            assert r["stats_ar"]["inter"] == pytest.approx(2 * (g - 1) / g * size / m)
+            assert n == len(results)
