@@ -43,6 +43,8 @@ import time  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
+from tools.emulate import local_tx_bytes  # noqa: E402
+
 RESULT_TAG = "PARO_BENCH_JSON "
 STRATEGIES = ("NNN", "NNG", "NGG", "GGG", "III", "NII", "NIG", "IIG", "IGG", "ING")
 BASELINES = ("fsdp2-zero3", "fsdp2-hsdp", "fsdp2-hpz", "ddp")
@@ -90,17 +92,6 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ---- worker ---------------------------------------------------------------------------------------
-def _tx(ifnames: list[str]) -> dict[str, int]:
-    out = {}
-    for name in ifnames:
-        try:
-            with open(f"/sys/class/net/{name}/statistics/tx_bytes") as f:
-                out[name] = int(f.read())
-        except OSError:
-            pass
-    return out
-
-
 @dataclass
 class Runner:
     name: str
@@ -254,13 +245,13 @@ def worker(args: argparse.Namespace) -> None:
 
     def timed(r: Runner, accum: int) -> tuple[float, dict[str, int]]:
         # counters before the barrier: after it node 0's other ranks may send before rank 0 reads
-        before = _tx(["lo", *uplinks]) if rank == 0 and on_emulator else {}
+        before = local_tx_bytes(["lo", *uplinks]) if rank == 0 and on_emulator else {}
         dist.barrier()
         t = time.perf_counter()
         r.step_fn(r.n_steps, accum)
         dt = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-        after = _tx(["lo", *uplinks]) if rank == 0 and on_emulator else {}
+        after = local_tx_bytes(["lo", *uplinks]) if rank == 0 and on_emulator else {}
         r.n_steps += 1
         return dt.item(), {k: after[k] - before[k] for k in after}
 

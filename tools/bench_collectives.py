@@ -35,6 +35,8 @@ import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
+from tools.emulate import local_tx_bytes  # noqa: E402
+
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 VARIANTS = ("flat", "paro", "paro1")
 RESULT_TAG = "BENCH_COLLECTIVES_JSON "
@@ -63,17 +65,6 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ---- the per-rank worker (under torchrun) --------------------------------------------------------
-def _tx_bytes(ifnames: list[str]) -> dict[str, int]:
-    out = {}
-    for name in ifnames:
-        try:
-            with open(f"/sys/class/net/{name}/statistics/tx_bytes") as f:
-                out[name] = int(f.read())
-        except OSError:
-            pass
-    return out
-
-
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -108,13 +99,13 @@ def worker(args: argparse.Namespace) -> None:
     def timed(kind: str, variant: str, x: torch.Tensor) -> tuple[float, dict[str, int]]:
         # counters first, then the barrier: after it, node 0's other ranks may start sending
         # before rank 0 gets to read them (the previous collective is complete on every rank)
-        before = _tx_bytes(ifnames) if rank == 0 else {}
+        before = local_tx_bytes(ifnames) if rank == 0 else {}
         dist.barrier()
         t0 = time.perf_counter()
         run(kind, variant, x)
         dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # also: every rank is done sending
-        after = _tx_bytes(ifnames) if rank == 0 else {}
+        after = local_tx_bytes(ifnames) if rank == 0 else {}
         return dt.item(), {k: after[k] - before[k] for k in after}
 
     variants = args.variants.split(",")
