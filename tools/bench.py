@@ -136,6 +136,13 @@ def worker(args: argparse.Namespace) -> None:
         t = t.to_local() if isinstance(t, DTensor) else t
         return t.numel() * t.element_size()
 
+    def _baseline_memory(model: Any, opt: Any) -> int:
+        """Model-state bytes of a baseline: P, G (same layout as P) and the optimizer's states."""
+        p = sum(local_bytes(x) for x in model.parameters())
+        os_ = sum(local_bytes(t) for st in opt.state.values() for t in st.values()
+                  if torch.is_tensor(t) and t.dim() > 0)
+        return 2 * p + os_
+
     # ---- builders ----
     def paro(strategy: str) -> Runner:
         model = paro_shard(make_model(), mesh, strategy)
@@ -182,13 +189,7 @@ def worker(args: argparse.Namespace) -> None:
             opt.zero_grad()
             return total
 
-        def memory() -> int:
-            p = sum(local_bytes(x) for x in model.parameters())
-            os_ = sum(local_bytes(t) for st in opt.state.values() for t in st.values()
-                      if torch.is_tensor(t) and t.dim() > 0)
-            return 2 * p + os_  # P, G (same layout as P), AdamW moments
-
-        return Runner(kind, "baseline", step, memory)
+        return Runner(kind, "baseline", step, lambda: _baseline_memory(model, opt))
 
     def ddp() -> Runner:
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -209,13 +210,8 @@ def worker(args: argparse.Namespace) -> None:
             opt.zero_grad()
             return total
 
-        def memory() -> int:
-            p = sum(local_bytes(x) for x in model.parameters())
-            os_ = sum(local_bytes(t) for st in opt.state.values() for t in st.values()
-                      if torch.is_tensor(t) and t.dim() > 0)
-            return 2 * p + os_  # (DDP's reducer buckets hold one more gradient copy, not counted)
-
-        return Runner("ddp", "baseline", step, memory)
+        # (DDP's reducer buckets hold one more gradient copy, not counted)
+        return Runner("ddp", "baseline", step, lambda: _baseline_memory(model, opt))
 
     # ---- advisor ----
     cluster, preds, pick = None, {}, None
