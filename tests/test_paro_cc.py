@@ -174,18 +174,17 @@ def test_equals_flat_2x4(results8, case):
 @pytest.mark.parametrize("shape", [(2, 2), pytest.param((2, 4), marks=pytest.mark.slow)], ids=["2x2", "2x4"])
 def test_stats_and_async(request, shape):
     results, (g, m) = request.getfixturevalue("results4" if shape == (2, 2) else "results8"), shape
-    if True:
-        n = g * m
-        for r in results:
-            s = r["stats"]
-            assert s["count_inter"] == 4 and s["count_intra"] == 4, s
-            # inter AG of the shard: (g-1) * 1000 * 4 bytes; intra AG of g * 1000: (m-1) * g * 1000 * 4
-            assert s["bytes_inter"] == pytest.approx((g - 1) * 4000)
-            assert s["bytes_intra"] == pytest.approx((m - 1) * g * 4000)
-            assert r["async_ok"] and r["async_val"]
-            assert r["one_level_1"] and r[f"one_level_{n}"]
-            # intra RS(S) + intra AG(S) = 2 (m-1)/m S; inter AR(S/m) = 2 (g-1)/g S/m; S = m * 300 * 4 bytes
-            size = m * 300 * 4
-            assert r["stats_ar"]["intra"] == pytest.approx(2 * (m - 1) / m * size)
-            assert r["stats_ar"]["inter"] == pytest.approx(2 * (g - 1) / g * size / m)
-            assert n == len(results)
+    n = g * m
+    for r in results:
+        s = r["stats"]
+        assert s["count_inter"] == 4 and s["count_intra"] == 4, s
+        # inter AG of the shard: (g-1) * 1000 * 4 bytes; intra AG of g * 1000: (m-1) * g * 1000 * 4
+        assert s["bytes_inter"] == pytest.approx((g - 1) * 4000)
+        assert s["bytes_intra"] == pytest.approx((m - 1) * g * 4000)
+        assert r["async_ok"] and r["async_val"]
+        assert r["one_level_1"] and r[f"one_level_{n}"]
+        # intra RS(S) + intra AG(S) = 2 (m-1)/m S; inter AR(S/m) = 2 (g-1)/g S/m; S = m * 300 * 4 bytes
+        size = m * 300 * 4
+        assert r["stats_ar"]["intra"] == pytest.approx(2 * (m - 1) / m * size)
+        assert r["stats_ar"]["inter"] == pytest.approx(2 * (g - 1) / g * size / m)
+        assert n == len(results)
