@@ -12,6 +12,7 @@ from .mesh import MeshInfo
 from .mixed_precision import MixedPrecision
 from .param_group import ParamRef, ParoParamGroup
 from .state import ParoBlock, ParoState
+from .traced import make_sink
 from .strategy import Level, PolicyLike, Strategy, resolve_policy
 
 
@@ -99,6 +100,8 @@ def paro_shard(
             ParoParamGroup(f"{name}:{s}", s, refs, info, comm, mp, reshard_after_forward, param_init_fn)
             for s, refs in by_strategy.items()
         ]
+        for g in groups:
+            g.sink = make_sink(g)
         block = ParoBlock(name, module, groups, state)
         block.is_root = module is model
         state.blocks.append(block)

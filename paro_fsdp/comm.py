@@ -8,12 +8,17 @@ reduce-scatter as an all-reduce, so its wire bytes are higher than counted here.
 """
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .mesh import MeshInfo
+
+if TYPE_CHECKING:
+    from .paro_cc import ParoCC
 
 _ops = torch.ops._c10d_functional
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
@@ -28,6 +33,8 @@ class CommStats:
         self._bytes: dict[tuple[str, str], float] = defaultdict(float)
 
     def record(self, kind: str, dim: str, nbytes: float) -> None:
+        if torch.compiler.is_compiling():  # a graph runs many times: passes/schedule.py counts graphs
+            return
         self._count[(kind, dim)] += 1
         self._bytes[(kind, dim)] += nbytes
 
@@ -64,11 +71,23 @@ class Pending:
 
 
 class MeshComm:
-    """Collectives over one mesh dimension ("intra", "inter") or all ranks ("global")."""
+    """Collectives over one mesh dimension ("intra", "inter") or all ranks ("global").
+
+    Global collectives of model states go through ``cc`` (PaRO-CC, ``paro_cc.py``): chunked
+    hierarchical intra + inter collectives on the same ops, recorded in the same ``stats``.
+    ``dim="global"`` here is the flat collective over the flattened mesh (small tensors: the
+    grad-norm scalar)."""
 
     def __init__(self, info: MeshInfo) -> None:
         self.info = info
         self.stats = CommStats()
+
+    @functools.cached_property
+    def cc(self) -> "ParoCC":
+        """The model's one PaRO-CC instance (shared by its groups, counting into ``stats``)."""
+        from .paro_cc import ParoCC  # paro_cc imports CommStats from here
+
+        return ParoCC(self.info, stats=self.stats)
 
     def _ring_bytes(self, kind: str, dim: str, numel: int, t: torch.Tensor) -> float:
         k = self.info.size(dim)

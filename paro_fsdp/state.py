@@ -21,6 +21,7 @@ from .comm import MeshComm
 from .hooks import Unshard, register_post_backward, register_pre_backward
 from .mesh import MeshInfo
 from .param_group import ParoParamGroup
+from .traced import unshard as traced_unshard
 
 
 class ParoBlock:
@@ -29,13 +30,14 @@ class ParoBlock:
     def __init__(self, name: str, module: nn.Module, groups: list[ParoParamGroup], model_state: "ParoState") -> None:
         self.name, self.module, self.groups, self.model_state = name, module, groups, model_state
         self.is_root = False
+        self.traced = False  # set once torch.compile has traced this block: no eager prefetch into it
 
     def gather(self, prefetch_next: bool = True, backward: bool = False) -> None:
         for g in self.groups:
             g.unshard()
         if prefetch_next:
             nxt = self.model_state.next_block(self, backward)
-            if nxt is not None:
+            if nxt is not None and not nxt.traced:
                 for g in nxt.groups:
                     g.issue_unshard()
 
@@ -50,6 +52,11 @@ class ParoBlock:
         # Inside backward, activation checkpointing is recomputing the block (hooks included):
         # run the same autograd Functions, so the recomputation saves what the forward saved,
         # but neither record the order nor prefetch.
+        if torch.compiler.is_compiling():  # the traced path: see traced.py
+            self.traced = True
+            for g in self.groups:
+                self._swap(g, traced_unshard(g))
+            return args, kwargs
         state = self.model_state
         if _in_backward():
             for g in self.groups:
@@ -68,6 +75,10 @@ class ParoBlock:
         return args, kwargs
 
     def post_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any):
+        if torch.compiler.is_compiling():
+            for g in self.groups:
+                self._swap(g, g.sharded_params)
+            return output
         if not _in_backward():  # a recomputation keeps the whole tensors until the block's backward ends
             for g in self.groups:
                 self._swap(g, g.sharded_params)
