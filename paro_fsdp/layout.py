@@ -11,7 +11,13 @@ A group of tensors moves as one flat buffer per level:
                      output of an intra all-gather and the input of an intra reduce-scatter;
   I     [sum_i]      this rank's intra shard of every tensor, padded to c rows;
   G     [sum_g]      this rank's global shard of every tensor, padded to the largest global
-                     shard inside its intra group, so all g ranks of an inter ring agree.
+                     shard of any rank, so every rank's G buffer has the same size (inter
+                     rings and the hierarchical global collectives both need that);
+  NESTED [m, g, sum_g] every rank's G buffer, block (l, k) = rank (k, l)'s: the output of a
+                     PaRO-CC global all-gather and the input of its global reduce-scatter
+                     (``paro_cc``, order "nested"). Block (l, k) holds rows of intra shard l, so
+                     NESTED <-> FULL / whole tensors needs every intra index's G layout
+                     (``g_starts_all`` / ``g_rows_all``), not only this rank's.
 """
 from __future__ import annotations
 
@@ -61,7 +67,9 @@ class TensorLayout:
     i_rows: int
     g_starts: list[int]  # per group index k: first row of (k, l)'s shard inside intra shard l
     g_rows: list[int]
-    g_pad: int  # padded rows of a global shard for this intra index
+    g_pad: int  # padded rows of a global shard: the largest of any rank
+    g_starts_all: list[list[int]]  # [l][k]: g_starts of intra index l (g_starts is row info.l)
+    g_rows_all: list[list[int]]  # [l][k]: g_rows of intra index l
     off_i: int = 0  # element offset in the I flat buffer
     off_g: int = 0  # element offset in the G flat buffer
 
@@ -89,6 +97,14 @@ class TensorLayout:
     def size_g(self) -> int:
         return self.g_pad * self.row
 
+    @property
+    def uniform(self) -> bool:
+        """Every rank's global shard has g_pad rows at k * g_pad of its intra shard (so
+        d0 = m * c = n * g_pad): NESTED <-> FULL is one strided copy and has no padding."""
+        g = len(self.g_rows)
+        return all(starts == [k * self.g_pad for k in range(g)] and rows == [self.g_pad] * g
+                   for starts, rows in zip(self.g_starts_all, self.g_rows_all))
+
 
 def tensor_layout(name: str, shape: torch.Size, info: MeshInfo) -> TensorLayout:
     d0 = shape[0] if len(shape) else 1
@@ -96,25 +112,34 @@ def tensor_layout(name: str, shape: torch.Size, info: MeshInfo) -> TensorLayout:
     for s in shape:
         numel *= s
     row = numel // d0 if d0 else 0
+    # every intra index's G layout (checked the same way on every rank, so all ranks agree on
+    # whether a size nests): the hierarchical global collectives move all of them
+    starts_all, rows_all = [], []
+    for l in range(info.m):  # noqa: E741
+        i_start, i_rows = _rows(d0, info, Level.I, 0, l)
+        g_starts, g_rows = [], []
+        cursor = i_start
+        for k in range(info.g):
+            start, rows = _rows(d0, info, Level.G, k, l)
+            if rows and start != cursor:
+                raise ValueError(
+                    f"parameter {name!r} (dim 0 = {d0}) cannot be sharded globally on a "
+                    f"{info.g}x{info.m} mesh: DTensor's strided layout of it is not nested in the intra "
+                    f"shard. Give it a strategy without level G (policy={{'{name}': 'III', ...}}) or "
+                    f"make dim 0 divisible by the world size {info.n}."
+                )
+            g_starts.append(cursor - i_start)
+            g_rows.append(rows)
+            cursor += rows
+        if cursor != i_start + i_rows:
+            raise ValueError(f"parameter {name!r}: global shards do not tile its intra shard on this mesh")
+        starts_all.append(g_starts)
+        rows_all.append(g_rows)
     i_start, i_rows = _rows(d0, info, Level.I, 0, info.l)
-    g_starts, g_rows = [], []
-    cursor = i_start
-    for k in range(info.g):
-        start, rows = _rows(d0, info, Level.G, k, info.l)
-        if rows and start != cursor:
-            raise ValueError(
-                f"parameter {name!r} (dim 0 = {d0}) cannot be sharded globally on a "
-                f"{info.g}x{info.m} mesh: DTensor's strided layout of it is not nested in the intra "
-                f"shard. Give it a strategy without level G (policy={{'{name}': 'III', ...}}) or "
-                f"make dim 0 divisible by the world size {info.n}."
-            )
-        g_starts.append(cursor - i_start)
-        g_rows.append(rows)
-        cursor += rows
-    if cursor != i_start + i_rows:
-        raise ValueError(f"parameter {name!r}: global shards do not tile its intra shard on this mesh")
     c = -(-d0 // info.m)
-    return TensorLayout(name, shape, d0, row, c, i_start, i_rows, g_starts, g_rows, max(g_rows))
+    g_pad = max(max(r) for r in rows_all)
+    return TensorLayout(name, shape, d0, row, c, i_start, i_rows, starts_all[info.l], rows_all[info.l], g_pad,
+                        starts_all, rows_all)
 
 
 class FlatLayout:
@@ -204,6 +229,61 @@ class FlatLayout:
                 n = t.g_rows[k] * t.row
                 s = t.off_i + t.g_starts[k] * t.row
                 out[s : s + n].copy_(src2[k, t.off_g : t.off_g + n])
+        return out
+
+    # NESTED <-> FULL / whole tensors (the PaRO-CC global collectives) ---------------------
+    @property
+    def nested_uniform(self) -> bool:
+        """NESTED has no padding and maps to FULL by strided copies (sizes n divides)."""
+        return all(t.uniform for t in self.tensors)
+
+    def numel_nested(self) -> int:
+        return self.info.n * self.sum_g
+
+    def _nested_pairs(self, nested: torch.Tensor, base: torch.Tensor, t: TensorLayout):
+        """Matching (NESTED piece, whole-tensor piece) views of tensor ``t``: ``base`` is its
+        [m, c * row] rows (a whole padded tensor, or its columns of a FULL buffer)."""
+        m, g = self.info.m, self.info.g
+        part = nested.view(m, g, self.sum_g)[:, :, t.off_g : t.off_g + t.size_g]
+        if t.uniform:
+            yield part, base.view(m, g, t.size_g)
+            return
+        for l in range(m):  # noqa: E741
+            for k in range(g):
+                rows, start = t.g_rows_all[l][k], t.g_starts_all[l][k]
+                if rows:
+                    yield part[l, k, : rows * t.row], base[l, start * t.row : (start + rows) * t.row]
+
+    def _full_cols(self, full: torch.Tensor, t: TensorLayout) -> torch.Tensor:
+        return full.view(self.info.m, self.sum_i)[:, t.off_i : t.off_i + t.size_i]
+
+    def copy_out_nested(self, nested: torch.Tensor, t: TensorLayout, dst: torch.Tensor) -> None:
+        """Write tensor ``t`` from a NESTED buffer into ``dst`` (at least m * c rows, padded)."""
+        for src, out in self._nested_pairs(nested, dst[: self.info.m * t.size_i].view(self.info.m, t.size_i), t):
+            out.copy_(src)
+
+    def copy_in_nested(self, nested: torch.Tensor, t: TensorLayout, src: torch.Tensor) -> None:
+        """Write the whole tensor ``src`` into a NESTED buffer (its padding is left as it is)."""
+        m, c, row = self.info.m, t.c, t.row
+        src = src.reshape(t.d0, row)
+        if t.d0 != m * c:
+            src = torch.cat([src, src.new_zeros(m * c - t.d0, row)])
+        for dst, piece in self._nested_pairs(nested, src.view(m, t.size_i), t):
+            dst.copy_(piece)
+
+    def full_to_nested(self, full: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """FULL [m, sum_i] -> NESTED [m, g, sum_g] (``out`` zeroed by the caller where
+        ``nested_uniform`` is false, if its padding matters)."""
+        for t in self.tensors:
+            for dst, src in self._nested_pairs(out, self._full_cols(full, t), t):
+                dst.copy_(src)
+        return out
+
+    def nested_to_full(self, nested: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """NESTED [m, g, sum_g] -> FULL [m, sum_i] (padding rows of ``out`` are not written)."""
+        for t in self.tensors:
+            for src, dst in self._nested_pairs(nested, self._full_cols(out, t), t):
+                dst.copy_(src)
         return out
 
     def full_to_i(self, full: torch.Tensor) -> torch.Tensor:

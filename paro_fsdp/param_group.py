@@ -7,6 +7,10 @@ A group owns, per rank:
   OS    the fp32 master shard at the OS level (the optimizer's parameters; its states follow).
 Trainable tensors come first in the P buffer so its I and G prefixes line up with the
 trainable-only buffers of G and OS, and master -> P is one flat copy when levels agree.
+
+Collectives over one mesh dimension go through ``MeshComm``; every *global* one (P=G gather,
+G=G reduction, G=N -> OS=G / OS=N, G -> N) is one PaRO-CC call (``comm.cc``, chunked intra +
+inter phases), on NESTED buffers (layout.py) so no rank order has to be fixed up afterwards.
 """
 from __future__ import annotations
 
@@ -19,13 +23,14 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from .comm import MeshComm, Pending
+from .paro_cc import HierPending
 from .layout import FlatLayout, TensorLayout, placements, tensor_layout
 from .mesh import MeshInfo
 from .mixed_precision import MixedPrecision
 from .strategy import Level, Strategy
 
 
-Steps = Generator[Pending, torch.Tensor, None]  # yields issued collectives, receives their results
+Steps = Generator[Pending | HierPending, torch.Tensor, None]  # yields issued collectives, receives their results
 
 
 def drive(sequences: list[Steps]) -> None:
@@ -136,35 +141,36 @@ class ParoParamGroup:
             for b in self.full_bufs:
                 b.untyped_storage().resize_(0)
         self.state = ShardState.UNSHARDED if P == Level.N else ShardState.SHARDED
-        self._pending: Pending | None = None
+        self._pending: Pending | HierPending | None = None
         self.grad_acc: torch.Tensor | None = None  # allocated at the first backward
-        self._pending_rs: Pending | None = None
+        self._pending_rs: Pending | HierPending | None = None
         self.grads_ready = False  # reduced to the OS level and handed to the master params
         self.has_grads = False  # at least one backward reached this group since the last step
 
     # ---- parameters: shard <-> whole -----------------------------------------------------
     def issue_unshard(self) -> None:
-        """Start the first collective of the all-gather (used to prefetch)."""
+        """Start the all-gather (used to prefetch): P=I the intra all-gather; P=G the global
+        PaRO-CC all-gather, whose inter phase is in flight until ``unshard`` waits."""
         if self.state != ShardState.SHARDED:
             return
-        P = self.strategy.p
-        self._pending = self.comm.all_gather(self.p_flat, "inter" if P == Level.G else "intra")
+        if self.strategy.p == Level.G:
+            self._pending = self.comm.cc.all_gather(self.p_flat, order="nested")
+        else:
+            self._pending = self.comm.all_gather(self.p_flat, "intra")
         self.state = ShardState.GATHERING
 
     def unshard(self) -> None:
         if self.state == ShardState.UNSHARDED:
             return
         self.issue_unshard()
-        gathered = self._pending.wait()
+        gathered = self._pending.wait()  # FULL (P=I) or NESTED (P=G)
         self._pending = None
         layout = self.p_layout
-        if self.strategy.p == Level.G:
-            flat_i = layout.inter_to_i(gathered, torch.empty(layout.sum_i, dtype=gathered.dtype, device=self.device))
-            gathered = self.comm.all_gather(flat_i, "intra").wait()
+        copy_out = layout.copy_out_nested if self.strategy.p == Level.G else layout.copy_out
         for b, t in zip(self.full_bufs, layout.tensors):
             b.untyped_storage().resize_(b.numel() * b.element_size())
             with torch.autograd._unsafe_preserve_version_counter(b):
-                layout.copy_out(gathered, t, b)
+                copy_out(gathered, t, b)
         self.state = ShardState.UNSHARDED
 
     def reshard(self) -> None:
@@ -192,7 +198,16 @@ class ParoParamGroup:
                 if grad is not None:
                     layout.copy_in(self.grad_acc, t, grad.to(dt), add=True)
             return
-        dense = all(g_ is not None for g_ in grads) and all(t.d0 == self.info.m * t.c for t in layout.tensors)
+        present = all(g_ is not None for g_ in grads)
+        if G == Level.G:  # global PaRO-CC reduce-scatter of a NESTED buffer: its intra phase starts now
+            dense = present and layout.nested_uniform
+            buf = (torch.empty if dense else torch.zeros)(layout.numel_nested(), dtype=dt, device=self.device)
+            for t, grad in zip(layout.tensors, grads):
+                if grad is not None:
+                    layout.copy_in_nested(buf, t, grad.to(dt))
+            self._pending_rs = self.comm.cc.reduce_scatter(buf, order="nested")
+            return
+        dense = present and all(t.d0 == self.info.m * t.c for t in layout.tensors)
         full = (torch.empty if dense else torch.zeros)(layout.numel(Level.N), dtype=dt, device=self.device)
         for t, grad in zip(layout.tensors, grads):
             if grad is not None:
@@ -202,12 +217,8 @@ class ParoParamGroup:
     def finish_grad_reduction(self) -> None:
         if self._pending_rs is None:
             return
-        shard = self._pending_rs.wait()
+        shard = self._pending_rs.wait()  # G=G: issues the inter phase and waits for it
         self._pending_rs = None
-        if self.strategy.g == Level.G:
-            layout, dt = self.t_layout, self.mp.grad_dtype
-            buf = layout.i_to_inter(shard, torch.empty(self.info.g * layout.sum_g, dtype=dt, device=self.device))
-            shard = self.comm.reduce_scatter(buf, "inter").wait()
         self.grad_acc.add_(shard)
 
     # ---- the accumulation boundary ---------------------------------------------------------
@@ -223,6 +234,12 @@ class ParoParamGroup:
         acc = self.grad_acc if self.grad_acc is not None else layout.new(G, dt, self.device)
         if G == Level.G:
             reduced, level = acc, Level.G
+        elif G == Level.N and OS == Level.G:  # global reduce-scatter (PaRO-CC)
+            empty = torch.empty if layout.nested_uniform else torch.zeros
+            nested = layout.full_to_nested(acc, empty(layout.numel_nested(), dtype=dt, device=self.device))
+            reduced, level = (yield self.comm.cc.reduce_scatter(nested, order="nested")), Level.G
+        elif G == Level.N and OS == Level.N:  # global all-reduce (PaRO-CC), elementwise on FULL
+            reduced, level = (yield self.comm.cc.all_reduce(acc)), Level.N
         else:  # to I, still partial over inter
             part = (yield self.comm.reduce_scatter(acc, "intra")) if G == Level.N else acc
             if OS == Level.G:
@@ -245,6 +262,9 @@ class ParoParamGroup:
 
     def _move_up(self, layout: FlatLayout, flat: torch.Tensor, level: Level, target: Level) -> Steps:
         """All-gather a flat buffer from ``level`` to the coarser ``target`` (G -> I -> N)."""
+        if level == Level.G and target == Level.N:  # global all-gather (PaRO-CC) -> NESTED -> FULL
+            nested = yield self.comm.cc.all_gather(flat, order="nested")
+            return layout.nested_to_full(nested, torch.empty(layout.numel(Level.N), dtype=flat.dtype, device=self.device))
         if level == Level.G and target != Level.G:
             gathered = yield self.comm.all_gather(flat, "inter")
             flat = layout.inter_to_i(gathered, torch.empty(layout.sum_i, dtype=flat.dtype, device=self.device))

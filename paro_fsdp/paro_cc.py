@@ -34,16 +34,19 @@ Every collective issued is recorded in an optional ``CommStats`` under "intra" /
 the same ring formula as ``MeshComm``, so the engine's ledger stays truthful when it switches
 (bytes are exactly those of the unchunked hierarchy; counts grow with the chunks).
 
-How the engine uses it (param_group.py issues every global collective as two or three
-dependent calls today; each becomes one call, with ``cc = ParoCC(info, stats=comm.stats)``):
-  * global all-gather of a G buffer (unshard with P=G, ``_move_up`` G -> N):
-        pending = cc.all_gather(g_flat, order="nested")       # issue_unshard: inter phase in flight
-        nested = pending.wait()                                # [m][g][sum_g], rank (k, l) at l*g+k
-    then per intra row l apply ``FlatLayout.inter_to_i`` to nested.view(m, g * sum_g)[l] to get
-    the FULL buffer [m, sum_i] (today it is applied once, between the two all-gathers).
+How the engine uses it (param_group.py; one ``ParoCC`` per model, ``MeshComm.cc``, counting into
+the model's ``CommStats``): every global collective of model states is one call, on the NESTED
+buffers of ``layout.FlatLayout`` ([m][g][sum_g], block (l, k) = rank (k, l)'s G buffer, one size
+on every rank):
+  * global all-gather of a G buffer (unshard with P=G; G -> N at the boundary):
+        pending = cc.all_gather(g_flat, order="nested")   # issue_unshard: inter phase in flight
+        nested = pending.wait()                            # NESTED
+    then ``copy_out_nested`` (into the whole tensors) or ``nested_to_full`` (a FULL buffer).
+    These use every intra index's G layout: with sizes n does not divide, intra shard l' splits
+    into global shards differently from this rank's l, so this rank's own layout is not enough.
   * global reduce-scatter to a G buffer (G=G each micro-step; G=N -> OS=G at the boundary):
-    lay the FULL buffer out as [m][g][sum_g] (``i_to_inter`` on each of its m rows), then
-        shard = cc.reduce_scatter(nested_full, order="nested").wait()   # [sum_g], the G buffer
+    ``copy_in_nested`` of the gradients (or ``full_to_nested`` of a FULL buffer), then
+        shard = cc.reduce_scatter(nested, order="nested").wait()   # [sum_g], the G buffer
   * global all-reduce (G=N -> OS=N): ``cc.all_reduce(acc).wait()`` replaces intra RS + inter
     AR + intra AG; it is elementwise, so the FULL layout is untouched.
 ``HierPending`` has ``wait()`` like ``comm.Pending``, so it can be yielded to ``drive``. Its later

@@ -31,6 +31,26 @@ def train_cases(cases: list[tuple]) -> dict[tuple, dict[str, Any]]:
     return out
 
 
+def chunked_cases(cases: list[tuple]) -> dict[tuple, dict[str, Any]]:
+    """(strategy, group_size, accum, chunk_bytes, "tiny" | "odd"): the engine's global
+    collectives cut into PaRO-CC chunks, on the tiny model or on one with uneven shards."""
+    from workloads import ODD, TINY
+
+    out = {}
+    for case in cases:
+        strategy, group_size, accum, chunk_bytes, model_name = case
+        model, _, losses = train_paro(strategy, group_size, accum, args={"tiny": TINY, "odd": ODD}[model_name],
+                                      chunk_bytes=chunk_bytes)
+        stats = model.comm_stats()
+        out[case] = {
+            "losses": losses,
+            "params": full_params(model),
+            "comm": {key: stats.bytes(*key.split("/")) / STEPS for key in stats.as_dict()},
+            "counts": {key: stats.count(*key.split("/")) for key in stats.as_dict()},
+        }
+    return out
+
+
 def profile_cases(cases: list[tuple[str, int, int]]) -> dict[tuple, dict[str, Any]]:
     """Count collectives from torch.profiler's records of the ops actually dispatched, beside
     the engine's own ledger, for one optimizer step. The mesh dimension is read from the
@@ -167,6 +187,8 @@ def suite(payload: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if "train" in payload:
         out["train"] = train_cases(payload["train"])
+    if "chunked" in payload:
+        out["chunked"] = chunked_cases(payload["chunked"])
     if "profile" in payload:
         out["profile"] = profile_cases(payload["profile"])
     if "bf16" in payload:

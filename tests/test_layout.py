@@ -73,3 +73,40 @@ def test_flat_round_trips(g, m):
         back = lay.inter_to_i(inter, torch.zeros(lay.sum_i))
         for t, x in zip(lay.tensors, fulls):
             assert torch.equal(lay.local_view(back, t, Level.I), t.local_slice(x, Level.I, k))
+
+
+@pytest.mark.parametrize("g,m", MESHES)
+def test_nested_buffers_hold_every_ranks_g_buffer(g, m):
+    """NESTED block (l, k) is rank (k, l)'s G buffer, for uneven sizes too (where ranks of
+    different intra index have different global shards): the PaRO-CC global collectives move
+    these buffers, so every rank's G buffer must have one size and NESTED <-> FULL / whole
+    tensors must use every intra index's layout."""
+    shapes = [torch.Size(s) for s in [(16, 3), (8,)] + [(d,) for d in (5, 9, 1, 7, 13) if nested(d, g, m)] + [(24, 2)]]
+    fulls = [torch.randn(s) for s in shapes]
+    n = g * m
+    lays = {}
+    for k, l in itertools.product(range(g), range(m)):
+        inf = info(g, m, k, l)
+        lays[k, l] = FlatLayout([tensor_layout(f"t{i}", s, inf) for i, s in enumerate(shapes)], inf)
+    assert len({lay.sum_g for lay in lays.values()}) == 1  # one G size on every rank
+    sum_g = lays[0, 0].sum_g
+    expected = torch.zeros(n * sum_g)
+    for (k, l), lay in lays.items():  # rank (k, l)'s G buffer at block l * g + k
+        block = expected[(l * g + k) * sum_g : (l * g + k + 1) * sum_g]
+        for t, x in zip(lay.tensors, fulls):
+            lay.local_view(block, t, Level.G).copy_(t.local_slice(x, Level.G, k))
+    for lay in lays.values():  # every rank computes the same NESTED buffer
+        nest = torch.zeros(lay.numel_nested())
+        full_flat = lay.new(Level.N, torch.float32, torch.device("cpu"))
+        for t, x in zip(lay.tensors, fulls):
+            lay.copy_in_nested(nest, t, x)
+            lay.copy_in(full_flat, t, x)
+        assert torch.equal(nest, expected)
+        assert torch.equal(lay.full_to_nested(full_flat, torch.zeros(lay.numel_nested())), expected)
+        back = lay.nested_to_full(expected, torch.zeros(lay.numel(Level.N)))
+        assert torch.equal(back, full_flat)
+        for t, x in zip(lay.tensors, fulls):
+            out = torch.empty(m * t.size_i)
+            lay.copy_out_nested(expected, t, out)
+            assert torch.equal(out[: x.numel()].view(x.shape), x)
+    assert lays[0, 0].nested_uniform == all(d0 % n == 0 for d0 in (s[0] for s in shapes))

@@ -8,7 +8,7 @@ import torch
 from dist_harness import run_world
 from paro_fsdp import ALL_STRATEGIES, Strategy
 from paro_fsdp.ledger import formula_bytes, formula_memory
-from workloads import make_model, reference
+from workloads import ODD, make_model, reference
 
 WORLD = 4
 CASES = [(s, 2, a) for s in ALL_STRATEGIES for a in (1, 3)]
@@ -17,13 +17,19 @@ CASES = [(s, 2, a) for s in ALL_STRATEGIES for a in (1, 3)]
 BF16 = ["IIG", "GGG", "NNN"]
 META = ["IIG", "GGG", "NNN"]
 AC = [(s, 2, 3, "outer") for s in ("IIG", "GGG", "NIG", "ING")]
+# every global (PaRO-CC) path of the engine: P=G gather (GGG, GNN), G=G reduce-scatter (GGG, NGN),
+# G=N -> OS=G reduce-scatter (NNG, ING), G=N -> OS=N all-reduce (NNN, GNN), G -> N all-gather
+# (NGN at the boundary, NNG for the params); cut into several chunks, on even and uneven shards
+GLOBAL_PATHS = ["GGG", "NNG", "NNN", "NGN", "ING", "GNN"]
+CHUNKED = [(s, 2, 3, 512, "tiny") for s in GLOBAL_PATHS] + [(s, 2, 1, 512, "odd") for s in GLOBAL_PATHS] \
+    + [(s, 2, 1, None, "odd") for s in GLOBAL_PATHS]
 
 
 @pytest.fixture(scope="module")
 def world_results(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("dcp"))
     return run_world(WORLD, "cases:suite", {"train": CASES + AC, "bf16": BF16, "errors": True, "dcp": ("IIG", "NGI", folder),
-                                                "meta": META})
+                                                "meta": META, "chunked": CHUNKED})
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +40,11 @@ def results(world_results):
 @pytest.fixture(scope="module")
 def refs():
     return {a: reference(WORLD, a) for a in (1, 3)}
+
+
+@pytest.fixture(scope="module")
+def odd_ref():
+    return reference(WORLD, 1, ODD)
 
 
 def check_against_reference(got: dict, ref: dict) -> None:
@@ -159,3 +170,16 @@ def test_meta_device_model_is_materialised_shard_by_shard(world_results, strateg
     for name in whole:
         torch.testing.assert_close(lazy[name], whole[name], rtol=0, atol=0, msg=name)
     assert got["loss"][0] == got["loss"][1]
+
+
+@pytest.mark.parametrize("case", CHUNKED, ids=[f"{s}-A{a}-{'c' + str(c) if c else 'unchunked'}-{mod}" for s, _, a, c, mod in CHUNKED])
+def test_global_collectives_through_paro_cc_chunks_and_uneven_shards(world_results, refs, odd_ref, case):
+    """Global collectives run as PaRO-CC chunks: same numbers as the reference, and (even
+    shards) the same bytes as the spec's ledger; only the count of collectives grows."""
+    strategy, group, accum, chunk_bytes, model_name = case
+    got = world_results[0]["chunked"][case]
+    check_against_reference(got, refs[accum] if model_name == "tiny" else odd_ref)
+    if model_name == "tiny":
+        check_ledger(got, strategy, WORLD, group, accum)
+        unchunked = world_results[0]["train"][(strategy, group, accum)]["counts"]
+        assert sum(got["counts"].values()) > sum(unchunked.values()), (got["counts"], unchunked)

@@ -11,6 +11,9 @@ from paro_fsdp import MixedPrecision, ParoOptimizer, init_paro_mesh, paro_shard
 from paro_fsdp.models.llama import Llama, LlamaArgs
 
 TINY = LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_dim=48, max_seq_len=32)
+# dim 0 of the embeddings, the output and w1 / w3 not divisible by 4 or 8 ranks: shards of
+# different ranks differ in size (padding in the flat buffers, uneven PaRO-CC blocks)
+ODD = LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=67, ffn_dim=45, max_seq_len=32)
 FROZEN = ("layers.0.attention.wq.weight", "layers.1.ffn_norm.weight", "norm.weight")
 B, T, STEPS, LR, MAX_NORM = 2, 8, 3, 1e-3, 0.5
 
@@ -29,15 +32,15 @@ def batch(rank: int, step: int, micro: int, args: LlamaArgs = TINY) -> torch.Ten
     return torch.randint(0, args.vocab_size, (B, T + 1), generator=gen)
 
 
-def reference(world: int, accum: int) -> dict[str, Any]:
+def reference(world: int, accum: int, args: LlamaArgs = TINY) -> dict[str, Any]:
     """Single process, global batch = every rank's micro-batch side by side."""
-    model = make_model()
+    model = make_model(args=args)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.1)
     losses = []
     for step in range(STEPS):
         total = 0.0
         for a in range(accum):
-            x = torch.cat([batch(r, step, a) for r in range(world)])
+            x = torch.cat([batch(r, step, a, args) for r in range(world)])
             loss = model(x).loss / accum
             loss.backward()
             total += loss.item()
@@ -60,12 +63,16 @@ def checkpoint_blocks(model: Llama) -> None:
 
 
 def train_paro(strategy, group_size: int, accum: int, mp: MixedPrecision | None = None, steps: int = STEPS,
-               ac: str | None = None):
+               ac: str | None = None, args: LlamaArgs = TINY, chunk_bytes: int | None = None):
+    """``chunk_bytes``: PaRO-CC chunk size (the default leaves this tiny model's global
+    collectives in one chunk; a few hundred bytes cuts them into several)."""
     mesh = init_paro_mesh(group_size)
-    model = make_model()
+    model = make_model(args=args)
     if ac:
         checkpoint_blocks(model)
     model = paro_shard(model, mesh, strategy, mp=mp)
+    if chunk_bytes is not None:
+        model._paro_state.comm.cc.chunk_bytes = chunk_bytes
     opt = ParoOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=0.1)
     rank, world = dist.get_rank(), dist.get_world_size()
     losses = []
@@ -73,7 +80,7 @@ def train_paro(strategy, group_size: int, accum: int, mp: MixedPrecision | None 
     for step in range(steps):
         total = torch.zeros(())
         for a in range(accum):
-            loss = model(batch(rank, step, a)).loss / accum
+            loss = model(batch(rank, step, a, args)).loss / accum
             loss.backward()
             total += loss.detach().float()
         norm = opt.clip_grad_norm_(MAX_NORM)
