@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 NPROC ?= 4
 CONFIG ?= train_configs/debug_paro.toml
 
-.PHONY: install test test-all train estimate bench clean
+.PHONY: install test test-all train estimate bench bench-fsdp2 clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -32,7 +32,16 @@ train: install
 estimate: install
 	$(PY) -m tools.estimate --model llama7b --world 64 --group 8
 
+# The headline benchmark (README "Benchmark"): PaRO's strategies vs FSDP2 and DDP on an emulated
+# 2 nodes x 2 ranks cluster at 200 Mbit/s (network namespaces: needs root), full training with
+# A = 1 and 4, then partial training (1 of 4 layers trainable). About 4 minutes on 2 cores.
+BENCH_OUT ?= outputs/bench
 bench: install
+	$(PY) -m tools.bench --out-dir $(BENCH_OUT)/full
+	$(PY) -m tools.bench --quick --trainable 0.0625 --out-dir $(BENCH_OUT)/partial
+
+# PaRO GGG / III vs FSDP2 full shard / HSDP on 4 plain gloo ranks (no emulator, no root)
+bench-fsdp2: install
 	$(PY) -m tools.bench_vs_fsdp2
 
 clean:
