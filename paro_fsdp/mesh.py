@@ -46,6 +46,11 @@ def init_paro_mesh(group_size: int, backend: str | None = None) -> DeviceMesh:
 _MESHES: dict[tuple[int, int], tuple[object, DeviceMesh]] = {}
 
 
+#: c10d group name -> (mesh dimension, the MeshInfo it belongs to): how the graph passes tell an
+#: intra collective from an inter or global one, given only the group name in the graph
+GROUPS: dict[str, tuple[str, "MeshInfo"]] = {}
+
+
 @dataclass
 class MeshInfo:
     """Sizes, coordinates and process-group names the engine needs, read once from the mesh."""
@@ -72,7 +77,10 @@ class MeshInfo:
             k, l = mesh.get_coordinate()
             names = {dim: mesh.get_group(dim).group_name for dim in MESH_DIMS}
             names["global"] = mesh[MESH_DIMS]._flatten().get_group().group_name
-        return cls(mesh, mesh.size(0), mesh.size(1), k, l, names)
+        info = cls(mesh, mesh.size(0), mesh.size(1), k, l, names)
+        for dim, name in names.items():
+            GROUPS[name] = (dim, info)
+        return info
 
     def size(self, dim: str) -> int:
         return {"intra": self.m, "inter": self.g, "global": self.n}[dim]

@@ -28,45 +28,49 @@ if TYPE_CHECKING:
     from .param_group import ParoParamGroup
 
 
-def gather_full(group: "ParoParamGroup") -> torch.Tensor:
-    """The group's FULL buffer [m * sum_i] (whole tensors, padded, rank-major), from P = I or G."""
+def _whole(t, rows: torch.Tensor, numel: int, shape: torch.Size) -> torch.Tensor:
+    return rows.reshape(-1)[:numel].view(shape)
+
+
+def gather_whole(group: "ParoParamGroup") -> list[torch.Tensor]:
+    """The group's whole tensors, gathered from P = I (one intra all-gather) or P = G (one
+    global all-gather). One slice-and-copy per tensor: few, large ops keep compile time low."""
     layout, info, comm = group.p_layout, group.info, group.comm
+    shapes = [(ref.param.numel(), ref.param.shape) for ref in group.refs]
     if group.strategy.p == Level.I:
-        return comm.all_gather(group.p_flat, "intra").wait()
+        rows = comm.all_gather(group.p_flat, "intra").wait().view(info.m, layout.sum_i)
+        return [_whole(t, rows[:, t.off_i : t.off_i + t.size_i], *s) for t, s in zip(layout.tensors, shapes)]
     gathered = comm.all_gather(group.p_flat, "global").wait()  # [k][l][sum_g], flat rank order
-    nested = gathered.view(info.g, info.m, layout.sum_g)
-    full = torch.empty(info.m, layout.sum_i, dtype=gathered.dtype, device=gathered.device)
-    for l in range(info.m):  # noqa: E741 - row l of FULL is intra shard l: its g global shards
-        layout.inter_to_i(nested[:, l].reshape(-1), full[l])
-    return full.view(-1)
-
-
-def whole_tensors(group: "ParoParamGroup", full: torch.Tensor) -> list[torch.Tensor]:
-    layout, m = group.p_layout, group.info.m
-    rows = full.view(m, layout.sum_i)
-    return [rows[:, t.off_i : t.off_i + t.size_i].reshape(-1)[: ref.param.numel()].view(ref.param.shape)
-            for t, ref in zip(layout.tensors, group.refs)]
+    if layout.nested_uniform:  # intra shard l of a tensor = its g global shards [k][l] in k order
+        blocks = gathered.view(info.g, info.m, layout.sum_g).transpose(0, 1)
+        return [_whole(t, blocks[:, :, t.off_g : t.off_g + t.size_g], *s) for t, s in zip(layout.tensors, shapes)]
+    nested = gathered.view(info.g, info.m, layout.sum_g).transpose(0, 1).contiguous()  # [l][k][sum_g]
+    full = layout.nested_to_full(nested, torch.zeros(info.m, layout.sum_i, dtype=gathered.dtype, device=gathered.device))
+    return [_whole(t, full[:, t.off_i : t.off_i + t.size_i], *s) for t, s in zip(layout.tensors, shapes)]
 
 
 def reduce_to_g(group: "ParoParamGroup", grads: list[torch.Tensor | None]) -> torch.Tensor:
     """Sum the whole-tensor gradients over the ranks that share the G-level shard, laid out as
-    the group's G buffer (FULL for G = N)."""
+    the group's G buffer (FULL for G = N). The FULL buffer is one ``cat`` of padded gradients."""
     layout, info, comm, dt = group.t_layout, group.info, group.comm, group.mp.grad_dtype
-    full = torch.zeros(layout.numel(Level.N), dtype=dt, device=group.device)
+    G, m, g = group.strategy.g, info.m, info.g
+    nested = G == Level.G and layout.nested_uniform
+    parts = []
     for t, grad in zip(layout.tensors, grads):
-        if grad is not None:
-            layout.copy_in(full, t, grad.to(dt))
-    G = group.strategy.g
+        x = grad.to(dt).reshape(t.d0, t.row) if grad is not None else \
+            torch.zeros(t.d0, t.row, dtype=dt, device=group.device)
+        if t.d0 != m * t.c:
+            x = torch.nn.functional.pad(x, (0, 0, 0, m * t.c - t.d0))
+        parts.append(x.view(m, g, t.size_g) if nested else x.view(m, t.size_i))
+    if nested:  # block k * m + l of the flat order = sub-shard k of intra shard l
+        return comm.reduce_scatter(torch.cat(parts, dim=2).transpose(0, 1).reshape(-1), "global").wait()
+    full = torch.cat(parts, dim=1)
     if G == Level.N:
-        return full
+        return full.view(-1)
     if G == Level.I:
-        return comm.reduce_scatter(full, "intra").wait()
-    rows = full.view(info.m, layout.sum_i)
-    nested = torch.empty(info.m, info.g, layout.sum_g, dtype=dt, device=group.device)
-    for l in range(info.m):  # noqa: E741
-        layout.i_to_inter(rows[l], nested[l].view(-1))
-    flat_order = nested.transpose(0, 1).contiguous().view(-1)  # block k * m + l = nested[l][k]
-    return comm.reduce_scatter(flat_order, "global").wait()
+        return comm.reduce_scatter(full.view(-1), "intra").wait()
+    inter = layout.full_to_nested(full, torch.zeros(m, g, layout.sum_g, dtype=dt, device=group.device))
+    return comm.reduce_scatter(inter.transpose(0, 1).reshape(-1), "global").wait()
 
 
 class GatherForCompute(torch.autograd.Function):
@@ -77,7 +81,7 @@ class GatherForCompute(torch.autograd.Function):
         ctx.group, ctx.n = group, len(p)
         if group.strategy.p == Level.N:
             return tuple(t.view_as(t) for t in p)
-        return tuple(whole_tensors(group, gather_full(group)))
+        return tuple(gather_whole(group))
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]

@@ -1,1 +1,121 @@
-"""Graph passes for torch.compile over the engine's collectives (the compile issue; not implemented yet)."""
+"""Graph passes over the engine's collectives under torch.compile, run by inductor after its
+post-grad passes on every forward and backward graph.
+
+    import passes
+    record = passes.install(["bucketing", "hierarchical", "reorder"])   # before torch.compile
+    model = torch.compile(paro_model)
+    ...
+    print(record.report())          # each graph's collective schedule before and after
+
+Each pass is a small function of the graph, registered here by name and switchable one by one
+(from Python here, from the trainer's ``[compile] passes``). They run in the fixed order of
+``ORDER`` (bucket first so the hierarchy splits whole buckets; reorder last, on the final set of
+collectives). The installed object is an inductor ``CustomGraphPass`` whose uuid hashes the
+pass names, options and this package's source, so the FX-graph cache never replays a graph made
+with other passes (custom passes are skipped on cache hits).
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from .bucketing import bucket_collectives
+from .graph import collectives, phase_of
+from .hierarchical import hierarchical_collectives
+from .reorder import reorder_for_overlap
+from .schedule import Event, as_dicts, render_png, render_text, schedule, summary
+
+ORDER = ("bucketing", "hierarchical", "reorder")
+
+
+@dataclass
+class PassOptions:
+    max_prefetch_bytes: int | None = None  # reorder: bound on gathered bytes in flight (None: none)
+    chunk_bytes: int = 8 << 20  # hierarchical: target bytes per chunk
+    max_chunks: int = 8
+    dump_dir: str | None = None  # write each graph's schedule (text, JSON, PNG) here
+
+
+def _passes(opts: PassOptions) -> dict[str, Callable[[fx.GraphModule], int]]:
+    return {
+        "bucketing": bucket_collectives,
+        "hierarchical": lambda gm: hierarchical_collectives(gm, opts.chunk_bytes, opts.max_chunks),
+        "reorder": lambda gm: reorder_for_overlap(gm, opts.max_prefetch_bytes),
+    }
+
+
+@dataclass
+class GraphRecord:
+    phase: str
+    before: list[Event]
+    after: list[Event]
+    changes: dict[str, int] = field(default_factory=dict)  # pass -> what it did (merged / rewritten / moved)
+
+
+class ParoPasses(CustomGraphPass):
+    def __init__(self, names: Iterable[str] = ORDER, options: PassOptions | None = None) -> None:
+        names = list(names)
+        unknown = [n for n in names if n not in ORDER]
+        if unknown:
+            raise ValueError(f"unknown graph pass(es) {unknown}; valid: {list(ORDER)}")
+        self.names = [n for n in ORDER if n in names]
+        self.options = options or PassOptions()
+        self.records: list[GraphRecord] = []
+
+    def __call__(self, graph: fx.Graph) -> None:
+        if not collectives(graph):
+            return
+        gm = graph.owning_module
+        record = GraphRecord(phase_of(graph), schedule(graph), [])
+        fns = _passes(self.options)
+        for name in self.names:
+            record.changes[name] = fns[name](gm)
+        record.after = schedule(graph)
+        self.records.append(record)
+        if self.options.dump_dir:
+            self._dump(record, len(self.records) - 1)
+
+    def _dump(self, r: GraphRecord, index: int) -> None:
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        base = os.path.join(self.options.dump_dir, f"rank{rank}_graph{index}_{r.phase}")
+        os.makedirs(self.options.dump_dir, exist_ok=True)
+        with open(base + ".txt", "w") as f:
+            f.write(self.report_one(r) + "\n")
+        with open(base + ".json", "w") as f:
+            json.dump({"phase": r.phase, "passes": self.names, "changes": r.changes,
+                       "before": as_dicts(r.before), "after": as_dicts(r.after)}, f, indent=1)
+        render_png(r.before, r.after, base + ".png", f"{r.phase} graph {index}: passes {self.names}")
+
+    def report_one(self, r: GraphRecord) -> str:
+        return "\n".join([render_text(r.before, f"{r.phase}, before passes"),
+                          render_text(r.after, f"{r.phase}, after {self.names} {r.changes}")])
+
+    def report(self) -> str:
+        return "\n\n".join(self.report_one(r) for r in self.records)
+
+    def uuid(self) -> bytes:
+        files = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "*.py")))
+        key = json.dumps([self.names, vars(self.options)], sort_keys=True, default=str).encode()
+        return get_hash_for_files(tuple(files), extra=key.decode())
+
+
+def install(names: Iterable[str] = ORDER, options: PassOptions | None = None, **kw) -> ParoPasses:
+    """Register the passes with inductor (replacing any earlier ``install``); return the object
+    that records what they did. ``install([])`` keeps the recording and runs no pass."""
+    p = ParoPasses(names, options or PassOptions(**kw))
+    torch._inductor.config.post_grad_custom_post_pass = p
+    return p
+
+
+def uninstall() -> None:
+    torch._inductor.config.post_grad_custom_post_pass = None
+
+
+__all__ = ["ORDER", "PassOptions", "ParoPasses", "install", "uninstall", "schedule", "summary"]

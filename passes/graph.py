@@ -1,0 +1,125 @@
+"""What the passes read from a post-grad FX graph: the engine's collectives, their mesh dimension,
+phase and block, and where they are issued and waited.
+
+Why from metadata rather than from patterns: the engine issues every collective in a block's
+pre-forward hook or in the backward of its unshard Function, so each collective node carries the
+block's ``nn_module_stack``, and its process-group name says which mesh dimension it runs on
+(``paro_fsdp.mesh.GROUPS``). A graph is a backward graph when AOTAutograd gave it tangents.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from paro_fsdp.mesh import GROUPS, MeshInfo
+
+_ops = torch.ops._c10d_functional
+KIND_OF = {
+    _ops.all_gather_into_tensor.default: "all_gather",
+    _ops.reduce_scatter_tensor.default: "reduce_scatter",
+    _ops.all_reduce.default: "all_reduce",
+}
+WAIT = _ops.wait_tensor.default
+#: ops whose cost dwarfs the layout copies around collectives: what "compute" means to the passes
+COMPUTE = {
+    torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+    torch.ops.aten.baddbmm.default, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default, torch.ops.aten.convolution.default,
+}
+
+
+@dataclass
+class Collective:
+    node: fx.Node  # the collective (issues it)
+    wait: fx.Node  # its wait_tensor
+    kind: str
+    group: str
+    dim: str  # "intra" / "inter" / "global" (or "?" for a group paro_shard did not create)
+    info: MeshInfo | None
+    block: tuple  # the module path of the block that issued it
+    nbytes: int  # bytes of the whole buffer (all-gather output, reduce-scatter / all-reduce input)
+
+    @property
+    def ring_bytes(self) -> float:
+        """Bytes one rank sends, by the spec's ring formula (as comm.CommStats counts them)."""
+        k = self.group_size
+        per_rank = self.nbytes * (k - 1) / k
+        return 2 * per_rank if self.kind == "all_reduce" else per_rank
+
+    @property
+    def group_size(self) -> int:
+        return int(self.node.args[2] if self.kind != "all_gather" else self.node.args[1])
+
+
+def _val(node: fx.Node) -> torch.Tensor | None:
+    v = node.meta.get("val")
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def block_of(node: fx.Node) -> tuple:
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+    return tuple(str(v[0]) if isinstance(v, tuple) else str(v) for v in stack.values())
+
+
+def collectives(graph: fx.Graph) -> list[Collective]:
+    """Every collective with a single wait, in graph order."""
+    out = []
+    for node in graph.nodes:
+        kind = KIND_OF.get(node.target) if node.op == "call_function" else None
+        if kind is None:
+            continue
+        waits = [u for u in node.users if u.target is WAIT]
+        if len(waits) != 1 or len(node.users) != 1:
+            continue
+        group = str(node.args[-1])
+        dim, info = GROUPS.get(group, ("?", None))
+        v = _val(waits[0]) if kind == "all_gather" else _val(node.args[0])  # type: ignore[arg-type]
+        nbytes = v.numel() * v.element_size() if v is not None else 0
+        out.append(Collective(node, waits[0], kind, group, dim, info, block_of(node), nbytes))
+    return out
+
+
+def phase_of(graph: fx.Graph) -> str:
+    names = [n.name for n in graph.find_nodes(op="placeholder")]
+    return "backward" if any(n.startswith("tangents") for n in names) else "forward"
+
+
+def positions(graph: fx.Graph) -> dict[fx.Node, int]:
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def splice(graph: fx.Graph, fn, inputs: list[fx.Node], before: fx.Node, replace: list[fx.Node],
+           meta_from: fx.Node) -> list[fx.Node]:
+    """Trace ``fn`` (tensors -> list of tensors) on the inputs' fake values with inductor's
+    decompositions, functionalized, insert its nodes before ``before``, and point the users of
+    ``replace[i]`` at output i. The new nodes inherit ``meta_from``'s block and source
+    metadata, so later passes still know which block they belong to. Returns the new nodes."""
+    from torch._guards import detect_fake_mode
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._dispatch.python import enable_python_dispatcher
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    vals = [n.meta["val"] for n in inputs]
+    with detect_fake_mode(vals), enable_python_dispatcher():
+        traced = make_fx(torch.func.functionalize(fn, remove="mutations"), decomposition_table=select_decomp_table())(*vals)
+    env = dict(zip(traced.graph.find_nodes(op="placeholder"), inputs))
+    new: list[fx.Node] = []
+    outs: list[fx.Node] = []
+    with graph.inserting_before(before):
+        for n in traced.graph.nodes:
+            if n.op == "placeholder":
+                continue
+            if n.op == "output":
+                outs = list(n.args[0])
+                continue
+            env[n] = graph.node_copy(n, lambda x: env[x])
+            for key in ("nn_module_stack", "fwd_nn_module_stack", "stack_trace", "seq_nr"):
+                if key in meta_from.meta:
+                    env[n].meta[key] = meta_from.meta[key]
+            new.append(env[n])
+    for old, out in zip(replace, outs):
+        old.replace_all_uses_with(env[out])
+    return new

@@ -1,0 +1,123 @@
+"""Reordering for overlap: issue collectives early, wait for them late.
+
+  * waits sink to just before their first use, so everything in between overlaps the transfer;
+  * an all-gather is issued right after the previous block's collectives are issued (one block
+    of prefetch): in forward the all-gather of block i+1 runs under block i's compute, in
+    backward (activation checkpointing re-gathers) the mirror;
+  * a reduce-scatter is issued as soon as its input exists; with the hierarchical pass, the inter
+    part of a block's gradient reduction follows its intra part at once and its wait moves to
+    the end of backward, so it overlaps the rest of backward.
+
+Memory bound: prefetching holds block i+1's gathered parameters during block i, so an all-gather
+is hoisted only if the gathered bytes already in flight at the new position plus its own stay
+within ``max_prefetch_bytes`` (None: no bound; 0: no prefetch at all).
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from .graph import COMPUTE, KIND_OF, WAIT, Collective, collectives
+
+
+def _pos(graph: fx.Graph) -> dict[fx.Node, int]:
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def _cheap(n: fx.Node) -> bool:
+    return n.op == "call_function" and n.target not in COMPUTE and n.target is not WAIT and n.target not in KIND_OF
+
+
+def sink_waits(graph: fx.Graph) -> int:
+    """Move each wait, with the cheap ops that consume its result (views, layout copies), to
+    just before the first op that does real work with it (a matmul, another collective, the
+    graph's output)."""
+    moved = 0
+    for c in collectives(graph):
+        members, tail = {c.wait}, [c.wait]
+        target = None
+        n = c.wait.next
+        while n.op != "output":
+            if any(i in members for i in n.all_input_nodes):
+                if not _cheap(n):
+                    target = n
+                    break
+                members.add(n)
+                tail.append(n)
+            n = n.next
+        target = target or n
+        if tail[-1].next is target:
+            continue
+        for t in tail:
+            target.prepend(t)
+        moved += 1
+    return moved
+
+
+def _movable_chain(node: fx.Node, after: int, pos: dict[fx.Node, int], waits: set[fx.Node]) -> list[fx.Node] | None:
+    """``node`` and its ancestors placed after position ``after``, if all are cheap (no compute,
+    no placeholders; no waits other than ``waits``): what has to move with it."""
+    chain, todo, seen = [], [node], set()
+    while todo:
+        n = todo.pop()
+        if n in seen or pos[n] <= after:
+            continue
+        seen.add(n)
+        if n.op != "call_function" or n.target in COMPUTE or (n.target is WAIT and n not in waits):
+            return None
+        chain.append(n)
+        todo.extend(n.all_input_nodes)
+    return sorted(chain, key=lambda n: pos[n])
+
+
+def _inflight_bytes(graph: fx.Graph, at: int, colls: list[Collective]) -> int:
+    pos = _pos(graph)
+    return sum(c.nbytes for c in colls if c.kind == "all_gather" and pos[c.node] <= at < pos[c.wait])
+
+
+def hoist_issues(graph: fx.Graph, max_prefetch_bytes: int | None = None) -> int:
+    """All-gathers of block b move to just before block b-1's first wait (its compute start);
+    when a block's gather has two phases (hierarchical: inter, then intra on the inter result),
+    the first phase moves one block further ahead, so both phases overlap compute."""
+    moved = 0
+    colls = collectives(graph)
+    blocks: list[tuple] = []
+    for c in colls:
+        if c.kind == "all_gather" and c.block not in blocks:
+            blocks.append(c.block)
+    for c in colls:
+        pos = _pos(graph)
+        own_waits = {p.wait for p in colls if p.block == c.block and p is not c}
+        if c.kind == "all_gather":
+            i = blocks.index(c.block)
+            later_phase = _movable_chain(c.node, -1, pos, set()) is None  # it needs a wait
+            ahead = i - 1 if later_phase else i - 2
+            if i == 0 or max_prefetch_bytes == 0:
+                continue
+            if ahead >= 0:
+                prev = [p for p in colls if p.block == blocks[ahead] and p.kind == "all_gather"]
+                anchor = min((p.wait for p in prev), key=lambda n: pos[n]).prev
+            else:
+                anchor = max(c.node.all_input_nodes, key=lambda n: pos[n])
+            if pos[c.node] <= pos[anchor]:
+                continue
+            if max_prefetch_bytes is not None and \
+                    _inflight_bytes(graph, pos[anchor], colls) + c.nbytes > max_prefetch_bytes:
+                continue
+        else:  # as soon as the input exists
+            anchor = max(c.node.all_input_nodes, key=lambda n: pos[n])
+        chain = _movable_chain(c.node, pos[anchor], pos, own_waits)
+        if not chain or pos[chain[0]] <= pos[anchor] + 1:
+            continue
+        for n in chain:
+            anchor.append(n)
+            anchor = n
+        moved += 1
+    return moved
+
+
+def reorder_for_overlap(gm: fx.GraphModule, max_prefetch_bytes: int | None = None) -> int:
+    """Sink waits, then hoist issues; return how many nodes moved. Every rank runs the same pass
+    on the same graph, so collectives keep one order across ranks."""
+    moved = sink_waits(gm.graph) + hoist_issues(gm.graph, max_prefetch_bytes)
+    gm.graph.lint()
+    return moved

@@ -1,0 +1,81 @@
+"""The collective schedule of a compiled graph: what the passes changed, as text and a timeline.
+
+For each collective, in issue order: kind, mesh dimension, bytes, block, the node positions where
+it is issued and waited, and how many compute ops (matmuls, attention) run in between: the work
+that can hide the transfer. A wait right after its issue hides nothing.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+
+import torch.fx as fx
+
+from .graph import COMPUTE, collectives, positions
+
+
+@dataclass
+class Event:
+    kind: str
+    dim: str
+    nbytes: int
+    block: str
+    issue: int
+    wait: int
+    overlap: int  # compute ops between issue and wait
+
+
+def schedule(graph: fx.Graph) -> list[Event]:
+    pos = positions(graph)
+    compute_at = [i for n, i in pos.items() if n.op == "call_function" and n.target in COMPUTE]
+    events = []
+    for c in collectives(graph):
+        a, b = pos[c.node], pos[c.wait]
+        events.append(Event(c.kind, c.dim, c.nbytes, c.block[-1] if c.block else "<root>", a, b,
+                            sum(1 for i in compute_at if a < i < b)))
+    return sorted(events, key=lambda e: e.issue)
+
+
+def summary(events: list[Event]) -> dict[str, int]:
+    """Collectives per ``kind/dim``."""
+    out: dict[str, int] = {}
+    for e in events:
+        out[f"{e.kind}/{e.dim}"] = out.get(f"{e.kind}/{e.dim}", 0) + 1
+    return dict(sorted(out.items()))
+
+
+def render_text(events: list[Event], title: str) -> str:
+    lines = [f"# {title}: {len(events)} collectives {summary(events)}",
+             f"{'#':>3} {'kind':<15}{'dim':<7}{'KiB':>10} {'issue':>6} {'wait':>6} {'overlap':>8}  block"]
+    for i, e in enumerate(events):
+        lines.append(f"{i:>3} {e.kind:<15}{e.dim:<7}{e.nbytes / 1024:>10.1f} {e.issue:>6} {e.wait:>6} {e.overlap:>8}  {e.block}")
+    return "\n".join(lines)
+
+
+def as_dicts(events: list[Event]) -> list[dict]:
+    return [asdict(e) for e in events]
+
+
+COLORS = {"intra": "tab:blue", "inter": "tab:red", "global": "tab:purple", "?": "tab:gray"}
+
+
+def render_png(before: list[Event], after: list[Event], path: str, title: str) -> None:
+    """Two timelines (x = position in the graph): one bar per collective from issue to wait."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 1, figsize=(10, 1.5 + 0.18 * (len(before) + len(after))), sharex=True)
+    for ax, events, name in zip(axes, (before, after), ("before passes", "after passes")):
+        for row, e in enumerate(events):
+            ax.barh(row, max(e.wait - e.issue, 0.5), left=e.issue, color=COLORS.get(e.dim, "tab:gray"), height=0.8)
+            ax.text(e.wait + 0.5, row, f"{e.kind[:2].upper()} {e.dim}", va="center", fontsize=6)
+        ax.set_ylabel(name)
+        ax.set_yticks([])
+    axes[-1].set_xlabel("position in the graph (nodes)")
+    fig.suptitle(title)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
