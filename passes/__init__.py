@@ -114,8 +114,23 @@ def install(names: Iterable[str] = ORDER, options: PassOptions | None = None, **
     return p
 
 
+def aot_backend(p: ParoPasses):
+    """A torch.compile backend that runs the passes on AOTAutograd's forward and backward graphs
+    and executes them as they are (no inductor codegen): seconds instead of minutes to see and
+    check what the passes do, with the same graphs' collectives and numerics."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def compiler(gm: fx.GraphModule, example_inputs):
+        p(gm.graph)
+        gm.recompile()
+        return make_boxed_func(gm.forward)
+
+    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler)
+
+
 def uninstall() -> None:
     torch._inductor.config.post_grad_custom_post_pass = None
 
 
-__all__ = ["ORDER", "PassOptions", "ParoPasses", "install", "uninstall", "schedule", "summary"]
+__all__ = ["ORDER", "PassOptions", "ParoPasses", "aot_backend", "install", "uninstall", "schedule", "summary"]

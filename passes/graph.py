@@ -18,10 +18,11 @@ from paro_fsdp.mesh import GROUPS, MeshInfo
 _ops = torch.ops._c10d_functional
 KIND_OF = {
     _ops.all_gather_into_tensor.default: "all_gather",
+    _ops.all_gather_into_tensor_out.default: "all_gather",  # what torch's bucketing emits
     _ops.reduce_scatter_tensor.default: "reduce_scatter",
     _ops.all_reduce.default: "all_reduce",
 }
-WAIT = _ops.wait_tensor.default
+WAITS = {_ops.wait_tensor.default, torch.ops.c10d_functional.wait_tensor.default}
 #: ops whose cost dwarfs the layout copies around collectives: what "compute" means to the passes
 COMPUTE = {
     torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
@@ -71,7 +72,7 @@ def collectives(graph: fx.Graph) -> list[Collective]:
         kind = KIND_OF.get(node.target) if node.op == "call_function" else None
         if kind is None:
             continue
-        waits = [u for u in node.users if u.target is WAIT]
+        waits = [u for u in node.users if u.target in WAITS]
         if len(waits) != 1 or len(node.users) != 1:
             continue
         group = str(node.args[-1])

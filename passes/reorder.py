@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from .graph import COMPUTE, KIND_OF, WAIT, Collective, collectives
+from .graph import COMPUTE, KIND_OF, WAITS, Collective, collectives
 
 
 def _pos(graph: fx.Graph) -> dict[fx.Node, int]:
@@ -24,7 +24,7 @@ def _pos(graph: fx.Graph) -> dict[fx.Node, int]:
 
 
 def _cheap(n: fx.Node) -> bool:
-    return n.op == "call_function" and n.target not in COMPUTE and n.target is not WAIT and n.target not in KIND_OF
+    return n.op == "call_function" and n.target not in COMPUTE and n.target not in WAITS and n.target not in KIND_OF
 
 
 def sink_waits(graph: fx.Graph) -> int:
@@ -62,7 +62,7 @@ def _movable_chain(node: fx.Node, after: int, pos: dict[fx.Node, int], waits: se
         if n in seen or pos[n] <= after:
             continue
         seen.add(n)
-        if n.op != "call_function" or n.target in COMPUTE or (n.target is WAIT and n not in waits):
+        if n.op != "call_function" or n.target in COMPUTE or (n.target in WAITS and n not in waits):
             return None
         chain.append(n)
         todo.extend(n.all_input_nodes)

@@ -62,10 +62,32 @@ def checkpoint_blocks(model: Llama) -> None:
             "__call__": lambda self, *a, **k: checkpoint(call, self, *a, use_reentrant=False, **k)})
 
 
+def compile_model(model, how: dict):
+    """``how``: {"scope": "model" | "blocks", "backend": "aot" | "inductor", "passes": [...],
+    "options": {...}}. Returns the callable to train with and the passes' record. "aot" runs the
+    passes on AOTAutograd's graphs without inductor codegen (passes.aot_backend)."""
+    import passes
+
+    record = passes.ParoPasses(how.get("passes", passes.ORDER), passes.PassOptions(**how.get("options", {})))
+    if how.get("backend", "aot") == "aot":
+        backend = passes.aot_backend(record)
+    else:
+        torch._inductor.config.post_grad_custom_post_pass = record
+        backend = "inductor"
+    torch._dynamo.reset()
+    if how.get("scope", "model") == "blocks":
+        for block in model.layers:
+            block.compile(backend=backend, fullgraph=True)
+        return model, record
+    return torch.compile(model, backend=backend), record
+
+
 def train_paro(strategy, group_size: int, accum: int, mp: MixedPrecision | None = None, steps: int = STEPS,
-               ac: str | None = None, args: LlamaArgs = TINY, chunk_bytes: int | None = None):
+               ac: str | None = None, args: LlamaArgs = TINY, chunk_bytes: int | None = None,
+               compile: dict | None = None):
     """``chunk_bytes``: PaRO-CC chunk size (the default leaves this tiny model's global
-    collectives in one chunk; a few hundred bytes cuts them into several)."""
+    collectives in one chunk; a few hundred bytes cuts them into several). ``compile``: see
+    ``compile_model``; the record of the passes is left on ``model.paro_passes_record``."""
     mesh = init_paro_mesh(group_size)
     model = make_model(args=args)
     if ac:
@@ -74,13 +96,16 @@ def train_paro(strategy, group_size: int, accum: int, mp: MixedPrecision | None 
     if chunk_bytes is not None:
         model._paro_state.comm.cc.chunk_bytes = chunk_bytes
     opt = ParoOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=0.1)
+    call = model
+    if compile is not None:
+        call, model.paro_passes_record = compile_model(model, compile)
     rank, world = dist.get_rank(), dist.get_world_size()
     losses = []
     model.comm_stats().reset()
     for step in range(steps):
         total = torch.zeros(())
         for a in range(accum):
-            loss = model(batch(rank, step, a, args)).loss / accum
+            loss = call(batch(rank, step, a, args)).loss / accum
             loss.backward()
             total += loss.detach().float()
         norm = opt.clip_grad_norm_(MAX_NORM)
