@@ -31,7 +31,7 @@ from paro_fsdp.train.config import ConfigError, JobConfig, grad_accum_steps, gro
 from paro_fsdp.train.data import build_dataloader, describe
 from paro_fsdp.train.lr import build_lr_scheduler
 from paro_fsdp.train.metrics import CommMeter, MetricsLogger, StepTimer, build_profiler
-from paro_fsdp.train.parallelize import build_model, check_policy, model_args, parallelize
+from paro_fsdp.train.parallelize import apply_compile, build_model, check_policy, model_args, parallelize
 from paro_fsdp.train.tokenizer import build_tokenizer
 
 REPO = Path(__file__).resolve().parent
@@ -85,6 +85,7 @@ class Trainer:
             raise ConfigError(problem)
         model = build_model(cfg, self.model_args, self.device)
         self.model = parallelize(model, cfg, self.mesh, self.device)
+        self.compiled = apply_compile(self.model, cfg) if cfg.compile.enable else None
 
         # ---- optimizer on the fp32 master shards, lr schedule ----------------------------------
         o = cfg.optimizer
@@ -225,6 +226,7 @@ class Trainer:
                                  self.model.memory_report(self.optimizer))
                 if step == (self.resumed_from or 0) + 1:
                     self._set_train_timeout()
+                    self._log_compiled_schedule(step)
                 if self.checkpointer.should_save(step, steps):
                     path = self.checkpointer.save(step)
                     _log(f"saved checkpoint {path}")
@@ -234,6 +236,20 @@ class Trainer:
         _log(f"trained steps {min(self.losses)}..{steps} in {elapsed:.1f} s: loss {first:.4f} -> {last:.4f}")
         self._print_where_to_look()
         return self.losses
+
+    def _log_compiled_schedule(self, step: int) -> None:
+        """After the first (compiling) step: what the graph passes did, on rank 0's console
+        summary and as a TensorBoard text entry."""
+        if self.compiled is None or self.rank != 0 or not self.compiled.records:
+            return
+        import passes
+
+        for r in self.compiled.records[:2]:
+            _log(f"compiled {r.phase} graph: {passes.summary(r.before)} -> {passes.summary(r.after)} {r.changes}")
+        _log(f"compiled {len(self.compiled.records)} graphs with collectives; passes {self.compiled.names}"
+             + (f"; schedules in {os.path.join(self.cfg.job.dump_folder, 'compile')}" if self.cfg.compile.dump_schedule else ""))
+        if self.metrics.writer is not None and self.cfg.compile.dump_schedule:
+            self.metrics.writer.add_text("compile/schedule", "```\n" + self.compiled.report() + "\n```", step)
 
     def _set_train_timeout(self) -> None:
         """After the first step the (usually shorter) training timeout applies, as in torchtitan."""

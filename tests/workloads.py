@@ -98,6 +98,9 @@ def train_paro(strategy, group_size: int, accum: int, mp: MixedPrecision | None 
     opt = ParoOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=0.1)
     call = model
     if compile is not None:
+        # the block hooks swap module parameters (a side effect): under a checkpointed block,
+        # dynamo must not replay it in the recomputation (the graph recomputes, not Python)
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = bool(ac)
         call, model.paro_passes_record = compile_model(model, compile)
     rank, world = dist.get_rank(), dist.get_world_size()
     losses = []

@@ -132,11 +132,22 @@ class ActivationCheckpoint:
     """full: recompute each transformer block's forward in backward (torch.utils.checkpoint)"""
 
 
+GRAPH_PASSES = ("bucketing", "hierarchical", "reorder")  # passes.ORDER (kept here: no torch import)
+
+
 @dataclass
 class Compile:
     enable: bool = False
-    """torch.compile the model (not supported yet)"""
+    """torch.compile each transformer block (collectives in the graph; see passes/)"""
     backend: str = "inductor"
+    """torch.compile backend: inductor (the graph passes run in it), aot_eager or eager"""
+    passes: list[str] = field(default_factory=lambda: list(GRAPH_PASSES))
+    """Graph passes to run, any of: bucketing, hierarchical, reorder ([] for none; inductor only)"""
+    max_prefetch_mb: float = -1
+    """reorder pass: bound on gathered parameters in flight, MiB (-1: no bound, 0: no prefetch)"""
+    dump_schedule: bool = False
+    """Write each compiled graph's collective schedule before/after the passes (text, JSON, PNG)
+    to job.dump_folder/compile, and as a TensorBoard text entry"""
 
 
 @dataclass
@@ -509,8 +520,13 @@ def validate(cfg: JobConfig, world_size: Optional[int], local_world_size: Option
                 f"parallelism.paro_group_size = {p.paro_group_size} does not divide the world size {world_size}; "
                 f"valid: -1 (ranks per node) or one of {_divisors(world_size)}"
             )
-    if cfg.compile.enable:
-        raise ConfigError("compile.enable = true is not supported yet (the compile issue will add it); valid: false")
+    unknown = [name for name in cfg.compile.passes if name not in GRAPH_PASSES]
+    if unknown:
+        raise ConfigError(f"compile.passes has unknown pass(es) {unknown}; valid: any of {list(GRAPH_PASSES)}")
+    if cfg.compile.backend not in ("inductor", "aot_eager", "eager"):
+        raise ConfigError(f"compile.backend = {cfg.compile.backend!r} is invalid; valid: inductor, aot_eager, eager")
+    if cfg.compile.max_prefetch_mb < 0 and cfg.compile.max_prefetch_mb != -1:
+        raise ConfigError(f"compile.max_prefetch_mb = {cfg.compile.max_prefetch_mb} is invalid; valid: -1 (no bound) or >= 0")
     positive("metrics.log_freq", cfg.metrics.log_freq)
     positive("profiling.profile_freq", cfg.profiling.profile_freq)
     positive("checkpoint.interval", cfg.checkpoint.interval)

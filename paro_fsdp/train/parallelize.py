@@ -8,6 +8,7 @@ block is freed after its own backward as usual. (torchtitan's order, hooks outsi
 """
 from __future__ import annotations
 
+import os
 from functools import partial
 from typing import Any, Optional
 
@@ -80,6 +81,27 @@ def parallelize(model: Llama, cfg: JobConfig, mesh: Any, device: torch.device) -
                        param_init_fn=partial(model.init_param, seed=t.seed))
     model.init_buffers(device)
     return model
+
+
+def apply_compile(model: nn.Module, cfg: JobConfig) -> Any:
+    """torch.compile every transformer block (as torchtitan does), after ``paro_shard``: each
+    block's gathers and gradient reductions are nodes of its graphs. With inductor, the graph
+    passes of ``[compile] passes`` run on them; returns their record (None for other backends)."""
+    import passes
+
+    c = cfg.compile
+    record = None
+    if c.backend == "inductor":
+        dump = os.path.join(cfg.job.dump_folder, "compile") if c.dump_schedule else None
+        bound = None if c.max_prefetch_mb < 0 else int(c.max_prefetch_mb * 2**20)
+        record = passes.install(c.passes, max_prefetch_bytes=bound, dump_dir=dump)
+    if cfg.activation_checkpoint.mode == "full":
+        # the block hooks swap module parameters (a side effect): in a checkpointed block dynamo
+        # must not replay it in the recomputation, which the compiled graph does by itself
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+    for block in model.layers:
+        block.compile(backend=c.backend, fullgraph=True)
+    return record
 
 
 def check_policy(cfg: JobConfig, args: LlamaArgs) -> Optional[str]:
