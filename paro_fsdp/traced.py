@@ -20,7 +20,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from functools import partial
+
 import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .strategy import Level
 
@@ -90,13 +93,47 @@ class GatherForCompute(torch.autograd.Function):
         return (None, g) + (None,) * ctx.n
 
 
+def _recompute_gathers(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+    """Free gathered parameters after forward: every op of the gather (the all-gather and the
+    copies into whole tensors) is recomputed in backward rather than saved."""
+    return CheckpointPolicy.MUST_RECOMPUTE
+
+
+def _gather(group: "ParoParamGroup", sink: torch.Tensor | None, *p: torch.Tensor) -> list[torch.Tensor]:
+    return list(GatherForCompute.apply(group, sink, *p))
+
+
 def unshard(group: "ParoParamGroup") -> list[torch.Tensor]:
-    """The whole tensors the block computes with, differentiable into ``group.sink``."""
+    """The whole tensors the block computes with, differentiable into ``group.sink``. With
+    ``reshard_after_forward`` (P = I or G), the gather runs under a selective-checkpoint policy
+    that makes the compiler recompute it in backward rather than keep whole tensors alive (as
+    the eager engine frees and re-gathers them)."""
     p = group.p_locals if group.strategy.p == Level.N else [group.p_flat]
     if not group.trainable or not torch.is_grad_enabled():
         with torch.no_grad():
-            return list(GatherForCompute.apply(group, None, *p))
-    return list(GatherForCompute.apply(group, group.sink, *p))
+            return _gather(group, None, *p)
+    if group.reshard_after_forward:
+        return checkpoint(_gather, group, group.sink, *p, use_reentrant=False,
+                          context_fn=partial(create_selective_checkpoint_contexts, _recompute_gathers))
+    return _gather(group, group.sink, *p)
+
+
+def isolate_compile_cache(rank: int) -> None:
+    """Give this rank its own inductor / AOTAutograd cache folder (a subfolder of the usual one).
+
+    Why: a rank's graphs name its own process groups, which differ between ranks (each intra
+    group has its own name). With the selective-checkpoint region around the gathers, torch 2.13
+    replayed a cache entry compiled by one rank on another, which then failed with "Could not
+    resolve the process group registered under the name 1". Per-rank folders cost only cross-rank
+    cache sharing. Called by ``paro_shard``; idempotent."""
+    import os
+
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    tag = f"paro-rank{rank}"
+    base = cache_dir()
+    if os.path.basename(base) != tag:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, tag)
 
 
 def make_sink(group: "ParoParamGroup") -> torch.Tensor | None:

@@ -60,21 +60,29 @@ COLORS = {"intra": "tab:blue", "inter": "tab:red", "global": "tab:purple", "?": 
 
 
 def render_png(before: list[Event], after: list[Event], path: str, title: str) -> None:
-    """Two timelines (x = position in the graph): one bar per collective from issue to wait."""
+    """Two timelines (x = position in the graph): one bar per collective from issue to wait,
+    colored by mesh dimension, labelled with its kind and block."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 1, figsize=(10, 1.5 + 0.18 * (len(before) + len(after))), sharex=True)
-    for ax, events, name in zip(axes, (before, after), ("before passes", "after passes")):
+    rows = max(len(before), len(after), 1)
+    fig, axes = plt.subplots(2, 1, figsize=(11, 1.6 + 0.5 * rows), sharex=True)
+    short = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR"}
+    for ax, events, name in zip(axes, (before, after), ("before", "after")):
         for row, e in enumerate(events):
-            ax.barh(row, max(e.wait - e.issue, 0.5), left=e.issue, color=COLORS.get(e.dim, "tab:gray"), height=0.8)
-            ax.text(e.wait + 0.5, row, f"{e.kind[:2].upper()} {e.dim}", va="center", fontsize=6)
-        ax.set_ylabel(name)
+            ax.barh(row, max(e.wait - e.issue, 0.6), left=e.issue, color=COLORS.get(e.dim, "tab:gray"), height=0.7)
+            ax.text(e.wait + 1, row, f"{short[e.kind]} {e.dim} {e.block.split('.')[-1]} (overlap {e.overlap})",
+                    va="center", fontsize=7)
+        ax.set_ylim(-0.8, rows - 0.2)
+        ax.invert_yaxis()
         ax.set_yticks([])
-    axes[-1].set_xlabel("position in the graph (nodes)")
-    fig.suptitle(title)
+        ax.set_title(f"{name} passes", fontsize=9, loc="left")
+    end = max([e.wait for e in before + after] + [1])
+    axes[-1].set_xlim(0, end * 1.25 + 5)
+    axes[-1].set_xlabel("position in the graph (node index); overlap = compute ops between issue and wait")
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=90)

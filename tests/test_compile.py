@@ -15,6 +15,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import passes
+import passes.graph
 from dist_harness import run_world
 from paro_fsdp import ALL_STRATEGIES, paro_shard
 from paro_fsdp.models.llama import LlamaArgs
@@ -60,6 +61,10 @@ def totals(record, phase, when="after", what="count"):
     return out
 
 
+def _merged(a: dict, b: dict) -> dict:
+    return {k: a.get(k, 0) + b.get(k, 0) for k in sorted(set(a) | set(b))}
+
+
 LEVEL_DIM = {"N": None, "I": "intra", "G": "global"}
 
 
@@ -71,46 +76,54 @@ def test_one_collective_per_block_and_phase_in_the_graph(mesh, strategy):
     p_dim, g_dim = LEVEL_DIM[strategy[0]], LEVEL_DIM[strategy[1]]
     expect_fwd = {f"all_gather/{p_dim}": blocks} if p_dim else {}
     expect_bwd = {f"reduce_scatter/{g_dim}": blocks} if g_dim else {}
+    if p_dim:  # reshard after forward: the compiler recomputes each layer's gather in backward
+        expect_bwd[f"all_gather/{p_dim}"] = blocks - 1  # (the root stays gathered, as in eager)
     assert totals(record, "forward") == expect_fwd
     assert totals(record, "backward") == expect_bwd
     # every layer's collectives are in one graph (no break inside a block)
     layer_graphs = [r for r in record.records if any(e.block.endswith("layers.0") for e in r.before)]
     assert all(any(e.block.endswith("layers.1") for e in r.before) for r in layer_graphs)
+    assert bool(layer_graphs) == (strategy[:2] != "NN")
+
+
+def _eager_bytes(mesh, strategy):
+    """Ring bytes per kind/dim of the eager engine: one forward, then one backward."""
+    eager = paro_shard(make_model(), mesh, strategy)
+    stats = eager.comm_stats()
+    loss = eager(batch(0, 0, 0)).loss
+    fwd = {k: v["bytes"] for k, v in stats.as_dict().items()}
+    stats.reset()
+    loss.backward()
+    return fwd, {k: v["bytes"] for k, v in stats.as_dict().items()}
 
 
 @pytest.mark.parametrize("strategy", PAIRS)
 def test_graph_bytes_per_dimension_equal_the_eager_engine(mesh, strategy):
-    """After the hierarchical pass the graph moves, per mesh dimension, what the eager engine
-    (PaRO-CC for global collectives) counts for one forward's gathers and one backward's
-    reductions."""
+    """After the hierarchical pass the graphs move, per kind and mesh dimension, exactly what the
+    eager engine (PaRO-CC for global collectives) counts in one forward and one backward."""
     record, _ = compile_step(mesh, strategy, ["hierarchical"])
-    graph = {**totals(record, "forward", what="bytes"), **totals(record, "backward", what="bytes")}
-    ring = {}
-    eager = paro_shard(make_model(), mesh, strategy)
-    stats = eager.comm_stats()
-    loss = eager(batch(0, 0, 0)).loss
-    fwd = {k: v["bytes"] for k, v in stats.as_dict().items() if k.startswith("all_gather")}
-    stats.reset()
-    loss.backward()
-    bwd = {k: v["bytes"] for k, v in stats.as_dict().items() if k.startswith("reduce_scatter")}
     sizes = {"intra": 4, "inter": 2}
-    for key, nbytes in graph.items():  # graph events hold buffer bytes; the ledger ring bytes
-        kind, dim = key.split("/")
-        ring[key] = nbytes * (sizes[dim] - 1) / sizes[dim]
-    assert ring == pytest.approx({**fwd, **bwd})
+
+    def ring(phase):
+        return {key: n * (sizes[key.split("/")[1]] - 1) / sizes[key.split("/")[1]]
+                for key, n in totals(record, phase, what="bytes").items()}
+
+    fwd, bwd = _eager_bytes(mesh, strategy)
+    assert ring("forward") == pytest.approx(fwd)
+    assert ring("backward") == pytest.approx(bwd)
 
 
 def test_hierarchical_pass_splits_global_collectives_into_chunks(mesh):
     record, _ = compile_step(mesh, "GGG", ["hierarchical"])
-    before = {**totals(record, "forward", "before"), **totals(record, "backward", "before")}
-    after = {**totals(record, "forward"), **totals(record, "backward")}
-    assert before == {"all_gather/global": 3, "reduce_scatter/global": 3}
-    assert after == {"all_gather/inter": 3, "all_gather/intra": 3, "reduce_scatter/inter": 3, "reduce_scatter/intra": 3}
+    before = _merged(totals(record, "forward", "before"), totals(record, "backward", "before"))
+    after = _merged(totals(record, "forward"), totals(record, "backward"))
+    assert before == {"all_gather/global": 3 + 2, "reduce_scatter/global": 3}  # + 2 recomputed in backward
+    assert after == {"all_gather/inter": 5, "all_gather/intra": 5, "reduce_scatter/inter": 3, "reduce_scatter/intra": 3}
     chunked, _ = compile_step(mesh, "GGG", ["hierarchical"], chunk_bytes=4096, max_chunks=4)
-    counts = {**totals(chunked, "forward"), **totals(chunked, "backward")}
+    counts = _merged(totals(chunked, "forward"), totals(chunked, "backward"))
     assert all(counts[k] > after[k] for k in after)  # several chunks per collective
-    assert {**totals(chunked, "forward", what="bytes"), **totals(chunked, "backward", what="bytes")} == \
-        {**totals(record, "forward", what="bytes"), **totals(record, "backward", what="bytes")}
+    assert _merged(totals(chunked, "forward", what="bytes"), totals(chunked, "backward", what="bytes")) == \
+        _merged(totals(record, "forward", what="bytes"), totals(record, "backward", what="bytes"))
 
 
 def test_bucketing_pass_merges_groups_of_a_block(mesh):
@@ -119,8 +132,9 @@ def test_bucketing_pass_merges_groups_of_a_block(mesh):
     assert all(len(b.groups) == 2 for b in model._paro_state.blocks[1:])
     assert totals(record, "forward", "before") == {"all_gather/intra": 1 + 2 * layers}
     assert totals(record, "forward") == {"all_gather/intra": 1 + layers}
-    assert totals(record, "backward", "before") == {"reduce_scatter/intra": 1 + 2 * layers}
-    assert totals(record, "backward") == {"reduce_scatter/intra": 1 + layers}
+    # backward: the reductions of both groups (and any recomputed gathers) merge per block
+    assert totals(record, "backward", "before")["reduce_scatter/intra"] == 1 + 2 * layers
+    assert totals(record, "backward")["reduce_scatter/intra"] == 1 + layers
     for r in record.records:  # one collective per block and kind
         keys = [(e.kind, e.block) for e in r.after]
         assert len(keys) == len(set(keys))
@@ -139,7 +153,8 @@ def test_reorder_pass_prefetches_and_overlaps(mesh):
         assert _first(fwd, f"layers.{b}", dim="intra").overlap > 0  # its transfer runs under compute
     bwd = next(r.after for r in record.records if r.phase == "backward" and any("layers.2" in e.block for e in r.after))
     for b in (2, 1):  # a block's inter reduction follows its intra one and overlaps later blocks' backward
-        intra, inter = _first(bwd, f"layers.{b}", dim="intra"), _first(bwd, f"layers.{b}", dim="inter")
+        intra = _first(bwd, f"layers.{b}", dim="intra", kind="reduce_scatter")
+        inter = _first(bwd, f"layers.{b}", dim="inter", kind="reduce_scatter")
         assert intra.wait < inter.issue <= intra.wait + 2
         assert inter.overlap > 0
     # before the passes nothing overlapped
@@ -185,17 +200,23 @@ def test_pass_registry_errors_uuid_and_dump(mesh, tmp_path):
     assert "before passes" in text and "after" in text
 
 
-def test_passes_run_inside_inductor(mesh, monkeypatch):
-    """The real thing once: inductor calls the installed passes on its post-grad graphs (caches
-    off, since a cache hit would skip them)."""
-    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)
+def inductor_step(mesh, names):
+    """One GGG step through inductor with ``names`` installed (caches off: a hit skips passes)."""
     torch._dynamo.reset()
-    record = passes.install(list(passes.ORDER))
+    record = passes.install(names)
     try:
         model = paro_shard(make_model(), mesh, "GGG")
-        torch.compile(model)(batch(0, 0, 0)).loss.backward()
+        with torch._inductor.config.patch(force_disable_caches=True):
+            torch.compile(model)(batch(0, 0, 0)).loss.backward()
     finally:
         passes.uninstall()
+    return record
+
+
+def test_passes_run_inside_inductor(mesh):
+    """The real thing once: inductor calls the installed passes on its post-grad graphs (caches
+    off, since a cache hit would skip them)."""
+    record = inductor_step(mesh, list(passes.ORDER))
     assert {r.phase for r in record.records} == {"forward", "backward"}
     after = {k for r in record.records for k in passes.summary(r.after)}
     assert after == {"all_gather/inter", "all_gather/intra", "reduce_scatter/inter", "reduce_scatter/intra"}
@@ -267,3 +288,27 @@ def test_all_strategies_compiled_with_inductor(refs, case, nightly=[]):
     if not nightly:
         nightly.append(run_world(4, "test_compile:compiled_suite", NIGHTLY, timeout=7200)[0])
     _check(nightly[0][_case_id(case)], refs[(case[1], case[3])], case[0])
+
+
+def test_inductor_overlap_scheduler_runs_on_cpu_with_our_estimates(mesh):
+    """Inductor's own overlap scheduler asks the GPU driver for bandwidths; with
+    passes.runtime's estimates (the advisor's cluster model) it plans on CPU too."""
+    from passes.runtime import disable_overlap_scheduler, enable_overlap_scheduler
+
+    torch._dynamo.reset()
+    estimate = enable_overlap_scheduler("a100_ib")
+    priced: list[tuple[str, float]] = []
+
+    def spy(node, override_size=None):
+        ms = type(estimate).__call__(estimate, node, override_size)
+        if node.target in passes.graph.KIND_OF:
+            priced.append((passes.graph.GROUPS.get(str(node.args[-1]), ("?",))[0], ms))
+        return ms
+
+    torch._inductor.config.aten_distributed_optimizations.custom_runtime_estimation = spy
+    try:
+        record = inductor_step(mesh, ["hierarchical"])
+    finally:
+        disable_overlap_scheduler()
+    assert record.records and {d for d, _ in priced} == {"intra", "inter"}
+    assert all(ms > 0 for _, ms in priced)

@@ -73,6 +73,7 @@ def compile_model(model, how: dict):
         backend = passes.aot_backend(record)
     else:
         torch._inductor.config.post_grad_custom_post_pass = record
+        torch._inductor.config.force_disable_caches = True  # a cache hit would skip the passes
         backend = "inductor"
     torch._dynamo.reset()
     if how.get("scope", "model") == "blocks":

@@ -42,7 +42,8 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 import passes  # noqa: E402
 from paro_fsdp import ParoOptimizer, init_paro_mesh, paro_shard  # noqa: E402
 from paro_fsdp.models.llama import LlamaArgs  # noqa: E402
-from tools.bench_vs_fsdp2 import GROUP, LR, MAX_NORM, WD, WORLD, batch_for, make_model, reduce_max, reduce_mean  # noqa: E402
+from tools.bench_vs_fsdp2 import (GROUP, LR, MAX_NORM, WD, WORLD, add_model_args, batch_for, make_model,  # noqa: E402
+                                  model_args_from, reduce_max, reduce_mean)
 
 FSDP2_EQUIVALENT = {"GGG": "fsdp2-zero3", "III": "fsdp2-hsdp"}
 
@@ -189,21 +190,12 @@ def _spawned(rank: int, cfg: Config, port: int, cache: str) -> None:
 
 def parse_args() -> Config:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dim", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--ffn", type=int, default=352)
-    ap.add_argument("--vocab", type=int, default=1024)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=2)
+    add_model_args(ap)
     ap.add_argument("--accum", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--strategies", nargs="+", default=["GGG", "III"])
     ns = ap.parse_args()
-    args = LlamaArgs(dim=ns.dim, n_layers=ns.layers, n_heads=ns.heads, n_kv_heads=ns.kv_heads, vocab_size=ns.vocab,
-                     ffn_dim=ns.ffn, max_seq_len=ns.seq)
-    return Config(args, ns.batch, ns.seq, ns.accum, ns.rounds, tuple(ns.strategies))
+    return Config(model_args_from(ns), ns.batch, ns.seq, ns.accum, ns.rounds, tuple(ns.strategies))
 
 
 def main() -> None:

@@ -370,8 +370,8 @@ def _spawned(rank: int, cfg: BenchConfig, port: int) -> None:
     worker(cfg)
 
 
-def parse_args() -> BenchConfig:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """The bench model's shape and micro-batch (shared with tools/bench_compile.py)."""
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=4)
@@ -380,14 +380,22 @@ def parse_args() -> BenchConfig:
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=2)
+
+
+def model_args_from(ns: argparse.Namespace) -> LlamaArgs:
+    return LlamaArgs(dim=ns.dim, n_layers=ns.layers, n_heads=ns.heads, n_kv_heads=ns.kv_heads, vocab_size=ns.vocab,
+                     ffn_dim=ns.ffn, max_seq_len=ns.seq)
+
+
+def parse_args() -> BenchConfig:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_args(ap)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--accum", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--profile", action="store_true", help="also time PaRO's engine functions and op profiles")
     ns = ap.parse_args()
-    args = LlamaArgs(dim=ns.dim, n_layers=ns.layers, n_heads=ns.heads, n_kv_heads=ns.kv_heads, vocab_size=ns.vocab,
-                     ffn_dim=ns.ffn, max_seq_len=ns.seq)
-    return BenchConfig(args, ns.batch, ns.seq, ns.warmup, ns.rounds, tuple(ns.accum), ns.profile)
+    return BenchConfig(model_args_from(ns), args, ns.batch, ns.seq, ns.warmup, ns.rounds, tuple(ns.accum), ns.profile)
 
 
 def main() -> None:

@@ -138,9 +138,12 @@ GRAPH_PASSES = ("bucketing", "hierarchical", "reorder")  # passes.ORDER (kept he
 @dataclass
 class Compile:
     enable: bool = False
-    """torch.compile each transformer block (collectives in the graph; see passes/)"""
+    """torch.compile the model (its collectives in the graph; see passes/)"""
     backend: str = "inductor"
     """torch.compile backend: inductor (the graph passes run in it), aot_eager or eager"""
+    scope: Literal["model", "blocks"] = "model"
+    """model: one compiled forward and backward over all blocks (the reorder pass can prefetch
+    across blocks); blocks: each transformer block on its own, as torchtitan does"""
     passes: list[str] = field(default_factory=lambda: list(GRAPH_PASSES))
     """Graph passes to run, any of: bucketing, hierarchical, reorder ([] for none; inductor only)"""
     max_prefetch_mb: float = -1

@@ -84,8 +84,8 @@ def parallelize(model: Llama, cfg: JobConfig, mesh: Any, device: torch.device) -
 
 
 def apply_compile(model: nn.Module, cfg: JobConfig) -> Any:
-    """torch.compile every transformer block (as torchtitan does), after ``paro_shard``: each
-    block's gathers and gradient reductions are nodes of its graphs. With inductor, the graph
+    """torch.compile the model in place (whole, or block by block as torchtitan does), after
+    ``paro_shard``: each block's gathers and gradient reductions are nodes of its graphs. With inductor, the graph
     passes of ``[compile] passes`` run on them; returns their record (None for other backends)."""
     import passes
 
@@ -99,8 +99,11 @@ def apply_compile(model: nn.Module, cfg: JobConfig) -> Any:
         # the block hooks swap module parameters (a side effect): in a checkpointed block dynamo
         # must not replay it in the recomputation, which the compiled graph does by itself
         torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
-    for block in model.layers:
-        block.compile(backend=c.backend, fullgraph=True)
+    if c.scope == "model":
+        model.compile(backend=c.backend)
+    else:
+        for block in model.layers:
+            block.compile(backend=c.backend, fullgraph=True)
     return record
 
 

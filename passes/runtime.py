@@ -1,0 +1,101 @@
+"""Runtime estimates for inductor's own overlap scheduler, from our cost model, on any device.
+
+Why: inductor's overlap scheduler (``aten_distributed_optimizations.enable_overlap_scheduling``)
+estimates collectives from the GPU's NCCL bandwidth tables and compute by benchmarking on the
+GPU; on CPU it fails ("0 active drivers", or importing triton for its fusion-region costs). It accepts a ``custom_runtime_estimation(node,
+override_size)``: this one prices every node with the advisor's cluster description
+(``paro_fsdp/advisor.py``: per-link ring bandwidth and latency, achieved FLOP/s, memory
+bandwidth), so the scheduler runs on CPU and plans for the cluster the job is sized for. Times
+are in milliseconds, as inductor's own estimates.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch._inductor.fx_passes.overlap_scheduling as _overlap
+import torch.fx as fx
+
+from paro_fsdp.advisor import Cluster, load_cluster
+from paro_fsdp.mesh import GROUPS
+
+from .graph import COMPUTE, KIND_OF
+
+_ROOFLINE = _overlap.estimate_roofline_runtime_ms
+
+
+def _numel_bytes(v) -> int:
+    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+
+
+def _flops(node: fx.Node) -> float:
+    vals = [a.meta.get("val") for a in node.args if isinstance(a, fx.Node)]
+    out = node.meta.get("val")
+    if node.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+        a, b = vals[-2], vals[-1]
+        return 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
+    if node.target in (torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default):
+        a, b = vals[-2], vals[-1]
+        return 2.0 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
+    if isinstance(out, (tuple, list)):
+        out = out[0]
+    q = vals[0] if vals else None
+    if isinstance(q, torch.Tensor) and q.dim() == 4:  # attention: q [B, H, S, D]
+        b, h, s, d = q.shape
+        return 4.0 * b * h * s * s * d
+    return 2.0 * _numel_bytes(out)
+
+
+@dataclass
+class RuntimeEstimate:
+    cluster: Cluster
+
+    def collective_ms(self, node: fx.Node, override_size: int | None = None) -> float:
+        kind = KIND_OF[node.target]
+        group = str(node.args[-1])
+        dim = GROUPS.get(group, ("global", None))[0]
+        k = int(node.args[1] if kind == "all_gather" else node.args[2])
+        if override_size is not None:
+            nbytes = override_size
+        elif kind == "all_gather":
+            nbytes = _numel_bytes(node.meta.get("val"))
+        else:
+            nbytes = _numel_bytes(node.args[0].meta.get("val"))  # type: ignore[union-attr]
+        link = self.cluster.intra if dim == "intra" else self.cluster.inter  # global: the slow links bound it
+        bandwidth, latency = link.cost(kind)
+        steps = 2 * (k - 1) if kind == "all_reduce" else k - 1
+        ring = nbytes * steps / max(k, 1)
+        return (ring / bandwidth + steps * latency) * 1e3
+
+    def __call__(self, node: fx.Node, override_size: int | None = None) -> float | None:
+        if node.op != "call_function":
+            return 0.0
+        if node.target in KIND_OF:
+            return self.collective_ms(node, override_size)
+        if node.target in COMPUTE:
+            return _flops(node) / (self.cluster.achieved_tflops * 1e12) * 1e3
+        moved = _numel_bytes(node.meta.get("val")) + sum(
+            _numel_bytes(a.meta.get("val")) for a in node.args if isinstance(a, fx.Node))
+        return moved / (self.cluster.memory_bandwidth_gbs * 1e9) * 1e3
+
+
+def enable_overlap_scheduler(cluster: Cluster | str = "a100_ib") -> RuntimeEstimate:
+    """Turn on inductor's overlap scheduler with our estimates (``cluster``: a ``Cluster`` or a
+    preset name / TOML path for ``paro_fsdp.advisor.load_cluster``)."""
+    estimate = RuntimeEstimate(load_cluster(cluster) if not isinstance(cluster, Cluster) else cluster)
+    cfg = torch._inductor.config.aten_distributed_optimizations
+    cfg.enable_overlap_scheduling = True
+    cfg.custom_runtime_estimation = estimate
+    cfg.enable_fusion_regions = False  # its I/O correction asks the GPU for DRAM bandwidth too
+    # torch 2.13 prices matmuls with its GPU roofline before consulting the custom estimate
+    # (gather_node_runtime_estimations); route that roofline to ours as well
+    _overlap.estimate_roofline_runtime_ms = estimate
+    return estimate
+
+
+def disable_overlap_scheduler() -> None:
+    cfg = torch._inductor.config.aten_distributed_optimizations
+    cfg.enable_overlap_scheduling = False
+    cfg.custom_runtime_estimation = None
+    cfg.enable_fusion_regions = True
+    _overlap.estimate_roofline_runtime_ms = _ROOFLINE
