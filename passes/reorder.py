@@ -94,7 +94,12 @@ def hoist_issues(graph: fx.Graph, max_prefetch_bytes: int | None = None) -> int:
             if i == 0 or max_prefetch_bytes == 0:
                 continue
             if ahead >= 0:
-                prev = [p for p in colls if p.block == blocks[ahead] and p.kind == "all_gather"]
+                # where that block's compute starts: the first wait of its last-phase gathers
+                # (a first-phase wait feeds another collective, and may itself have moved early)
+                prev = [p for p in colls if p.block == blocks[ahead] and p.kind == "all_gather"
+                        and not any(u.target in KIND_OF for u in p.wait.users)]
+                if not prev:
+                    continue
                 anchor = min((p.wait for p in prev), key=lambda n: pos[n]).prev
             else:
                 anchor = max(c.node.all_input_nodes, key=lambda n: pos[n])
