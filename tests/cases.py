@@ -11,6 +11,17 @@ from paro_fsdp import MixedPrecision
 from workloads import STEPS, full_params, train_paro
 
 
+def _trained(model, losses) -> dict[str, Any]:
+    """Losses, final full parameters, and the ledger per step (bytes) and in all (counts)."""
+    stats = model.comm_stats()
+    return {
+        "losses": losses,
+        "params": full_params(model),
+        "comm": {key: stats.bytes(*key.split("/")) / STEPS for key in stats.as_dict()},
+        "counts": {key: stats.count(*key.split("/")) for key in stats.as_dict()},
+    }
+
+
 def train_cases(cases: list[tuple]) -> dict[tuple, dict[str, Any]]:
     """(strategy, group_size, accum[, activation checkpointing]) -> losses, final full params,
     comm ledger, memory."""
@@ -18,12 +29,8 @@ def train_cases(cases: list[tuple]) -> dict[tuple, dict[str, Any]]:
     for case in cases:
         strategy, group_size, accum, ac = (*case, None)[:4]
         model, opt, losses = train_paro(strategy, group_size, accum, ac=ac)
-        stats = model.comm_stats()
         out[case] = {
-            "losses": losses,
-            "params": full_params(model),
-            "comm": {key: stats.bytes(*key.split("/")) / STEPS for key in stats.as_dict()},
-            "counts": {key: stats.count(*key.split("/")) for key in stats.as_dict()},
+            **_trained(model, losses),
             "memory": model.memory_report(opt),
             "placements": {n: tuple(repr(p) for p in prm.placements) for n, prm in model.named_parameters()},
             "grad_free": [n for n, prm in model.named_parameters() if not prm.requires_grad],
@@ -41,13 +48,7 @@ def chunked_cases(cases: list[tuple]) -> dict[tuple, dict[str, Any]]:
         strategy, group_size, accum, chunk_bytes, model_name = case
         model, _, losses = train_paro(strategy, group_size, accum, args={"tiny": TINY, "odd": ODD}[model_name],
                                       chunk_bytes=chunk_bytes)
-        stats = model.comm_stats()
-        out[case] = {
-            "losses": losses,
-            "params": full_params(model),
-            "comm": {key: stats.bytes(*key.split("/")) / STEPS for key in stats.as_dict()},
-            "counts": {key: stats.count(*key.split("/")) for key in stats.as_dict()},
-        }
+        out[case] = _trained(model, losses)
     return out
 
 

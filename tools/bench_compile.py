@@ -137,7 +137,7 @@ def build(cfg: Config) -> list[Variant]:
 def report(cfg: Config, variants: list[Variant], warm: tuple[str, float] | None) -> None:
     med = {v.name: statistics.median(reduce_max(v.times)) * 1e3 for v in variants}
     first = {v.name: max(reduce_max([v.first])) for v in variants}
-    loss = {v.name: reduce_mean(v.losses)[-1] for v in variants}
+    loss = {v.name: reduce_mean(v.losses)[cfg.rounds] for v in variants}  # same step for all (not the warm rerun)
     if dist.get_rank() != 0:
         return
     a = cfg.args
