@@ -12,7 +12,7 @@ from .mesh import MeshInfo
 from .mixed_precision import MixedPrecision
 from .param_group import ParamRef, ParoParamGroup
 from .state import ParoBlock, ParoState
-from .traced import isolate_compile_cache, make_sink
+from .traced import make_sink
 from .strategy import Level, PolicyLike, Strategy, resolve_policy
 
 
@@ -73,7 +73,6 @@ def paro_shard(
         raise ValueError("the model has parameters on the meta device: pass param_init_fn=(name, tensor) -> None "
                          "to paro_shard so it can materialise them shard by shard")
     comm = MeshComm(info)
-    isolate_compile_cache(torch.distributed.get_rank())
 
     owners: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
     for module in model.modules():

@@ -125,7 +125,8 @@ def isolate_compile_cache(rank: int) -> None:
     group has its own name). With the selective-checkpoint region around the gathers, torch 2.13
     replayed a cache entry compiled by one rank on another, which then failed with "Could not
     resolve the process group registered under the name 1". Per-rank folders cost only cross-rank
-    cache sharing. Called by ``paro_shard``; idempotent."""
+    cache sharing. Call it before compiling (the trainer, the tests and tools/bench_compile.py
+    do); idempotent."""
     import os
 
     from torch._inductor.runtime.cache_dir_utils import cache_dir

@@ -67,7 +67,9 @@ def compile_model(model, how: dict):
     "options": {...}}. Returns the callable to train with and the passes' record. "aot" runs the
     passes on AOTAutograd's graphs without inductor codegen (passes.aot_backend)."""
     import passes
+    from paro_fsdp.traced import isolate_compile_cache
 
+    isolate_compile_cache(dist.get_rank())
     record = passes.ParoPasses(how.get("passes", passes.ORDER), passes.PassOptions(**how.get("options", {})))
     if how.get("backend", "aot") == "aot":
         backend = passes.aot_backend(record)

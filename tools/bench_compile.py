@@ -42,6 +42,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 import passes  # noqa: E402
 from paro_fsdp import ParoOptimizer, init_paro_mesh, paro_shard  # noqa: E402
 from paro_fsdp.models.llama import LlamaArgs  # noqa: E402
+from paro_fsdp.traced import isolate_compile_cache  # noqa: E402
 from tools.bench_vs_fsdp2 import (GROUP, LR, MAX_NORM, WD, WORLD, add_model_args, batch_for, make_model,  # noqa: E402
                                   model_args_from, reduce_max, reduce_mean)
 
@@ -161,6 +162,7 @@ def worker(cfg: Config) -> None:
     torch.set_num_threads(1)
     if not dist.is_initialized():
         dist.init_process_group("gloo")
+    isolate_compile_cache(dist.get_rank())
     variants = build(cfg)
     for v in variants:  # the compiling step, one variant at a time (passes are a global setting)
         v.prepare()

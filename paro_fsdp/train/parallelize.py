@@ -88,7 +88,9 @@ def apply_compile(model: nn.Module, cfg: JobConfig) -> Any:
     ``paro_shard``: each block's gathers and gradient reductions are nodes of its graphs. With inductor, the graph
     passes of ``[compile] passes`` run on them; returns their record (None for other backends)."""
     import passes
+    from paro_fsdp.traced import isolate_compile_cache
 
+    isolate_compile_cache(torch.distributed.get_rank())
     c = cfg.compile
     record = None
     if c.backend == "inductor":
