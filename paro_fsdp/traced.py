@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from .param_group import ParoParamGroup
 
 
-def _whole(t, rows: torch.Tensor, numel: int, shape: torch.Size) -> torch.Tensor:
+def _whole(rows: torch.Tensor, numel: int, shape: torch.Size) -> torch.Tensor:
     return rows.reshape(-1)[:numel].view(shape)
 
 
@@ -42,14 +42,14 @@ def gather_whole(group: "ParoParamGroup") -> list[torch.Tensor]:
     shapes = [(ref.param.numel(), ref.param.shape) for ref in group.refs]
     if group.strategy.p == Level.I:
         rows = comm.all_gather(group.p_flat, "intra").wait().view(info.m, layout.sum_i)
-        return [_whole(t, rows[:, t.off_i : t.off_i + t.size_i], *s) for t, s in zip(layout.tensors, shapes)]
+        return [_whole(rows[:, t.off_i : t.off_i + t.size_i], *s) for t, s in zip(layout.tensors, shapes)]
     gathered = comm.all_gather(group.p_flat, "global").wait()  # [k][l][sum_g], flat rank order
     if layout.nested_uniform:  # intra shard l of a tensor = its g global shards [k][l] in k order
         blocks = gathered.view(info.g, info.m, layout.sum_g).transpose(0, 1)
-        return [_whole(t, blocks[:, :, t.off_g : t.off_g + t.size_g], *s) for t, s in zip(layout.tensors, shapes)]
+        return [_whole(blocks[:, :, t.off_g : t.off_g + t.size_g], *s) for t, s in zip(layout.tensors, shapes)]
     nested = gathered.view(info.g, info.m, layout.sum_g).transpose(0, 1).contiguous()  # [l][k][sum_g]
     full = layout.nested_to_full(nested, torch.zeros(info.m, layout.sum_i, dtype=gathered.dtype, device=gathered.device))
-    return [_whole(t, full[:, t.off_i : t.off_i + t.size_i], *s) for t, s in zip(layout.tensors, shapes)]
+    return [_whole(full[:, t.off_i : t.off_i + t.size_i], *s) for t, s in zip(layout.tensors, shapes)]
 
 
 def reduce_to_g(group: "ParoParamGroup", grads: list[torch.Tensor | None]) -> torch.Tensor:

@@ -16,11 +16,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from .graph import COMPUTE, KIND_OF, WAITS, Collective, collectives
-
-
-def _pos(graph: fx.Graph) -> dict[fx.Node, int]:
-    return {n: i for i, n in enumerate(graph.nodes)}
+from .graph import COMPUTE, KIND_OF, WAITS, Collective, collectives, positions
 
 
 def _cheap(n: fx.Node) -> bool:
@@ -70,7 +66,7 @@ def _movable_chain(node: fx.Node, after: int, pos: dict[fx.Node, int], waits: se
 
 
 def _inflight_bytes(graph: fx.Graph, at: int, colls: list[Collective]) -> int:
-    pos = _pos(graph)
+    pos = positions(graph)
     return sum(c.nbytes for c in colls if c.kind == "all_gather" and pos[c.node] <= at < pos[c.wait])
 
 
@@ -85,7 +81,7 @@ def hoist_issues(graph: fx.Graph, max_prefetch_bytes: int | None = None) -> int:
         if c.kind == "all_gather" and c.block not in blocks:
             blocks.append(c.block)
     for c in colls:
-        pos = _pos(graph)
+        pos = positions(graph)
         own_waits = {p.wait for p in colls if p.block == c.block and p is not c}
         if c.kind == "all_gather":
             i = blocks.index(c.block)
