@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from .mesh import MeshInfo
 
@@ -23,6 +25,55 @@ if TYPE_CHECKING:
 _ops = torch.ops._c10d_functional
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 DIMS = ("intra", "inter", "global")
+
+
+# ---- gloo: functional all-gathers through the single-tensor path --------------------------------
+# torch 2.13's gloo backend runs the functional all-gather (``_c10d_functional.all_gather_into_tensor``,
+# which c10d routes to ``allgather_into_tensor_coalesced``) in a work item that corrupts the heap
+# or hangs when it is in flight while another process group also has work in flight: exactly
+# PaRO-CC's overlap of an inter and an intra phase, and prefetching. A 4-rank loop of
+# concurrent gathers on both mesh dimensions dies with "malloc(): unaligned tcache chunk
+# detected" within a few hundred iterations (tests/test_gloo_concurrency.py). The same gather
+# issued through ``dist.all_gather_into_tensor(async_op=True)`` (gloo's ``_allgather_base``)
+# survives it. So on CPU the functional op's kernel is that call, with its work registered for
+# ``wait_tensor`` exactly as the C++ kernel does: same op, same graphs, same semantics, for eager
+# and compiled code alike; other devices keep torch's kernel.
+_GLOO_LIB: torch.library.Library | None = None
+
+
+def _group(group_name) -> dist.ProcessGroup:
+    return group_name if isinstance(group_name, dist.ProcessGroup) else _resolve_process_group(group_name)
+
+
+def _gather_into(out: torch.Tensor, shard: torch.Tensor, group_name) -> torch.Tensor:
+    work = dist.all_gather_into_tensor(out, shard.contiguous(), group=_group(group_name), async_op=True)
+    torch._C._distributed_c10d._register_work(out, work)
+    return out
+
+
+def _all_gather_cpu(shard: torch.Tensor, group_size: int, group_name) -> torch.Tensor:
+    out = shard.new_empty((shard.shape[0] * group_size, *shard.shape[1:]))
+    return _gather_into(out, shard, group_name)
+
+
+def _all_gather_out_cpu(shard: torch.Tensor, group_size: int, group_name, *, out: torch.Tensor) -> torch.Tensor:
+    return _gather_into(out, shard, group_name)
+
+
+def _all_gather_coalesced_cpu(shards: list[torch.Tensor], group_size: int, group_name) -> list[torch.Tensor]:
+    return [_all_gather_cpu(s, group_size, group_name) for s in shards]
+
+
+def use_safe_gloo_all_gather() -> None:
+    """Install the CPU kernels above (once per process; idempotent)."""
+    global _GLOO_LIB
+    if _GLOO_LIB is not None:
+        return
+    lib = torch.library.Library("_c10d_functional", "IMPL")
+    lib.impl("all_gather_into_tensor", _all_gather_cpu, "CPU")
+    lib.impl("all_gather_into_tensor_out", _all_gather_out_cpu, "CPU")
+    lib.impl("all_gather_into_tensor_coalesced", _all_gather_coalesced_cpu, "CPU")
+    _GLOO_LIB = lib
 
 
 class CommStats:
@@ -81,6 +132,7 @@ class MeshComm:
     def __init__(self, info: MeshInfo) -> None:
         self.info = info
         self.stats = CommStats()
+        use_safe_gloo_all_gather()
 
     @functools.cached_property
     def cc(self) -> "ParoCC":

@@ -78,8 +78,8 @@ class MeshInfo:
             names = {dim: mesh.get_group(dim).group_name for dim in MESH_DIMS}
             names["global"] = mesh[MESH_DIMS]._flatten().get_group().group_name
         info = cls(mesh, mesh.size(0), mesh.size(1), k, l, names)
-        # plain data only: a registry holding the DeviceMesh kept process groups alive past
-        # destroy_process_group, and gloo then corrupted the heap (malloc: unaligned tcache chunk)
+        # plain data only: the registry must not keep a DeviceMesh (and its process groups)
+        # alive past destroy_process_group
         plain = cls(None, info.g, info.m, k, l, dict(names))  # type: ignore[arg-type]
         for dim, name in names.items():
             GROUPS[name] = (dim, plain)

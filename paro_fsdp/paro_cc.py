@@ -61,7 +61,7 @@ from typing import Callable
 
 import torch
 
-from .comm import CommStats
+from .comm import CommStats, use_safe_gloo_all_gather
 from .mesh import MeshInfo
 
 _ops = torch.ops._c10d_functional
@@ -136,6 +136,7 @@ class ParoCC:
         self.stats = stats
         self._intra = info.group_names["intra"]
         self._inter = info.group_names["inter"]
+        use_safe_gloo_all_gather()
 
     @classmethod
     def from_groups(cls, g: int, m: int, intra: str, inter: str, **kw) -> "ParoCC":

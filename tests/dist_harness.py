@@ -44,26 +44,7 @@ def _worker(rank: int, world: int, port: int, target: str, payload: Any, queue) 
 def run_world(world: int, target: str, payload: Any = None, timeout: float = 900) -> list[Any]:
     """Run ``module:function(payload)`` on ``world`` ranks; return every rank's result.
 
-    A world in which a rank process was killed by a signal (not by us) is run once more, with a
-    warning: gloo worlds on these machines have twice died with ``malloc(): unaligned tcache
-    chunk detected`` (a heap corruption not yet explained, see the session notes). A failure
-    that a rank reports itself (an assertion, an exception) is never retried."""
-    try:
-        return _run_world_once(world, target, payload, timeout)
-    except WorkerCrashed as exc:
-        import warnings
-
-        warnings.warn(f"a rank of the {world}-rank world {target} crashed ({exc.codes}); running it again")
-        return _run_world_once(world, target, payload, timeout)
-
-
-class WorkerCrashed(RuntimeError):
-    def __init__(self, message: str, codes: list[int]) -> None:
-        super().__init__(message)
-        self.codes = codes
-
-
-def _run_world_once(world: int, target: str, payload: Any, timeout: float) -> list[Any]:
+    A rank that dies (a signal, an abort) fails the world: nothing is retried."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
@@ -84,12 +65,11 @@ def _run_world_once(world: int, target: str, payload: Any, timeout: float) -> li
     finally:
         for p in procs:
             p.join(timeout=30 if not errors else 5)
-        crashed = [p.exitcode for p in procs if p.exitcode is not None and p.exitcode < 0]
+        codes = [p.exitcode for p in procs]
         for p in procs:
             if p.is_alive():
                 p.kill()
-    if errors and crashed:
-        raise WorkerCrashed("distributed worker crashed\n" + "\n".join(errors), crashed)
     if errors:
+        errors.append(f"rank exit codes: {codes}")
         raise RuntimeError("distributed worker failed\n" + "\n".join(errors))
     return [results[r] for r in range(world)]

@@ -162,16 +162,12 @@ def test_equals_flat_2x2(results4, case):
     _check(results4, case)
 
 
-# 2x4 is marked slow (out of `make test`): one clean-clone CI run crashed a rank of this world with
-# "malloc(): unaligned tcache chunk detected" inside paro_cc; not yet understood (the engine does not
-# use paro_cc yet). `make test-all` runs it.
-@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
 def test_equals_flat_2x4(results8, case):
     _check(results8, case)
 
 
-@pytest.mark.parametrize("shape", [(2, 2), pytest.param((2, 4), marks=pytest.mark.slow)], ids=["2x2", "2x4"])
+@pytest.mark.parametrize("shape", [(2, 2), (2, 4)], ids=["2x2", "2x4"])
 def test_stats_and_async(request, shape):
     results, (g, m) = request.getfixturevalue("results4" if shape == (2, 2) else "results8"), shape
     n = g * m
