@@ -191,7 +191,9 @@ class Trainer:
         """One optimizer step: ``grad_accum`` micro-steps, clip, step. Returns (loss averaged
         over ranks and micro-steps, global grad norm before clipping)."""
         total = torch.zeros((), device=self.device)
-        for _ in range(self.grad_accum):
+        for micro in range(self.grad_accum):
+            if self.compiled is not None:  # the last backward's graphs also reduce to the OS level
+                self.model.set_is_last_backward(micro == self.grad_accum - 1)
             batch = next(self.data).to(self.device, non_blocking=True)
             loss = self.model(batch).loss / self.grad_accum
             loss.backward()

@@ -12,7 +12,7 @@ from .mesh import MeshInfo
 from .mixed_precision import MixedPrecision
 from .param_group import ParamRef, ParoParamGroup
 from .state import ParoBlock, ParoState
-from .traced import make_sink
+from .traced import make_sinks
 from .strategy import Level, PolicyLike, Strategy, resolve_policy
 
 
@@ -35,6 +35,16 @@ class ParoModule:
                 total[key] += value
         total["total"] = total["P"] + total["G"] + total["OS"]
         return total
+
+    def set_is_last_backward(self, is_last: bool) -> None:
+        """Whether the next backward is the last micro-step before the optimizer step (as in
+        FSDP2). Compiled blocks then run the accumulation boundary's reductions to the OS level
+        inside their backward graph, where they overlap the rest of backward; the optimizer
+        only does what is left (blocks that ran eagerly). The eager engine ignores it."""
+        for g in self._paro_state.groups:
+            g.last_backward = bool(is_last)
+            if is_last and g.trainable and g.grad_acc is None:  # one graph whatever the step
+                g.grad_acc = g.t_layout.new(g.strategy.g, g.mp.grad_dtype, g.device).zero_()
 
     def paro_strategies(self) -> dict[str, Strategy]:
         return {ref.fqn: g.strategy for g in self._paro_state.groups for ref in g.refs}
@@ -101,7 +111,7 @@ def paro_shard(
             for s, refs in by_strategy.items()
         ]
         for g in groups:
-            g.sink = make_sink(g)
+            make_sinks(g)
         block = ParoBlock(name, module, groups, state)
         block.is_root = module is model
         state.blocks.append(block)

@@ -8,7 +8,6 @@ reduce-scatter as an all-reduce, so its wire bytes are higher than counted here.
 """
 from __future__ import annotations
 
-import functools
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -34,7 +33,7 @@ DIMS = ("intra", "inter", "global")
 # PaRO-CC's overlap of an inter and an intra phase, and prefetching. A 4-rank loop of
 # concurrent gathers on both mesh dimensions dies with "malloc(): unaligned tcache chunk
 # detected" within a few hundred iterations (tests/test_gloo_concurrency.py). The same gather
-# issued through ``dist.all_gather_into_tensor(async_op=True)`` (gloo's ``_allgather_base``)
+# issued through ``dist.all_gather_single(async_op=True)`` (gloo's single-tensor all-gather)
 # survives it. So on CPU the functional op's kernel is that call, with its work registered for
 # ``wait_tensor`` exactly as the C++ kernel does: same op, same graphs, same semantics, for eager
 # and compiled code alike; other devices keep torch's kernel.
@@ -46,7 +45,7 @@ def _group(group_name) -> dist.ProcessGroup:
 
 
 def _gather_into(out: torch.Tensor, shard: torch.Tensor, group_name) -> torch.Tensor:
-    work = dist.all_gather_into_tensor(out, shard.contiguous(), group=_group(group_name), async_op=True)
+    work = dist.all_gather_single(out, shard.contiguous(), group=_group(group_name), async_op=True)
     torch._C._distributed_c10d._register_work(out, work)
     return out
 
@@ -130,16 +129,14 @@ class MeshComm:
     grad-norm scalar)."""
 
     def __init__(self, info: MeshInfo) -> None:
+        from .paro_cc import ParoCC  # paro_cc imports CommStats from here
+
         self.info = info
         self.stats = CommStats()
         use_safe_gloo_all_gather()
-
-    @functools.cached_property
-    def cc(self) -> "ParoCC":
-        """The model's one PaRO-CC instance (shared by its groups, counting into ``stats``)."""
-        from .paro_cc import ParoCC  # paro_cc imports CommStats from here
-
-        return ParoCC(self.info, stats=self.stats)
+        # the model's one PaRO-CC instance (shared by its groups, counting into ``stats``); a plain
+        # attribute, since compiled code reads it (dynamo cannot trace cached_property's lock)
+        self.cc: ParoCC = ParoCC(info, stats=self.stats)
 
     def _ring_bytes(self, kind: str, dim: str, numel: int, t: torch.Tensor) -> float:
         k = self.info.size(dim)

@@ -30,24 +30,32 @@ from .mixed_precision import MixedPrecision
 from .strategy import Level, Strategy
 
 
-Steps = Generator[Pending | HierPending, torch.Tensor, None]  # yields issued collectives, receives their results
+# A sequence of collectives: a generator that issues a collective, yields it, and when resumed
+# waits for it itself (``wait()`` is idempotent) and goes on. Results leave through ``out`` lists:
+# plain ``yield``s, ``for``-delegation and lists are what dynamo traces inside a backward (no
+# ``yield from``, no generator return values), so the compiled last micro-step runs these same
+# sequences (traced.py).
+Steps = Generator[Pending | HierPending, None, None]
+
+
+def run(steps: Steps) -> None:
+    """Run one sequence to its end, each collective waited as soon as it is issued (traced
+    code: the graph passes, not the issue order, decide the overlap)."""
+    for _ in steps:
+        pass
 
 
 def drive(sequences: list[Steps]) -> None:
-    """Run several groups' collective sequences side by side: every group's next collective is
-    issued before any is waited on. Every rank runs the same groups in the same order, so the
-    collectives on each process group match across ranks."""
-    active = []
-    for seq in sequences:
-        try:
-            active.append((seq, next(seq)))
-        except StopIteration:
-            pass
+    """Run several groups' sequences side by side: every group's next collective is issued
+    before any group waits for its previous one. Every rank runs the same groups in the same
+    order, so the collectives on each process group match across ranks."""
+    active = list(sequences)
     while active:
         nxt = []
-        for seq, pending in active:
+        for seq in active:
             try:
-                nxt.append((seq, seq.send(pending.wait())))
+                next(seq)
+                nxt.append(seq)
             except StopIteration:
                 pass
         active = nxt
@@ -146,6 +154,11 @@ class ParoParamGroup:
         self._pending_rs: Pending | HierPending | None = None
         self.grads_ready = False  # reduced to the OS level and handed to the master params
         self.has_grads = False  # at least one backward reached this group since the last step
+        # compiled blocks only (traced.py): the next backward is the last micro-step, so its graph
+        # also reduces the accumulated gradient to the OS level, into ``os_sink``
+        self.last_backward = False
+        self.sink: torch.Tensor | None = None  # gradient leaves of the traced path (traced.make_sink)
+        self.os_sink: torch.Tensor | None = None
 
     # ---- parameters: shard <-> whole -----------------------------------------------------
     def issue_unshard(self) -> None:
@@ -230,24 +243,48 @@ class ParoParamGroup:
         fp32 master parameters as the mean over data-parallel ranks (spec step 3)."""
         if self.grads_ready or not self.trainable:
             return
+        acc = self.grad_acc if self.grad_acc is not None else self.t_layout.new(self.strategy.g, self.mp.grad_dtype, self.device)
+        out: list[torch.Tensor] = []
+        for pending in self.reduce_to_os(acc, out):
+            yield pending
+        self.set_master_grads(out[0])
+
+    def reduce_to_os(self, acc: torch.Tensor, out: list[torch.Tensor]) -> Steps:
+        """The boundary's collectives: the G-level sum over micro-steps -> the OS level, summed
+        over all ranks; appends that flat OS-level buffer (grad dtype) to ``out``. Run by the
+        optimizer, or inside the last micro-step's compiled backward (traced.py)."""
         layout, G, OS, dt = self.t_layout, self.strategy.g, self.strategy.os, self.mp.grad_dtype
-        acc = self.grad_acc if self.grad_acc is not None else layout.new(G, dt, self.device)
-        if G == Level.G:
-            reduced, level = acc, Level.G
-        elif G == Level.N and OS == Level.G:  # global reduce-scatter (PaRO-CC)
+        reduced, level = acc, G
+        if G == Level.N and OS == Level.G:  # global reduce-scatter (PaRO-CC)
             empty = torch.empty if layout.nested_uniform else torch.zeros
-            nested = layout.full_to_nested(acc, empty(layout.numel_nested(), dtype=dt, device=self.device))
-            reduced, level = (yield self.comm.cc.reduce_scatter(nested, order="nested")), Level.G
+            pending = self.comm.cc.reduce_scatter(layout.full_to_nested(acc, empty(layout.numel_nested(), dtype=dt, device=self.device)),
+                                                  order="nested")
+            yield pending
+            reduced, level = pending.wait(), Level.G
         elif G == Level.N and OS == Level.N:  # global all-reduce (PaRO-CC), elementwise on FULL
-            reduced, level = (yield self.comm.cc.all_reduce(acc)), Level.N
-        else:  # to I, still partial over inter
-            part = (yield self.comm.reduce_scatter(acc, "intra")) if G == Level.N else acc
+            pending = self.comm.cc.all_reduce(acc)
+            yield pending
+            reduced = pending.wait()
+        elif G != Level.G:  # to I, still partial over inter
+            if G == Level.N:
+                pending = self.comm.reduce_scatter(acc, "intra")
+                yield pending
+                reduced = pending.wait()
             if OS == Level.G:
-                buf = layout.i_to_inter(part, torch.empty(self.info.g * layout.sum_g, dtype=dt, device=self.device))
-                reduced, level = (yield self.comm.reduce_scatter(buf, "inter")), Level.G
+                pending = self.comm.reduce_scatter(
+                    layout.i_to_inter(reduced, torch.empty(self.info.g * layout.sum_g, dtype=dt, device=self.device)), "inter")
+                yield pending
+                reduced, level = pending.wait(), Level.G
             else:
-                reduced, level = (yield self.comm.all_reduce(part, "inter")), Level.I
-        reduced = yield from self._move_up(layout, reduced, level, OS)
+                pending = self.comm.all_reduce(reduced, "inter")
+                yield pending
+                reduced, level = pending.wait(), Level.I
+        for pending in self._move_up(layout, reduced, level, OS, out):
+            yield pending
+
+    def set_master_grads(self, reduced: torch.Tensor) -> None:
+        """``reduced`` (from ``reduce_to_os``) / n becomes the fp32 masters' ``.grad``."""
+        layout, OS, dt = self.t_layout, self.strategy.os, self.mp.grad_dtype
         scale = 1.0 / self.info.n
         if OS == Level.N:
             for master, t in zip(self.master, layout.tensors):
@@ -260,18 +297,22 @@ class ParoParamGroup:
                 master.grad = layout.local_view(grads, t, OS)
         self.grads_ready = True
 
-    def _move_up(self, layout: FlatLayout, flat: torch.Tensor, level: Level, target: Level) -> Steps:
-        """All-gather a flat buffer from ``level`` to the coarser ``target`` (G -> I -> N)."""
+    def _move_up(self, layout: FlatLayout, flat: torch.Tensor, level: Level, target: Level, out: list[torch.Tensor]) -> Steps:
+        """All-gather a flat buffer from ``level`` to the coarser ``target`` (G -> I -> N);
+        appends the result to ``out``."""
         if level == Level.G and target == Level.N:  # global all-gather (PaRO-CC) -> NESTED -> FULL
-            nested = yield self.comm.cc.all_gather(flat, order="nested")
-            return layout.nested_to_full(nested, torch.empty(layout.numel(Level.N), dtype=flat.dtype, device=self.device))
+            pending = self.comm.cc.all_gather(flat, order="nested")
+            yield pending
+            flat, level = layout.nested_to_full(pending.wait(), torch.empty(layout.numel(Level.N), dtype=flat.dtype, device=self.device)), Level.N
         if level == Level.G and target != Level.G:
-            gathered = yield self.comm.all_gather(flat, "inter")
-            flat = layout.inter_to_i(gathered, torch.empty(layout.sum_i, dtype=flat.dtype, device=self.device))
-            level = Level.I
+            pending = self.comm.all_gather(flat, "inter")
+            yield pending
+            flat, level = layout.inter_to_i(pending.wait(), torch.empty(layout.sum_i, dtype=flat.dtype, device=self.device)), Level.I
         if level == Level.I and target == Level.N:
-            flat = yield self.comm.all_gather(flat, "intra")
-        return flat
+            pending = self.comm.all_gather(flat, "intra")
+            yield pending
+            flat = pending.wait()
+        out.append(flat)
 
     @torch.no_grad()
     def push_params(self) -> Steps:
@@ -291,12 +332,16 @@ class ParoParamGroup:
         elif P == Level.G:  # OS = I: a slice
             layout.i_to_g(flat, self.p_flat)
         elif P == Level.I:  # OS = G: inter all-gather
-            layout.inter_to_i((yield self.comm.all_gather(flat, "inter")), self.p_flat)
+            pending = self.comm.all_gather(flat, "inter")
+            yield pending
+            layout.inter_to_i(pending.wait(), self.p_flat)
         else:  # P = N from OS = I or G
-            full = yield from self._move_up(layout, flat, OS, Level.N)
+            out: list[torch.Tensor] = []
+            for pending in self._move_up(layout, flat, OS, Level.N, out):
+                yield pending
             for local, t in zip(self.p_locals[:n_t], layout.tensors):
                 tmp = torch.empty(self.info.m * t.size_i, dtype=dt, device=self.device)
-                layout.copy_out(full, t, tmp)
+                layout.copy_out(out[0], t, tmp)
                 local.copy_(tmp[: local.numel()].view(local.shape))
 
     def zero_grad(self) -> None:

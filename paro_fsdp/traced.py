@@ -10,6 +10,13 @@ collective). The G-level gradient is returned for ``group.sink``, a leaf that ho
 micro-steps and a hook hands it to the group's accumulator, the one the eager path fills, so the
 accumulation boundary and the optimizer are shared.
 
+The last micro-step (``model.set_is_last_backward(True)``) goes one step further: its backward
+adds the accumulator of the earlier micro-steps to this one's G-level gradient and runs the
+boundary's reduction to the OS level (``ParoParamGroup.reduce_to_os``, the optimizer's own code)
+inside the graph, returning the result for ``group.os_sink``, whose hook sets the master
+gradients. So the inter-group reduction of a block is a graph node right after its intra one, and
+the reorder pass overlaps it with the rest of backward; the optimizer skips groups done this way.
+
 Global (P = G or G = G) collectives are issued over the flattened mesh, in flat rank order
 (rank k * m + l), and the nested layout of the spec is a local transpose around them. That is the
 form the graph passes expect: ``passes.hierarchical`` rewrites each global collective into its
@@ -25,6 +32,7 @@ from functools import partial
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from .param_group import run
 from .strategy import Level
 
 if TYPE_CHECKING:
@@ -80,8 +88,12 @@ class GatherForCompute(torch.autograd.Function):
     """P level -> whole tensors in forward; whole-tensor gradients -> G level in backward."""
 
     @staticmethod
-    def forward(ctx, group: "ParoParamGroup", sink: torch.Tensor | None, *p: torch.Tensor):  # type: ignore[override]
-        ctx.group, ctx.n = group, len(p)
+    def forward(ctx, group: "ParoParamGroup", sink: torch.Tensor | None, acc: torch.Tensor | None,  # type: ignore[override]
+                last: bool, *p: torch.Tensor):
+        """``last``: reduce to the OS level in backward (``sink`` is then ``group.os_sink``),
+        adding ``acc``, the G-level sum of the earlier micro-steps."""
+        ctx.group, ctx.n, ctx.last = group, len(p), last
+        ctx.save_for_backward(acc)
         if group.strategy.p == Level.N:
             return tuple(t.view_as(t) for t in p)
         return tuple(gather_whole(group))
@@ -90,7 +102,12 @@ class GatherForCompute(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
         group = ctx.group
         g = reduce_to_g(group, list(grads[: len(group.trainable)])) if group.trainable else None
-        return (None, g) + (None,) * ctx.n
+        if ctx.last and g is not None:
+            (acc,) = ctx.saved_tensors
+            out: list[torch.Tensor] = []
+            run(group.reduce_to_os(g if acc is None else acc + g, out))
+            g = out[0]
+        return (None, g, None, None) + (None,) * ctx.n
 
 
 def _recompute_gathers(ctx, func, *args, **kwargs) -> CheckpointPolicy:
@@ -99,8 +116,9 @@ def _recompute_gathers(ctx, func, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_RECOMPUTE
 
 
-def _gather(group: "ParoParamGroup", sink: torch.Tensor | None, *p: torch.Tensor) -> list[torch.Tensor]:
-    return list(GatherForCompute.apply(group, sink, *p))
+def _gather(group: "ParoParamGroup", sink: torch.Tensor | None, acc: torch.Tensor | None, last: bool,
+            *p: torch.Tensor) -> list[torch.Tensor]:
+    return list(GatherForCompute.apply(group, sink, acc, last, *p))
 
 
 def unshard(group: "ParoParamGroup") -> list[torch.Tensor]:
@@ -111,11 +129,13 @@ def unshard(group: "ParoParamGroup") -> list[torch.Tensor]:
     p = group.p_locals if group.strategy.p == Level.N else [group.p_flat]
     if not group.trainable or not torch.is_grad_enabled():
         with torch.no_grad():
-            return _gather(group, None, *p)
+            return _gather(group, None, None, False, *p)
+    last = group.last_backward
+    args = (group, group.os_sink, group.grad_acc, True) if last else (group, group.sink, None, False)
     if group.reshard_after_forward:
-        return checkpoint(_gather, group, group.sink, *p, use_reentrant=False,
+        return checkpoint(_gather, *args, *p, use_reentrant=False,
                           context_fn=partial(create_selective_checkpoint_contexts, _recompute_gathers))
-    return _gather(group, group.sink, *p)
+    return _gather(*args, *p)
 
 
 def isolate_compile_cache(rank: int) -> None:
@@ -137,12 +157,17 @@ def isolate_compile_cache(rank: int) -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, tag)
 
 
-def make_sink(group: "ParoParamGroup") -> torch.Tensor | None:
-    """A leaf of the G buffer's length that holds no memory; see the module docstring."""
+def _leaf(group: "ParoParamGroup", level: Level) -> torch.Tensor:
+    """A gradient leaf of the level's buffer length that holds no memory."""
+    n = group.t_layout.numel(level)
+    return torch.zeros((), dtype=group.mp.grad_dtype, device=group.device).expand(n).requires_grad_()
+
+
+def make_sinks(group: "ParoParamGroup") -> None:
+    """``group.sink`` (G level, each micro-step) and ``group.os_sink`` (OS level, the last
+    micro-step); see the module docstring."""
     if not group.trainable:
-        return None
-    n = group.t_layout.numel(group.strategy.g)
-    sink = torch.zeros((), dtype=group.mp.grad_dtype, device=group.device).expand(n).requires_grad_()
+        return
 
     def hand_over(leaf: torch.Tensor) -> None:
         if group.grad_acc is None:
@@ -152,5 +177,11 @@ def make_sink(group: "ParoParamGroup") -> torch.Tensor | None:
         leaf.grad = None
         group.has_grads = True
 
-    sink.register_post_accumulate_grad_hook(hand_over)
-    return sink
+    def set_master_grads(leaf: torch.Tensor) -> None:
+        group.set_master_grads(leaf.grad)
+        leaf.grad = None
+        group.has_grads = True
+
+    group.sink, group.os_sink = _leaf(group, group.strategy.g), _leaf(group, group.strategy.os)
+    group.sink.register_post_accumulate_grad_hook(hand_over)
+    group.os_sink.register_post_accumulate_grad_hook(set_master_grads)

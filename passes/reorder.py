@@ -4,9 +4,11 @@
   * an all-gather is issued right after the previous block's collectives are issued (one block
     of prefetch): in forward the all-gather of block i+1 runs under block i's compute, in
     backward (activation checkpointing re-gathers) the mirror;
-  * a reduce-scatter is issued as soon as its input exists; with the hierarchical pass, the inter
-    part of a block's gradient reduction follows its intra part at once and its wait moves to
-    the end of backward, so it overlaps the rest of backward.
+  * a reduce-scatter (or all-reduce) is issued as soon as its input can exist: the cheap ops
+    that prepare it (layout copies, the last micro-step's add of the accumulator) move up with
+    it. With the hierarchical pass, or on the last micro-step (the boundary's inter reduction),
+    the inter part of a block's gradient reduction follows its intra part at once and its wait
+    moves to the end of backward, so it overlaps the rest of backward.
 
 Memory bound: prefetching holds block i+1's gathered parameters during block i, so an all-gather
 is hoisted only if the gathered bytes already in flight at the new position plus its own stay
@@ -65,6 +67,22 @@ def _movable_chain(node: fx.Node, after: int, pos: dict[fx.Node, int], waits: se
     return sorted(chain, key=lambda n: pos[n])
 
 
+def _last_real_input(node: fx.Node, pos: dict[fx.Node, int]) -> fx.Node:
+    """The latest ancestor of ``node`` that cannot move (compute, a wait, a collective, a graph
+    input), looking through the cheap ops (copies, views, adds) that prepare its input."""
+    best, todo, seen = None, list(node.all_input_nodes), set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if _cheap(n):
+            todo.extend(n.all_input_nodes)
+        elif best is None or pos[n] > pos[best]:
+            best = n
+    return best if best is not None else next(iter(node.graph.nodes))
+
+
 def _inflight_bytes(graph: fx.Graph, at: int, colls: list[Collective]) -> int:
     pos = positions(graph)
     return sum(c.nbytes for c in colls if c.kind == "all_gather" and pos[c.node] <= at < pos[c.wait])
@@ -104,8 +122,8 @@ def hoist_issues(graph: fx.Graph, max_prefetch_bytes: int | None = None) -> int:
             if max_prefetch_bytes is not None and \
                     _inflight_bytes(graph, pos[anchor], colls) + c.nbytes > max_prefetch_bytes:
                 continue
-        else:  # as soon as the input exists
-            anchor = max(c.node.all_input_nodes, key=lambda n: pos[n])
+        else:  # as soon as the input can exist: with the cheap ops that prepare it
+            anchor = _last_real_input(c.node, pos)
         chain = _movable_chain(c.node, pos[anchor], pos, own_waits)
         if not chain or pos[chain[0]] <= pos[anchor] + 1:
             continue

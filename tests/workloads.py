@@ -90,7 +90,9 @@ def train_paro(strategy, group_size: int, accum: int, mp: MixedPrecision | None 
                compile: dict | None = None):
     """``chunk_bytes``: PaRO-CC chunk size (the default leaves this tiny model's global
     collectives in one chunk; a few hundred bytes cuts them into several). ``compile``: see
-    ``compile_model``; the record of the passes is left on ``model.paro_passes_record``."""
+    ``compile_model``, plus "boundary_in_graph" (default True: the last micro-step's backward
+    reduces to the OS level, ``set_is_last_backward``); the record of the passes is left on
+    ``model.paro_passes_record``."""
     mesh = init_paro_mesh(group_size)
     model = make_model(args=args)
     if ac:
@@ -111,6 +113,8 @@ def train_paro(strategy, group_size: int, accum: int, mp: MixedPrecision | None 
     for step in range(steps):
         total = torch.zeros(())
         for a in range(accum):
+            if compile is not None and compile.get("boundary_in_graph", True):
+                model.set_is_last_backward(a == accum - 1)
             loss = call(batch(rank, step, a, args)).loss / accum
             loss.backward()
             total += loss.detach().float()
