@@ -9,7 +9,7 @@ import torch
 
 from dist_harness import run_world
 
-ITERS = 1500
+ITERS = 1000
 
 
 def stress(payload: dict) -> int:
