@@ -192,7 +192,7 @@ class Trainer:
         over ranks and micro-steps, global grad norm before clipping)."""
         total = torch.zeros((), device=self.device)
         for micro in range(self.grad_accum):
-            if self.compiled is not None:  # the last backward's graphs also reduce to the OS level
+            if self.cfg.compile.enable:  # the last backward's graphs also reduce to the OS level
                 self.model.set_is_last_backward(micro == self.grad_accum - 1)
             batch = next(self.data).to(self.device, non_blocking=True)
             loss = self.model(batch).loss / self.grad_accum
