@@ -31,7 +31,7 @@ from .strategy import Level, Strategy
 
 
 # A sequence of collectives: a generator that issues a collective, yields it, and when resumed
-# waits for it itself (``wait()`` is idempotent) and goes on. Results leave through ``out`` lists:
+# waits for it itself and goes on. Results leave through ``out`` lists:
 # plain ``yield``s, ``for``-delegation and lists are what dynamo traces inside a backward (no
 # ``yield from``, no generator return values), so the compiled last micro-step runs these same
 # sequences (traced.py).
@@ -157,7 +157,7 @@ class ParoParamGroup:
         # compiled blocks only (traced.py): the next backward is the last micro-step, so its graph
         # also reduces the accumulated gradient to the OS level, into ``os_sink``
         self.last_backward = False
-        self.sink: torch.Tensor | None = None  # gradient leaves of the traced path (traced.make_sink)
+        self.sink: torch.Tensor | None = None  # gradient leaves of the traced path (traced.make_sinks)
         self.os_sink: torch.Tensor | None = None
 
     # ---- parameters: shard <-> whole -----------------------------------------------------
