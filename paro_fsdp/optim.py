@@ -9,7 +9,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from .layout import placements
-from .param_group import drive
+from .param_group import ParoParamGroup, drive, run
 from .strategy import Level
 
 
@@ -20,6 +20,10 @@ class ParoOptimizer:
     (step 3), the inner optimizer updates the master shards (step 4), and the updated values
     are moved to the P level (step 5).
     """
+
+    @staticmethod
+    def _push_eager(groups: list[ParoParamGroup]) -> None:
+        drive([g.push_params() for g in groups])
 
     def __init__(self, model: nn.Module, optimizer_class: Type[torch.optim.Optimizer], **kwargs: Any) -> None:
         if not hasattr(model, "_paro_state"):
@@ -36,6 +40,15 @@ class ParoOptimizer:
         if not masters:
             raise ValueError("the model has no trainable parameters (all have requires_grad=False)")
         self.inner = optimizer_class(masters, **kwargs)
+        self._push = self._push_eager
+
+    def compile(self, **kwargs: Any) -> None:
+        """Run the push of the updated parameters to the P level (step 5) as one compiled graph
+        (``kwargs`` go to ``torch.compile``): its collectives are then graph nodes, which the
+        passes merge (one all-gather per mesh dimension for the whole model) and schedule. With
+        ``model.set_is_last_backward`` this puts the whole accumulation boundary in graphs; the
+        inner optimizer's update stays as the user built it (compile it as torch documents)."""
+        self._push = torch.compile(_push_traced, **kwargs)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -72,12 +85,13 @@ class ParoOptimizer:
         torch._foreach_mul_([m.grad for g in self.groups for m in g.master], coef)
         return total
 
+    @torch.no_grad()
     def step(self) -> None:
         self._finalize()
         self.inner.step()
         for g in self.state.groups:
             g.reshard()  # a gathered copy (root in eval, prefetch) would now be stale
-        drive([g.push_params() for g in self.groups])
+        self._push(self.groups)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for g in self.state.groups:
@@ -140,4 +154,11 @@ class ParoOptimizer:
                     pg[k] = v
         for g in self.state.groups:
             g.reshard()
-        drive([g.push_params() for g in self.groups])
+        self._push(self.groups)
+
+
+def _push_traced(groups: list[ParoParamGroup]) -> None:
+    """What ``ParoOptimizer.compile`` compiles: each group's push in turn, every collective
+    waited as issued (in the graph, the passes decide what overlaps)."""
+    for g in groups:
+        run(g.push_params())

@@ -314,10 +314,10 @@ class ParoParamGroup:
             flat = pending.wait()
         out.append(flat)
 
-    @torch.no_grad()
     def push_params(self) -> Steps:
         """After the optimizer step: bring the updated master to the P level in param dtype
-        (spec step 5)."""
+        (spec step 5). Run under ``torch.no_grad()``, eagerly (``drive``) or compiled
+        (``ParoOptimizer.compile``)."""
         if not self.trainable:
             return
         layout, P, OS, dt = self.t_layout, self.strategy.p, self.strategy.os, self.mp.param_dtype

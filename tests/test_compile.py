@@ -118,6 +118,42 @@ def test_last_micro_step_reduces_to_the_os_level_inside_backward(mesh, strategy)
     assert all(m.grad is not None and m.grad.shape == m.shape for g in model._paro_state.groups for m in g.master)
 
 
+# after the optimizer step the updated masters go to the P level (spec step 5); per group:
+PUSH = {
+    "IIG": {"all_gather/inter": 1},  # OS = G -> P = I
+    "IGG": {"all_gather/inter": 1},
+    "NII": {"all_gather/intra": 1},  # OS = I -> P = N
+    "NNG": {"all_gather/inter": 1, "all_gather/intra": 1},  # OS = G -> P = N: PaRO-CC
+    "GGI": {},  # P = G from OS = I: a slice
+    "GGG": {},  # P = OS: a copy
+}
+
+
+@pytest.mark.parametrize("strategy", PUSH)
+def test_compiled_push_to_p_is_one_graph_bucketed_per_dimension(mesh, strategy):
+    from paro_fsdp import ParoOptimizer
+
+    _, model = compile_step(mesh, strategy, last=True)
+    groups = [g for g in model._paro_state.groups if g.trainable]
+    opt = ParoOptimizer(model, torch.optim.SGD, lr=0.1)
+    record = passes.ParoPasses(["bucketing"])
+    opt.compile(backend=passes.aot_backend(record))
+    for m in opt.inner.param_groups[0]["params"]:  # the fake world's reductions leave garbage
+        m.grad = torch.ones_like(m)
+    counters.clear()
+    opt.step()
+    assert dict(counters["graph_break"]) == {} and counters["stats"]["unique_graphs"] == 1
+    expect = PUSH[strategy]
+    assert len(record.records) == (1 if expect else 0)
+    if expect:  # every group's push in one graph, merged into one all-gather per dimension
+        assert totals(record, "forward", "before") == {k: v * len(groups) for k, v in expect.items()}
+        assert totals(record, "forward", "after") == expect
+    if strategy == "GGG":  # no collective: the fake world moves no data, but local copies are real
+        for g in groups:
+            assert not torch.equal(g.p_flat, g.p_flat.new_zeros(()).expand_as(g.p_flat))
+            torch.testing.assert_close(g.p_flat[: g.master_flat.numel()], g.master_flat, rtol=0, atol=0)
+
+
 def test_reorder_overlaps_the_boundary_reduction_with_later_blocks(mesh):
     """IIG's last micro-step: each block's inter reduce-scatter (to OS = G) is issued once its
     intra one is done (after only the layout copies of its input), before the next block's

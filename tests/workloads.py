@@ -62,10 +62,11 @@ def checkpoint_blocks(model: Llama) -> None:
             "__call__": lambda self, *a, **k: checkpoint(call, self, *a, use_reentrant=False, **k)})
 
 
-def compile_model(model, how: dict):
+def compile_model(model, how: dict, opt: ParoOptimizer | None = None):
     """``how``: {"scope": "model" | "blocks", "backend": "aot" | "inductor", "passes": [...],
     "options": {...}}. Returns the callable to train with and the passes' record. "aot" runs the
-    passes on AOTAutograd's graphs without inductor codegen (passes.aot_backend)."""
+    passes on AOTAutograd's graphs without inductor codegen (passes.aot_backend). ``opt``: its
+    push to the P level is compiled with the same backend."""
     import passes
     from paro_fsdp.traced import isolate_compile_cache
 
@@ -78,6 +79,8 @@ def compile_model(model, how: dict):
         torch._inductor.config.force_disable_caches = True  # a cache hit would skip the passes
         backend = "inductor"
     torch._dynamo.reset()
+    if opt is not None:
+        opt.compile(backend=backend)
     if how.get("scope", "model") == "blocks":
         for block in model.layers:
             block.compile(backend=backend, fullgraph=True)
@@ -91,7 +94,8 @@ def train_paro(strategy, group_size: int, accum: int, mp: MixedPrecision | None 
     """``chunk_bytes``: PaRO-CC chunk size (the default leaves this tiny model's global
     collectives in one chunk; a few hundred bytes cuts them into several). ``compile``: see
     ``compile_model``, plus "boundary_in_graph" (default True: the last micro-step's backward
-    reduces to the OS level, ``set_is_last_backward``); the record of the passes is left on
+    reduces to the OS level, ``set_is_last_backward``, and the push to P after the optimizer
+    step is compiled, ``ParoOptimizer.compile``); the record of the passes is left on
     ``model.paro_passes_record``."""
     mesh = init_paro_mesh(group_size)
     model = make_model(args=args)
@@ -106,7 +110,8 @@ def train_paro(strategy, group_size: int, accum: int, mp: MixedPrecision | None 
         # the block hooks swap module parameters (a side effect): under a checkpointed block,
         # dynamo must not replay it in the recomputation (the graph recomputes, not Python)
         torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = bool(ac)
-        call, model.paro_passes_record = compile_model(model, compile)
+        in_graph = compile.get("boundary_in_graph", True)
+        call, model.paro_passes_record = compile_model(model, compile, opt if in_graph else None)
     rank, world = dist.get_rank(), dist.get_world_size()
     losses = []
     model.comm_stats().reset()
