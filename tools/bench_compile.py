@@ -1,7 +1,7 @@
 """Eager vs torch.compile vs torch.compile + our graph passes, and FSDP2 + torch.compile, on 4
 CPU gloo ranks (2 groups x 2): step-time ratios, and cold / warm compile times.
 
-    .venv/bin/python -m tools.bench_compile                      # GGG and III: ~10 min on 2 cores
+    .venv/bin/python -m tools.bench_compile                      # GGG and III: ~12 min on 2 cores
     .venv/bin/python -m tools.bench_compile --strategies GGG IIG NGG --rounds 6
 
 Why: compiling should pay for itself. The targets: PaRO compiled with the passes is faster than
@@ -10,11 +10,13 @@ equivalent strategy (GGG = ZeRO-3 ``fully_shard``, III = HSDP on a 2D mesh). FSD
 dynamo-disabled, so its compiled graphs hold no collectives and it overlaps them eagerly; PaRO's
 collectives are in the graph, ordered by passes/.
 
-Every variant compiles the whole model (``torch.compile(model)``, inductor) so that the reorder
-pass sees every block in one graph; the model, data and optimizer are those of
-tools/bench_vs_fsdp2.py. Each variant's first step compiles it ("cold", with an empty inductor
-cache in a temporary folder, all four ranks compiling at once on the shared cores); then the
-variants run interleaved rounds (order rotated every round) and the table shows the median over
+Every compiled variant compiles the whole model (``torch.compile(model)``, inductor) so that the
+reorder pass sees every block in one graph; PaRO's also runs the accumulation boundary in graphs
+(``set_is_last_backward`` on the last micro-step, ``ParoOptimizer.compile()`` for the push to P).
+The model, data and optimizer are those of tools/bench_vs_fsdp2.py. Each variant's first step
+compiles it ("cold", with an empty inductor cache in a temporary folder, all four ranks compiling
+at once on the shared cores; with A > 1 the last micro-step's graphs compile in that step too;
+FSDP2 HSDP's compute graphs equal ZeRO-3's, so they come from the cache); then the variants run interleaved rounds (order rotated every round) and the table shows the median over
 rounds of the slowest rank's step. At the end one variant is compiled again after
 ``torch._dynamo.reset()`` ("warm": inductor's FX-graph cache hits; the passes' uuid is in its key).
 The loss column is a sanity check: all PaRO variants and FSDP2 train the same model on the same
@@ -98,11 +100,15 @@ def paro_variant(cfg: Config, strategy: str, mode: str) -> Variant:
     rank = dist.get_rank()
     model = paro_shard(make_model(cfg.args), init_paro_mesh(GROUP), strategy)
     opt = ParoOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WD, foreach=True)
-    call = model if mode == "eager" else torch.compile(model)
+    call, before = model, None
+    if mode != "eager":  # the whole boundary in graphs: the last backward's reduction, the push to P
+        call = torch.compile(model)
+        opt.compile()
+        before = lambda a: model.set_is_last_backward(a == cfg.accum - 1)  # noqa: E731
     prepare = {"eager": lambda: None, "compiled": passes.uninstall,
                "compiled+passes": lambda: passes.install(passes.ORDER)}[mode]
-    return Variant(f"PaRO {strategy} {mode}", prepare, _train_step(cfg, call, lambda: opt.clip_grad_norm_(MAX_NORM), opt, rank),
-                   mode != "eager")
+    return Variant(f"PaRO {strategy} {mode}", prepare,
+                   _train_step(cfg, call, lambda: opt.clip_grad_norm_(MAX_NORM), opt, rank, before), mode != "eager")
 
 
 def fsdp2_variant(cfg: Config, kind: str, mode: str) -> Variant:
@@ -163,6 +169,12 @@ def worker(cfg: Config) -> None:
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     isolate_compile_cache(dist.get_rank())
+    # every variant compiles the same forward code, and each PaRO one twice (the last micro-step's
+    # graph differs): past dynamo's default of 8 compilations per code object it would silently
+    # run the rest eagerly, so raise the limit and fail loudly rather than measure eager as compiled
+    torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.accumulated_recompile_limit = 1024
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
     variants = build(cfg)
     for v in variants:  # the compiling step, one variant at a time (passes are a global setting)
         v.prepare()

@@ -106,11 +106,14 @@ class MetricsLogger:
         else:
             peak, peak_name = peak_host_rss_bytes(), "peak_rss"
         eta = avg * (self.total_steps - step)
+        # under torch.compile the ledger sees only collectives run eagerly (the graphs' own are in
+        # the compile schedule dump), so say so rather than print a misleading 0
+        comm_label = "comm outside graphs" if self.cfg.compile.enable else "comm"
         line = (
             f"step {step:>{len(str(self.total_steps))}}/{self.total_steps} | loss {loss:.4f} | gnorm {grad_norm:.3f} | "
             f"lr {lr:.2e} | {tps:,.0f} tok/s | {step_time:.3f} s/step | "
             f"mem states {_fmt_bytes(memory['total'])} {peak_name.replace('_', ' ')} {_fmt_bytes(peak)} | "
-            f"comm intra {_fmt_bytes(comm.intra)} inter {_fmt_bytes(comm.inter)} | eta {_fmt_eta(eta)}"
+            f"{comm_label} intra {_fmt_bytes(comm.intra)} inter {_fmt_bytes(comm.inter)} | eta {_fmt_eta(eta)}"
         )
         print(line, flush=True)
         scalars = {
