@@ -117,8 +117,11 @@ def install(names: Iterable[str] = ORDER, options: PassOptions | None = None, **
 def aot_backend(p: ParoPasses):
     """A torch.compile backend that runs the passes on AOTAutograd's forward and backward graphs
     and executes them as they are (no inductor codegen): seconds instead of minutes to see and
-    check what the passes do, with the same graphs' collectives and numerics."""
-    from functorch.compile import make_boxed_func
+    check what the passes do, with the same graphs' collectives and numerics. It splits forward
+    from backward with inductor's partitioner (min-cut): AOTAutograd's default one saves every
+    view of a gathered weight that backward reads, so it would keep whole parameters alive that
+    inductor recomputes (with two groups per block, one group's gather was never recomputed)."""
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
 
     def compiler(gm: fx.GraphModule, example_inputs):
@@ -126,7 +129,7 @@ def aot_backend(p: ParoPasses):
         gm.recompile()
         return make_boxed_func(gm.forward)
 
-    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler)
+    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, partition_fn=min_cut_rematerialization_partition)
 
 
 def uninstall() -> None:
