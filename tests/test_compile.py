@@ -121,11 +121,9 @@ def test_last_micro_step_reduces_to_the_os_level_inside_backward(mesh, strategy)
 # after the optimizer step the updated masters go to the P level (spec step 5); per group:
 PUSH = {
     "IIG": {"all_gather/inter": 1},  # OS = G -> P = I
-    "IGG": {"all_gather/inter": 1},
     "NII": {"all_gather/intra": 1},  # OS = I -> P = N
     "NNG": {"all_gather/inter": 1, "all_gather/intra": 1},  # OS = G -> P = N: PaRO-CC
-    "GGI": {},  # P = G from OS = I: a slice
-    "GGG": {},  # P = OS: a copy
+    "GGG": {},  # P = OS: a copy (P = G from OS = I is a slice, OS = N a slice of whole tensors)
 }
 
 
@@ -314,7 +312,7 @@ def test_passes_run_inside_inductor(mesh):
 ALL = list(passes.ORDER)
 NUMERIC_CASES = (
     [(s, 2, {"passes": ALL}, "tiny") for s in PAIRS]
-    + [(s, 2, {"passes": ALL}, "tiny") for s in ("NNG", "NGI")]  # boundary: global RS; G -> I gather
+    + [("NNG", 2, {"passes": ALL}, "tiny")]  # boundary: global RS (PaRO-CC); push: global AG
     + [("IIG", 2, {"passes": [], "boundary_in_graph": False}, "tiny"),  # no passes; the optimizer's boundary
        ("GGG", 1, {"passes": ALL, "scope": "blocks"}, "tiny"),
        ("IIG", 2, {"passes": ALL, "ac": True}, "tiny"), ("GGG", 1, {"passes": ALL, "backend": "inductor"}, "tiny")]
