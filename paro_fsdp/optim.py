@@ -21,10 +21,6 @@ class ParoOptimizer:
     are moved to the P level (step 5).
     """
 
-    @staticmethod
-    def _push_eager(groups: list[ParoParamGroup]) -> None:
-        drive([g.push_params() for g in groups])
-
     def __init__(self, model: nn.Module, optimizer_class: Type[torch.optim.Optimizer], **kwargs: Any) -> None:
         if not hasattr(model, "_paro_state"):
             raise ValueError("ParoOptimizer needs a model returned by paro_shard(model, mesh, policy)")
@@ -40,7 +36,7 @@ class ParoOptimizer:
         if not masters:
             raise ValueError("the model has no trainable parameters (all have requires_grad=False)")
         self.inner = optimizer_class(masters, **kwargs)
-        self._push = self._push_eager
+        self._push = _push_eager
 
     def compile(self, **kwargs: Any) -> None:
         """Run the push of the updated parameters to the P level (step 5) as one compiled graph
@@ -155,6 +151,11 @@ class ParoOptimizer:
         for g in self.state.groups:
             g.reshard()
         self._push(self.groups)
+
+
+def _push_eager(groups: list[ParoParamGroup]) -> None:
+    """Every group's push side by side (their collectives in flight together)."""
+    drive([g.push_params() for g in groups])
 
 
 def _push_traced(groups: list[ParoParamGroup]) -> None:

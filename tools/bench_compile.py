@@ -16,8 +16,9 @@ reorder pass sees every block in one graph; PaRO's also runs the accumulation bo
 The model, data and optimizer are those of tools/bench_vs_fsdp2.py. Each variant's first step
 compiles it ("cold", with an empty inductor cache in a temporary folder, all four ranks compiling
 at once on the shared cores; with A > 1 the last micro-step's graphs compile in that step too;
-FSDP2 HSDP's compute graphs equal ZeRO-3's, so they come from the cache); then the variants run interleaved rounds (order rotated every round) and the table shows the median over
-rounds of the slowest rank's step. At the end one variant is compiled again after
+FSDP2 HSDP's compute graphs equal ZeRO-3's, so they come from the cache); then the variants
+run interleaved rounds (order rotated every round) and the table shows the median over rounds of
+the slowest rank's step. At the end one variant is compiled again after
 ``torch._dynamo.reset()`` ("warm": inductor's FX-graph cache hits; the passes' uuid is in its key).
 The loss column is a sanity check: all PaRO variants and FSDP2 train the same model on the same
 data, so their losses agree to float tolerance.
