@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from paro_fsdp import ParoOptimizer, init_paro_mesh
+from paro_fsdp.mesh import device_type_for_backend, local_cuda_index
 from paro_fsdp.train.checkpoint import CheckpointManager, SchedulerState, TrainState
 from paro_fsdp.train.config import ConfigError, JobConfig, grad_accum_steps, group_size, help_text, parse_args, validate
 from paro_fsdp.train.data import build_dataloader, describe
@@ -152,8 +153,8 @@ class Trainer:
         else:
             if backend == "auto":
                 backend = "nccl" if torch.cuda.is_available() else "gloo"
-            if backend == "nccl" and not torch.cuda.is_available():
-                raise ConfigError("comm.backend = \"nccl\" needs CUDA GPUs and none is visible; valid: auto, gloo")
+            if device_type_for_backend(backend) == "cuda" and not torch.cuda.is_available():
+                raise ConfigError(f"comm.backend = \"{backend}\" needs CUDA GPUs and none is visible; valid: auto, gloo")
             if "RANK" not in os.environ:  # plain `python train.py`: a world of one
                 with socket.socket() as s:
                     s.bind(("127.0.0.1", 0))
@@ -161,13 +162,14 @@ class Trainer:
                 os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             timeout = datetime.timedelta(seconds=self.cfg.comm.init_timeout_seconds)
-            if backend == "nccl":  # one GPU per local rank, named so NCCL need not guess
-                device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            if device_type_for_backend(backend) == "cuda":  # one GPU per process, named so NCCL need not guess
+                device = torch.device("cuda", local_cuda_index())
                 torch.cuda.set_device(device)
                 dist.init_process_group(backend, timeout=timeout, device_id=device)
             else:
                 dist.init_process_group(backend, timeout=timeout)
-        if backend == "nccl":
+        if device_type_for_backend(backend) == "cuda":
+            torch.cuda.set_device(local_cuda_index())
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 

@@ -12,27 +12,61 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 MESH_DIMS = ("inter", "intra")
 
 
+def device_type_for_backend(backend: str) -> str:
+    """The device a process group's collectives run on: "cuda" when NCCL serves CUDA tensors
+    ("nccl", "cuda:nccl", "cpu:gloo,cuda:nccl"), else "cpu" ("gloo", "fake", "cpu:gloo")."""
+    parts = [p.strip().lower() for p in str(backend).split(",") if p.strip()]
+    for part in parts:
+        device, _, name = part.rpartition(":")
+        if name == "nccl" or device == "cuda":
+            return "cuda"
+    return "cpu"
+
+
+def local_cuda_index(local_rank: int | None = None) -> int:
+    """This process's CUDA ordinal: ``LOCAL_RANK % device_count()``.
+
+    Why the modulo: launchers that show each process only its own GPU (SLURM
+    ``--gpus-per-task=1``, ``CUDA_VISIBLE_DEVICES`` per rank) give every process one device 0
+    while LOCAL_RANK still counts 0..7."""
+    count = torch.cuda.device_count()
+    if count < 1:
+        raise RuntimeError("a CUDA backend was asked for but no CUDA device is visible: use backend 'gloo' "
+                           "(CPU) or check CUDA_VISIBLE_DEVICES")
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return local_rank % count
+
+
 def init_paro_mesh(group_size: int, backend: str | None = None) -> DeviceMesh:
     """Initialise the process group if needed and return the (n // m, m) mesh.
 
-    The device type follows the backend: gloo -> cpu, nccl -> cuda (one GPU per local rank).
+    The device type follows the backend (``device_type_for_backend``): any backend string that
+    serves CUDA with NCCL puts the mesh on this process's GPU (``local_cuda_index``), which is
+    selected before the process group starts and passed to it as ``device_id``, so NCCL binds
+    its communicators to the right GPU at once.
     """
+    if not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be a positive integer, got {group_size!r}")
     if not dist.is_initialized():
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend)
+        if device_type_for_backend(backend) == "cuda":
+            device = torch.device("cuda", local_cuda_index())
+            torch.cuda.set_device(device)
+            dist.init_process_group(backend, device_id=device)
+        else:
+            dist.init_process_group(backend)
     world = dist.get_world_size()
-    if not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"group_size must be a positive integer, got {group_size!r}")
     if world % group_size != 0:
         raise ValueError(
             f"world size {world} is not divisible by group_size {group_size}: pick a group size "
             f"that divides it (e.g. the GPUs per node; divisors of {world}: "
             f"{[d for d in range(1, world + 1) if world % d == 0]})"
         )
-    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    device_type = device_type_for_backend(dist.get_backend())
     if device_type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
+        torch.cuda.set_device(local_cuda_index())
     # one mesh per shape and default group: every new mesh creates process groups (threads,
     # sockets), so a second call (another model, a test case) reuses the first one's
     # (the cache holds the default group itself, so a re-initialised world never matches it)
