@@ -605,27 +605,29 @@ def predict(
     reduce_dtype: Optional[str] = None,
     activation_checkpoint: str = "none",
     reshard_after_forward: bool = True,
+    accumulate_dtype: Optional[str] = "fp32",
 ) -> Prediction:
     """Predicted memory and step time of one strategy (see the module docstring for the model).
 
     ``activation_checkpoint``: "none", "full" or "auto" (full only if needed to fit).
-    ``dtype`` / ``reduce_dtype``: parameter / gradient dtype (bf16, fp16, fp32)."""
+    ``dtype`` / ``reduce_dtype``: parameter / gradient dtype (bf16, fp16, fp32);
+    ``accumulate_dtype``: the G-level accumulator's (None: the reduce dtype)."""
     spec = model_spec(model, trainable_fraction) if not isinstance(model, ModelSpec) else model
     _check_sizes(n, m, micro_batch, grad_accum, seq_len)
     if activation_checkpoint not in ACTIVATION_CHECKPOINT_MODES:
         raise AdvisorError(f"activation_checkpoint must be one of {ACTIVATION_CHECKPOINT_MODES}, got {activation_checkpoint!r}")
-    for d in (dtype, reduce_dtype or dtype):
+    for d in (dtype, reduce_dtype or dtype, accumulate_dtype or reduce_dtype or dtype):
         if d not in DTYPE_BYTES:
             raise AdvisorError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {d!r}")
     if activation_checkpoint == "auto":
         plain = predict(spec, strategy, n, m, micro_batch, grad_accum, seq_len, cluster, dtype=dtype,
                         reduce_dtype=reduce_dtype, activation_checkpoint="none",
-                        reshard_after_forward=reshard_after_forward)
+                        reshard_after_forward=reshard_after_forward, accumulate_dtype=accumulate_dtype)
         if plain.fits:
             return plain
         return predict(spec, strategy, n, m, micro_batch, grad_accum, seq_len, cluster, dtype=dtype,
                        reduce_dtype=reduce_dtype, activation_checkpoint="full",
-                       reshard_after_forward=reshard_after_forward)
+                       reshard_after_forward=reshard_after_forward, accumulate_dtype=accumulate_dtype)
     ckpt = activation_checkpoint == "full"
     s = Strategy.parse(strategy)
     pb, gb = DTYPE_BYTES[dtype], DTYPE_BYTES[reduce_dtype or dtype]
@@ -633,7 +635,8 @@ def predict(
     bks = buckets(spec, s, reshard_after_forward)
 
     # ---- memory ---------------------------------------------------------------------------
-    mem = memory_of(bks, n, m, pb, gb, OS_BYTES)
+    ab = DTYPE_BYTES[accumulate_dtype or reduce_dtype or dtype]
+    mem = memory_of(bks, n, m, pb, ab, OS_BYTES)
     states = mem.pop("total")
     if s.p == _N:
         gathered = 0.0
@@ -644,7 +647,7 @@ def predict(
     grad_work = 2 * spec.layer * max(pb, gb) if spec.psi_trainable else 0.0
     acts = activation_bytes(spec, micro_batch, seq_len, pb, ckpt)["peak"]
     memory = {**mem, "states": states, "gathered": gathered, "grad_work": grad_work, "activations": acts,
-              "total": states + gathered + grad_work + acts}
+              "total": states + mem["master_grads"] + gathered + grad_work + acts}
 
     # ---- traffic (exact, from the ledger) ----------------------------------------------------
     traffic = traffic_of(bks, n, m, A, pb, gb)

@@ -26,15 +26,23 @@ class ParoModule:
         return self._paro_state.comm.stats
 
     def memory_report(self, optimizer=None) -> dict[str, int]:
-        """Per-rank bytes of model states held by this rank: P, G, OS (with the optimizer's
-        states when ``optimizer`` is given) and their total."""
+        """Per-rank bytes this rank holds: the model states of the spec's formula, ``P``, ``G``
+        (the accumulator, in its dtype) and ``OS`` (with the optimizer's states when
+        ``optimizer`` is given), and their ``total``; beside them what the boundary adds for a
+        while: ``master_grads`` (fp32, at the OS level, from the boundary to ``zero_grad``) and
+        ``boundary`` (the largest full-size temporaries of G = N or P = N groups, which the
+        optimizer moves side by side); ``peak`` = total + master_grads + boundary."""
         states = optimizer.inner.state if optimizer is not None else None
-        total = {"P": 0, "G": 0, "OS": 0}
+        total = {"P": 0, "G": 0, "OS": 0, "master_grads": 0, "boundary_grads": 0, "boundary_params": 0}
         for g in self._paro_state.groups:
             for key, value in g.memory_bytes(states).items():
                 total[key] += value
-        total["total"] = total["P"] + total["G"] + total["OS"]
-        return total
+        report = {k: total[k] for k in ("P", "G", "OS")}
+        report["total"] = total["P"] + total["G"] + total["OS"]
+        report["master_grads"] = total["master_grads"]
+        report["boundary"] = max(total["boundary_grads"], total["boundary_params"])
+        report["peak"] = report["total"] + report["master_grads"] + report["boundary"]
+        return report
 
     def set_is_last_backward(self, is_last: bool) -> None:
         """Whether the next backward is the last micro-step before the optimizer step (as in
@@ -44,7 +52,7 @@ class ParoModule:
         for g in self._paro_state.groups:
             g.last_backward = bool(is_last)
             if is_last and g.trainable and g.grad_acc is None:  # one graph whatever the step
-                g.grad_acc = g.t_layout.new(g.strategy.g, g.mp.grad_dtype, g.device).zero_()
+                g.grad_acc = g.t_layout.new(g.strategy.g, g.mp.acc_dtype, g.device).zero_()
 
     def paro_strategies(self) -> dict[str, Strategy]:
         return {ref.fqn: g.strategy for g in self._paro_state.groups for ref in g.refs}
@@ -105,7 +113,7 @@ def paro_shard(
         by_strategy: dict[Strategy, list[ParamRef]] = {}
         for fqn, p in named:
             if block_of.get(p, model) is module:
-                by_strategy.setdefault(strategies[fqn], []).append(ParamRef(fqn, p, owners[p]))
+                by_strategy.setdefault(strategies[fqn], []).append(ParamRef.of(fqn, p, owners[p]))
         groups = [
             ParoParamGroup(f"{name}:{s}", s, refs, info, comm, mp, reshard_after_forward, param_init_fn)
             for s, refs in by_strategy.items()

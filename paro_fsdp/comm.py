@@ -9,14 +9,15 @@ reduce-scatter as an all-reduce, so its wire bytes are higher than counted here.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from .mesh import MeshInfo
+from .mesh import MeshInfo, mesh_device
+from .streams import CommStreams, active, streams_for
 
 if TYPE_CHECKING:
     from .paro_cc import ParoCC
@@ -111,13 +112,32 @@ class CommStats:
 
 @dataclass
 class Pending:
-    """The result of an issued collective; ``wait()`` before reading it."""
+    """The result of an issued collective; ``wait()`` before reading it.
+
+    On a side stream (streams.py) the collective was already waited there: ``wait()`` makes the
+    current stream wait for ``event``, and ``keep`` holds the input until then."""
 
     tensor: torch.Tensor
     issued: bool
+    event: Any = None
+    keep: Any = field(default=None, repr=False)
+    streams: CommStreams | None = field(default=None, repr=False)
 
     def wait(self) -> torch.Tensor:
+        if self.event is not None:
+            self.streams.wait(self.event)
+            self.event = self.keep = None
+            return self.tensor
         return _ops.wait_tensor(self.tensor) if self.issued else self.tensor
+
+
+def on_side_stream(streams: CommStreams | None, kind: str, keep: Any, issue: Callable[[], torch.Tensor]) -> Pending:
+    """Issue a collective (``issue()`` returns its functional result) on the ``kind`` side
+    stream and wait for it there; the consumer waits on the event (streams.py)."""
+    with streams.issue(kind) as side:
+        out = _ops.wait_tensor(issue())
+        event = side.record_event()
+    return Pending(out, False, event, keep, streams)
 
 
 class MeshComm:
@@ -134,9 +154,17 @@ class MeshComm:
         self.info = info
         self.stats = CommStats()
         use_safe_gloo_all_gather()
+        # side streams for collectives on a GPU (None on CPU): streams.py
+        self.streams = streams_for(mesh_device(info)) if info.mesh is not None else None
         # the model's one PaRO-CC instance (shared by its groups, counting into ``stats``); a plain
         # attribute, since compiled code reads it (dynamo cannot trace cached_property's lock)
-        self.cc: ParoCC = ParoCC(info, stats=self.stats)
+        self.cc: ParoCC = ParoCC(info, stats=self.stats, streams=self.streams)
+
+    def _issue(self, kind: str, keep: torch.Tensor, issue: Callable[[], torch.Tensor]) -> Pending:
+        streams = active(self.streams)
+        if streams is None:
+            return Pending(issue(), True)
+        return on_side_stream(streams, kind, keep, issue)
 
     def _ring_bytes(self, kind: str, dim: str, numel: int, t: torch.Tensor) -> float:
         k = self.info.size(dim)
@@ -149,7 +177,7 @@ class MeshComm:
         if k == 1:
             return Pending(shard, False)
         self.stats.record("all_gather", dim, self._ring_bytes("all_gather", dim, shard.numel() * k, shard))
-        return Pending(_ops.all_gather_into_tensor(shard, k, self.info.group_names[dim]), True)
+        return self._issue("gather", shard, lambda: _ops.all_gather_into_tensor(shard, k, self.info.group_names[dim]))
 
     def reduce_scatter(self, full: torch.Tensor, dim: str) -> Pending:
         """Sum the 1-D ``full`` over ``dim`` and keep this rank's 1/k piece."""
@@ -157,11 +185,11 @@ class MeshComm:
         if k == 1:
             return Pending(full, False)
         self.stats.record("reduce_scatter", dim, self._ring_bytes("reduce_scatter", dim, full.numel(), full))
-        return Pending(_ops.reduce_scatter_tensor(full, "sum", k, self.info.group_names[dim]), True)
+        return self._issue("reduce", full, lambda: _ops.reduce_scatter_tensor(full, "sum", k, self.info.group_names[dim]))
 
     def all_reduce(self, t: torch.Tensor, dim: str, op: str = "sum") -> Pending:
         k = self.info.size(dim)
         if k == 1:
             return Pending(t, False)
         self.stats.record("all_reduce", dim, self._ring_bytes("all_reduce", dim, t.numel(), t))
-        return Pending(_ops.all_reduce(t, op, self.info.group_names[dim]), True)
+        return self._issue("reduce", t, lambda: _ops.all_reduce(t, op, self.info.group_names[dim]))

@@ -196,13 +196,15 @@ def traffic_of(
 def memory_of(
     buckets: Iterable[Bucket], n: int, m: int, param_bytes: int = 2, grad_bytes: int = 2, os_bytes: int = 12
 ) -> dict[str, float]:
-    """Per-rank bytes of P, G, OS and their total, summed over buckets (``memory_report`` keys)."""
-    out = {"P": 0.0, "G": 0.0, "OS": 0.0}
+    """Per-rank bytes of P, G, OS and their total, summed over buckets, and the fp32 master
+    gradients beside them (``memory_report`` keys; ``grad_bytes``: the accumulator's dtype)."""
+    out = {"P": 0.0, "G": 0.0, "OS": 0.0, "master_grads": 0.0}
     for b in buckets:
         s = b.strategy
         out["P"] += param_bytes * b.numel / s.p.divisor(n, m)
         out["G"] += grad_bytes * b.trainable / s.g.divisor(n, m)
         out["OS"] += os_bytes * b.trainable / s.os.divisor(n, m)
+        out["master_grads"] += 4 * b.trainable / s.os.divisor(n, m)
     out["total"] = out["P"] + out["G"] + out["OS"]
     return out
 
@@ -275,6 +277,6 @@ def buckets_of(model: Any) -> list[Bucket]:
                 gathers = 0
             else:
                 gathers = 2 if g.reshard_after_forward and not block.is_root else 1
-            out.append(Bucket(g.strategy, sum(r.param.numel() for r in g.refs),
-                              sum(r.param.numel() for r in g.trainable), gathers))
+            out.append(Bucket(g.strategy, sum(r.numel for r in g.refs),
+                              sum(r.numel for r in g.trainable), gathers))
     return out

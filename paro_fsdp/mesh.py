@@ -77,6 +77,15 @@ def init_paro_mesh(group_size: int, backend: str | None = None) -> DeviceMesh:
     return cached[1]
 
 
+def mesh_device(info_or_mesh: "MeshInfo | DeviceMesh") -> torch.device:
+    """The device every buffer of a model sharded on this mesh lives on (this process's GPU for
+    a CUDA mesh)."""
+    mesh = info_or_mesh.mesh if isinstance(info_or_mesh, MeshInfo) else info_or_mesh
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
 _MESHES: dict[tuple[int, int], tuple[object, DeviceMesh]] = {}
 
 

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from .comm import MeshComm, Pending
 from .paro_cc import HierPending
 from .layout import FlatLayout, TensorLayout, placements, tensor_layout
-from .mesh import MeshInfo
+from .mesh import MeshInfo, mesh_device
 from .mixed_precision import MixedPrecision
 from .strategy import Level, Strategy
 
@@ -63,11 +63,24 @@ def drive(sequences: list[Steps]) -> None:
 
 @dataclass
 class ParamRef:
-    """A parameter and every (module, attribute) that holds it."""
+    """What the engine keeps of an original parameter: its name, shape and every (module,
+    attribute) that holds it. ``source`` is the original tensor only until its group has copied
+    its shards out; the group then drops it, so the unsharded model is freed (as FSDP2 frees it)."""
 
     fqn: str
-    param: nn.Parameter
+    shape: torch.Size
+    stride: tuple[int, ...]
+    requires_grad: bool
     owners: list[tuple[nn.Module, str]] = field(default_factory=list)
+    source: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, fqn: str, param: nn.Parameter, owners: list[tuple[nn.Module, str]]) -> "ParamRef":
+        return cls(fqn, param.shape, param.stride(), param.requires_grad, owners, param)
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
 
 
 class ShardState(enum.Enum):
@@ -89,21 +102,19 @@ class ParoParamGroup:
         param_init_fn: Callable[[str, torch.Tensor], None] | None = None,
     ) -> None:
         self.name, self.strategy, self.info, self.comm, self.mp = name, strategy, info, comm, mp
-        self.refs = sorted(refs, key=lambda r: not r.param.requires_grad)  # trainable first
-        self.trainable = [r for r in self.refs if r.param.requires_grad]
+        self.refs = sorted(refs, key=lambda r: not r.requires_grad)  # trainable first
+        self.trainable = [r for r in self.refs if r.requires_grad]
         self.reshard_after_forward = reshard_after_forward and strategy.p != Level.N
-        device = refs[0].param.device
-        if device.type == "meta":
-            device = torch.device(info.mesh.device_type, torch.cuda.current_device()) if info.mesh.device_type == "cuda" \
-                else torch.device(info.mesh.device_type)
-        self.device = device
-        layouts = [tensor_layout(r.fqn, r.param.shape, info) for r in self.refs]
+        # every buffer lives on the mesh's device, wherever the model was built: a model built on
+        # CPU and sharded onto a CUDA mesh moves shard by shard (NCCL must never see CPU tensors)
+        self.device = device = mesh_device(info)
+        layouts = [tensor_layout(r.fqn, r.shape, info) for r in self.refs]
         self.p_layout = FlatLayout(layouts, info)
         self.t_layout = FlatLayout(layouts[: len(self.trainable)], info)
         if self.t_layout.tensors:  # the trainable prefix must line up in both layouts
             assert self.t_layout.tensors[-1].off_i + self.t_layout.tensors[-1].size_i <= self.p_layout.sum_i
 
-        originals = [r.param.detach() for r in self.refs]
+        originals = [r.source.detach() for r in self.refs]
         if param_init_fn is not None:  # materialise meta tensors whole, one group at a time
             for i, (r, o) in enumerate(zip(self.refs, originals)):
                 if o.is_meta:
@@ -114,7 +125,7 @@ class ParoParamGroup:
             # P storage, and the DTensor parameters that view it
             if P == Level.N:
                 self.p_flat = None
-                self.p_locals = [o.to(mp.param_dtype, copy=True) for o in originals]
+                self.p_locals = [o.to(device=device, dtype=mp.param_dtype, copy=True) for o in originals]
             else:
                 self.p_flat = self.p_layout.new(P, mp.param_dtype, device)
                 self.p_locals = [self.p_layout.local_view(self.p_flat, t, P) for t in layouts]
@@ -123,7 +134,7 @@ class ParoParamGroup:
             # fp32 master at the OS level
             if OS == Level.N:
                 self.master_flat = None
-                self.master = [o.to(torch.float32, copy=True) for o in originals[: len(self.trainable)]]
+                self.master = [o.to(device=device, dtype=torch.float32, copy=True) for o in originals[: len(self.trainable)]]
             else:
                 self.master_flat = self.t_layout.new(OS, torch.float32, device)
                 self.master = [self.t_layout.local_view(self.master_flat, t, OS) for t in self.t_layout.tensors]
@@ -133,11 +144,13 @@ class ParoParamGroup:
 
         self.sharded_params = []
         for ref, local, t in zip(self.refs, self.p_locals, layouts):
-            dt = DTensor.from_local(local, info.mesh, placements(P, info.m), run_check=False, shape=t.shape, stride=ref.param.stride())
-            new = nn.Parameter(dt, requires_grad=ref.param.requires_grad)
+            dt = DTensor.from_local(local, info.mesh, placements(P, info.m), run_check=False, shape=t.shape, stride=ref.stride)
+            new = nn.Parameter(dt, requires_grad=ref.requires_grad)
             for module, attr in ref.owners:
                 module._parameters[attr] = new
             self.sharded_params.append(new)
+            ref.source = None
+        del originals
 
         # whole tensors while unsharded: views of the P storage (P = N) or of padded buffers
         if P == Level.N:
@@ -145,7 +158,7 @@ class ParoParamGroup:
             self.full_params = list(self.p_locals)
         else:
             self.full_bufs = [torch.empty(info.m * t.size_i, dtype=mp.param_dtype, device=device) for t in layouts]
-            self.full_params = [b[: r.param.numel()].view(r.param.shape) for b, r in zip(self.full_bufs, self.refs)]
+            self.full_params = [b[: r.numel].view(r.shape) for b, r in zip(self.full_bufs, self.refs)]
             for b in self.full_bufs:
                 b.untyped_storage().resize_(0)
         self.state = ShardState.UNSHARDED if P == Level.N else ShardState.SHARDED
@@ -204,12 +217,12 @@ class ParoParamGroup:
         ``finish_grad_reduction``."""
         layout, G, dt = self.t_layout, self.strategy.g, self.mp.grad_dtype
         if self.grad_acc is None:
-            self.grad_acc = layout.new(G, dt, self.device)
+            self.grad_acc = layout.new(G, self.mp.acc_dtype, self.device)
         self.has_grads = True
-        if G == Level.N:
+        if G == Level.N:  # nothing on the wire: add straight into the accumulator
             for t, grad in zip(layout.tensors, grads):
                 if grad is not None:
-                    layout.copy_in(self.grad_acc, t, grad.to(dt), add=True)
+                    layout.copy_in(self.grad_acc, t, grad.to(self.grad_acc.dtype), add=True)
             return
         present = all(g_ is not None for g_ in grads)
         if G == Level.G:  # global PaRO-CC reduce-scatter of a NESTED buffer: its intra phase starts now
@@ -232,7 +245,7 @@ class ParoParamGroup:
             return
         shard = self._pending_rs.wait()  # G=G: issues the inter phase and waits for it
         self._pending_rs = None
-        self.grad_acc.add_(shard)
+        self.grad_acc.add_(shard)  # reduce dtype on the wire, summed in the accumulate dtype
 
     # ---- the accumulation boundary ---------------------------------------------------------
     # Both boundary moves are generators that yield each collective they issue and receive its
@@ -243,7 +256,7 @@ class ParoParamGroup:
         fp32 master parameters as the mean over data-parallel ranks (spec step 3)."""
         if self.grads_ready or not self.trainable:
             return
-        acc = self.grad_acc if self.grad_acc is not None else self.t_layout.new(self.strategy.g, self.mp.grad_dtype, self.device)
+        acc = self.grad_acc if self.grad_acc is not None else self.t_layout.new(self.strategy.g, self.mp.acc_dtype, self.device)
         out: list[torch.Tensor] = []
         for pending in self.reduce_to_os(acc, out):
             yield pending
@@ -251,9 +264,13 @@ class ParoParamGroup:
 
     def reduce_to_os(self, acc: torch.Tensor, out: list[torch.Tensor]) -> Steps:
         """The boundary's collectives: the G-level sum over micro-steps -> the OS level, summed
-        over all ranks; appends that flat OS-level buffer (grad dtype) to ``out``. Run by the
-        optimizer, or inside the last micro-step's compiled backward (traced.py)."""
+        over all ranks; appends that flat OS-level buffer to ``out``. Run by the optimizer, or
+        inside the last micro-step's compiled backward (traced.py). The sum travels in the reduce
+        dtype, as every gradient collective does; with no collective to run (G = OS = G) it stays
+        in the accumulate dtype."""
         layout, G, OS, dt = self.t_layout, self.strategy.g, self.strategy.os, self.mp.grad_dtype
+        if not (G == Level.G and OS == Level.G) and self.info.n > 1:
+            acc = acc.to(dt)
         reduced, level = acc, G
         if G == Level.N and OS == Level.G:  # global reduce-scatter (PaRO-CC)
             empty = torch.empty if layout.nested_uniform else torch.zeros
@@ -354,17 +371,34 @@ class ParoParamGroup:
 
     # ---- accounting ------------------------------------------------------------------------
     def memory_bytes(self, optimizer_states: dict | None = None) -> dict[str, int]:
-        """Bytes this rank holds for P, G, OS (persistent buffers, padding included)."""
+        """Bytes this rank holds for P, G, OS (persistent buffers, padding included), the fp32
+        master gradients (from the boundary to ``zero_grad``) and the boundary's full-size
+        temporaries (``boundary_grads`` while reducing G = N to the OS level, ``boundary_params``
+        while pushing to P = N), which ``memory_report`` combines."""
+        def size(dtype: torch.dtype) -> int:
+            return torch.empty((), dtype=dtype).element_size()
+
         p = self.p_flat if self.p_flat is not None else None
         p_bytes = p.numel() * p.element_size() if p is not None else sum(t.numel() * t.element_size() for t in self.p_locals)
-        g_numel = self.t_layout.numel(self.strategy.g) if self.trainable else 0
-        g_bytes = g_numel * torch.empty((), dtype=self.mp.grad_dtype).element_size()
+        S, OS, layout = self.strategy, self.strategy.os, self.t_layout
+        g_numel = layout.numel(S.g) if self.trainable else 0
+        g_bytes = g_numel * size(self.mp.acc_dtype)
         if self.master_flat is not None:
-            os_bytes = self.master_flat.numel() * 4
+            os_numel = self.master_flat.numel()
         else:
-            os_bytes = sum(m_.numel() * 4 for m_ in self.master)
+            os_numel = sum(m_.numel() for m_ in self.master)
+        os_bytes = os_numel * 4
         for m_ in self.master:
             for v in (optimizer_states or {}).get(m_, {}).values():
                 if torch.is_tensor(v) and v.dim() > 0:
                     os_bytes += v.numel() * v.element_size()
-        return {"P": p_bytes, "G": g_bytes, "OS": os_bytes}
+        boundary_grads = boundary_params = 0
+        if self.trainable and self.info.n > 1:
+            full = layout.numel(Level.N)
+            cast = size(self.mp.grad_dtype) if self.mp.acc_dtype != self.mp.grad_dtype else 0
+            if S.g == Level.N:  # the accumulator cast to the wire dtype, then a FULL-size collective buffer
+                boundary_grads = full * cast + (full * size(self.mp.grad_dtype) if OS != Level.I else 0)
+            if S.p == Level.N and OS != Level.N:  # gathered to FULL (OS = G: NESTED, then FULL)
+                boundary_params = full * size(self.mp.param_dtype) * (2 if OS == Level.G else 1)
+        return {"P": p_bytes, "G": g_bytes, "OS": os_bytes, "master_grads": os_numel * 4 if self.trainable else 0,
+                "boundary_grads": boundary_grads, "boundary_params": boundary_params}

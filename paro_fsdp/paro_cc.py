@@ -49,9 +49,13 @@ on every rank):
         shard = cc.reduce_scatter(nested, order="nested").wait()   # [sum_g], the G buffer
   * global all-reduce (G=N -> OS=N): ``cc.all_reduce(acc).wait()`` replaces intra RS + inter
     AR + intra AG; it is elementwise, so the FULL layout is untouched.
-``HierPending`` has ``wait()`` like ``comm.Pending``, so it can be yielded to ``drive``. Its later
-phases are issued inside ``wait()``: like every collective, waits must happen in the same order
-on every rank (``drive`` guarantees that).
+``HierPending`` has ``wait()`` like ``comm.Pending``, so it can be yielded to ``drive``. On CPU its
+later phases are issued inside ``wait()``: like every collective, waits must happen in the same
+order on every rank (``drive`` guarantees that). On a GPU (``streams``, see streams.py) every
+phase is issued by the call itself, on the gather or reduce side stream, each phase after a
+stream-side wait on the one before; ``wait()`` only makes the consumer's stream wait for the
+last one. Issuing later phases from ``wait()`` there would queue them behind all the compute the
+CPU had issued by then, exposing the whole second phase.
 """
 from __future__ import annotations
 
@@ -63,6 +67,7 @@ import torch
 
 from .comm import CommStats, use_safe_gloo_all_gather
 from .mesh import MeshInfo
+from .streams import CommStreams, active
 
 _ops = torch.ops._c10d_functional
 
@@ -89,11 +94,13 @@ class HierPending:
     _finish: Callable[[], torch.Tensor] | None
     _result: torch.Tensor | None = None
     issued: bool = field(default=True)
+    _keep: object = field(default=None, repr=False)  # the input, held until the consumer waits (streams)
 
     def wait(self) -> torch.Tensor:
         if self._finish is not None:
             self._result = self._finish()
             self._finish = None
+            self._keep = None
         return self._result  # type: ignore[return-value]
 
     @property
@@ -127,13 +134,14 @@ class ParoCC:
     """
 
     def __init__(self, info: MeshInfo, chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_chunks: int = DEFAULT_MAX_CHUNKS,
-                 stats: CommStats | None = None) -> None:
+                 stats: CommStats | None = None, streams: CommStreams | None = None) -> None:
         if chunk_bytes <= 0 or max_chunks <= 0:
             raise ValueError(f"chunk_bytes and max_chunks must be positive, got {chunk_bytes}, {max_chunks}")
         self.info = info
         self.chunk_bytes = chunk_bytes
         self.max_chunks = max_chunks
         self.stats = stats
+        self.streams = streams  # side streams on a GPU (streams.py); None: later phases issued in wait()
         self._intra = info.group_names["intra"]
         self._inter = info.group_names["inter"]
         use_safe_gloo_all_gather()
@@ -184,9 +192,28 @@ class ParoCC:
         return flat.view(g, m, s) if order == "flat" else flat.view(m, g, s).transpose(0, 1)
 
     # ---- all-gather --------------------------------------------------------------------------
+    def _issue(self, kind: str, keep: torch.Tensor, body: Callable[[], HierPending]) -> HierPending:
+        """``body()`` issues the first phase and returns the rest in ``wait()``; on a side stream
+        the rest is issued at once there, and the consumer waits on an event (streams.py)."""
+        streams = active(self.streams)
+        if streams is None:
+            return body()
+        with streams.issue(kind) as side:
+            result = body().wait()
+            event = side.record_event()
+
+        def finish() -> torch.Tensor:
+            streams.wait(event)
+            return result
+
+        return HierPending(finish, _keep=keep)
+
     def all_gather(self, shard: torch.Tensor, order: str = "flat", chunks: int | None = None) -> HierPending:
         """Concatenate every rank's ``shard`` along dim 0 (rank order per ``order``):
         inter all-gather, then intra all-gather, per chunk."""
+        return self._issue("gather", shard, lambda: self._all_gather(shard, order, chunks))
+
+    def _all_gather(self, shard: torch.Tensor, order: str, chunks: int | None) -> HierPending:
         self._check(order)
         g, m = self.info.g, self.info.m
         n = g * m
@@ -224,6 +251,9 @@ class ParoCC:
                        chunks: int | None = None) -> HierPending:
         """Reduce ``full`` (dim 0 = n blocks) over all ranks and keep this rank's block:
         intra reduce-scatter, then inter reduce-scatter, per chunk."""
+        return self._issue("reduce", full, lambda: self._reduce_scatter(full, op, order, chunks))
+
+    def _reduce_scatter(self, full: torch.Tensor, op: str, order: str, chunks: int | None) -> HierPending:
         self._check(order, op)
         g, m = self.info.g, self.info.m
         n = g * m
@@ -263,6 +293,9 @@ class ParoCC:
     def all_reduce(self, t: torch.Tensor, op: str = "sum", chunks: int | None = None) -> HierPending:
         """Reduce ``t`` over all ranks (any shape and size): intra reduce-scatter, inter
         all-reduce of the 1/m piece, intra all-gather, per chunk, three phases pipelined."""
+        return self._issue("reduce", t, lambda: self._all_reduce(t, op, chunks))
+
+    def _all_reduce(self, t: torch.Tensor, op: str, chunks: int | None) -> HierPending:
         self._check("flat", op)
         g, m = self.info.g, self.info.m
         shape = t.shape

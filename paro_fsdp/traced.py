@@ -47,7 +47,7 @@ def gather_whole(group: "ParoParamGroup") -> list[torch.Tensor]:
     """The group's whole tensors, gathered from P = I (one intra all-gather) or P = G (one
     global all-gather). One slice-and-copy per tensor: few, large ops keep compile time low."""
     layout, info, comm = group.p_layout, group.info, group.comm
-    shapes = [(ref.param.numel(), ref.param.shape) for ref in group.refs]
+    shapes = [(ref.numel, ref.shape) for ref in group.refs]
     if group.strategy.p == Level.I:
         rows = comm.all_gather(group.p_flat, "intra").wait().view(info.m, layout.sum_i)
         return [_whole(rows[:, t.off_i : t.off_i + t.size_i], *s) for t, s in zip(layout.tensors, shapes)]
@@ -171,7 +171,7 @@ def make_sinks(group: "ParoParamGroup") -> None:
 
     def hand_over(leaf: torch.Tensor) -> None:
         if group.grad_acc is None:
-            group.grad_acc = leaf.grad
+            group.grad_acc = leaf.grad.to(group.mp.acc_dtype)
         else:
             group.grad_acc.add_(leaf.grad)
         leaf.grad = None

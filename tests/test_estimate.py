@@ -41,7 +41,8 @@ def _check_against_ledger(row: dict, strategy: str, accum: int, trainable_layers
     psi = ROOT + ARGS.n_layers * LAYER
     psi_t = psi if trainable_layers == ARGS.n_layers else trainable_layers * LAYER
     assert (row["psi"], row["psi_trainable"], row["psi_kept"]) == (psi, psi_t, ROOT)
-    mem = formula_memory(strategy, psi, psi_t, N, M, param_bytes=2, grad_bytes=2, os_bytes=12)
+    # G is the accumulator: fp32 by default (MixedPrecision.accumulate_dtype), whatever the reduce dtype
+    mem = formula_memory(strategy, psi, psi_t, N, M, param_bytes=2, grad_bytes=4, os_bytes=12)
     for k in ("P", "G", "OS", "total"):
         assert row[f"mem_{k}"] == mem[k], (strategy, k)
     fb = formula_bytes(strategy, psi, psi_t, N, M, accum, psi_kept=ROOT, param_bytes=2, grad_bytes=2)

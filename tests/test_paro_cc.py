@@ -9,6 +9,8 @@ tolerance-level agreement too.
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -132,6 +134,67 @@ def suite(payload: dict) -> dict:
     pend = cc.reduce_scatter(torch.ones(n * 64), chunks=4)
     out["async_ok"] = pend._finish is not None
     out["async_val"] = torch.equal(pend.wait(), torch.full((64,), float(n)))
+    out["side_streams"] = _side_stream_checks(info, cc, n)
+    return out
+
+
+class RecordingStreams:
+    """CommStreams' interface on CPU (paro_fsdp/streams.py): which side stream each call issued
+    on, and how often a consumer waited for its event."""
+
+    def __init__(self) -> None:
+        self.issued: list[str] = []
+        self.waited = 0
+
+    @contextlib.contextmanager
+    def issue(self, kind: str):
+        self.issued.append(kind)
+        yield self
+
+    def record_event(self) -> object:
+        return object()
+
+    def wait(self, event: object) -> None:
+        self.waited += 1
+
+
+def _side_stream_checks(info, plain, n: int) -> dict:
+    """With side streams (a GPU), every phase of a PaRO-CC collective is issued by the call
+    itself (none from wait()), on the stream of its kind, and results equal the CPU path's."""
+    from paro_fsdp.comm import CommStats, MeshComm
+    from paro_fsdp.paro_cc import ParoCC
+
+    rec, stats = RecordingStreams(), CommStats()
+    cc = ParoCC(info, chunk_bytes=256, max_chunks=5, stats=stats, streams=rec)
+    x = torch.arange(1000.0) + info.k * info.m + info.l
+    out = {}
+    for kind, call, phases in (
+        ("all_gather", lambda c: c.all_gather(x, order="nested", chunks=4), {("all_gather", "inter"): 4, ("all_gather", "intra"): 4}),
+        ("reduce_scatter", lambda c: c.reduce_scatter(torch.cat([x] * n), order="nested", chunks=4),
+         {("reduce_scatter", "intra"): 4, ("reduce_scatter", "inter"): 4}),
+        ("all_reduce", lambda c: c.all_reduce(x, chunks=3),
+         {("reduce_scatter", "intra"): 3, ("all_reduce", "inter"): 3, ("all_gather", "intra"): 3}),
+    ):
+        stats.reset()
+        waited = rec.waited
+        pend = call(cc)
+        issued_at_call = all(stats.count(k, d) == c for (k, d), c in phases.items())
+        got = pend.wait()
+        out[kind] = {"issued_at_call": issued_at_call, "waited": rec.waited - waited,
+                     "equal": torch.equal(got, call(plain).wait())}
+    comm = MeshComm(info)
+    comm.streams = rec
+    before = len(rec.issued)
+    a = comm.all_gather(x, "intra").wait()
+    r = comm.reduce_scatter(torch.cat([x] * info.m), "intra").wait()
+    ops = torch.ops._c10d_functional
+    out["mesh_comm"] = {
+        "kinds": rec.issued[before:],
+        "equal": torch.equal(a, ops.wait_tensor(ops.all_gather_into_tensor(x, info.m, info.group_names["intra"])))
+        and torch.equal(r, ops.wait_tensor(ops.reduce_scatter_tensor(torch.cat([x] * info.m), "sum", info.m,
+                                                                    info.group_names["intra"]))),
+    }
+    out["issued"] = rec.issued
     return out
 
 
@@ -184,3 +247,16 @@ def test_stats_and_async(request, shape):
         assert r["stats_ar"]["intra"] == pytest.approx(2 * (m - 1) / m * size)
         assert r["stats_ar"]["inter"] == pytest.approx(2 * (g - 1) / g * size / m)
         assert n == len(results)
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (2, 4)], ids=["2x2", "2x4"])
+def test_side_streams_issue_every_phase_at_call(request, shape):
+    """The GPU path (streams.py): a PaRO-CC collective issues all its phases when called, on the
+    gather or reduce side stream, and the consumer waits once on its event; same results."""
+    results = request.getfixturevalue("results4" if shape == (2, 2) else "results8")
+    for r in results:
+        s = r["side_streams"]
+        for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+            assert s[kind] == {"issued_at_call": True, "waited": 1, "equal": True}, (kind, s[kind])
+        assert s["issued"][:3] == ["gather", "reduce", "reduce"]
+        assert s["mesh_comm"] == {"kinds": ["gather", "reduce"], "equal": True}

@@ -220,6 +220,7 @@ def estimate(
     mp = MixedPrecision(DTYPES[dtype], DTYPES[reduce_dtype] if reduce_dtype else None)
     pb = torch.empty((), dtype=mp.param_dtype).element_size()
     gb = torch.empty((), dtype=mp.grad_dtype).element_size()
+    ab = torch.empty((), dtype=mp.acc_dtype).element_size()  # the G accumulator's bytes (memory)
     mesh = fake_mesh(world, group)
 
     t = trainable_layers(args, trainable_fraction)
@@ -244,7 +245,7 @@ def estimate(
         row["layers_run"] = runs
         for k in ("P", "G", "OS", "total"):
             row[f"mem_{k}"] = vec.get(f"mem:{k}", 0.0)
-        fm = formula_memory(name, psi, psi_t, world, group, pb, gb)
+        fm = formula_memory(name, psi, psi_t, world, group, pb, ab)
         for k in ("P", "G", "OS", "total"):
             row[f"formula_mem_{k}"] = fm[k]
         collectives: dict[str, dict[str, float]] = {}
