@@ -104,6 +104,58 @@ def bf16_case(strategy: str) -> dict[str, Any]:
     return {"fp32": fp32, "bf16": bf16, "dtypes": dtypes}
 
 
+def accumulate_case(strategy: str, accum: int = 64) -> dict[str, Any]:
+    """bf16 params, ``accum`` micro-steps: the master gradients against an fp64 sum of the very
+    bf16 gradients each micro-step produces (every rank's, divided by n), with gradients on the
+    wire in bf16 or fp32 and the accumulator in fp32 (the default) or bf16. Returns the relative
+    errors (norm of the difference over the norm of the reference, all trainable tensors)."""
+    import copy
+
+    from torch.distributed.tensor import DTensor
+
+    from paro_fsdp import ParoOptimizer, init_paro_mesh, paro_shard
+    from paro_fsdp.layout import placements
+    from workloads import batch, make_model
+
+    mesh = init_paro_mesh(2)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    base = make_model()
+    ref_model = copy.deepcopy(base)
+    for p in ref_model.parameters():  # parameters only: buffers (RoPE tables) stay fp32, as in the engine
+        p.data = p.data.to(torch.bfloat16)
+    ref = {n: torch.zeros(p.shape, dtype=torch.float64) for n, p in ref_model.named_parameters() if p.requires_grad}
+    for a in range(accum):
+        ref_model.zero_grad()
+        (ref_model(batch(rank, 0, a)).loss / accum).backward()
+        for n, p in ref_model.named_parameters():
+            if p.requires_grad:
+                ref[n] += p.grad.double()
+    for t in ref.values():
+        dist.all_reduce(t)
+        t /= world
+    errors = {}
+    for name, wire, acc in (("bf16 wire, fp32 acc", torch.bfloat16, torch.float32),
+                            ("bf16 wire, bf16 acc", torch.bfloat16, torch.bfloat16),
+                            ("fp32 wire, fp32 acc", torch.float32, torch.float32),
+                            ("fp32 wire, bf16 acc", torch.float32, torch.bfloat16)):
+        mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=wire, accumulate_dtype=acc)
+        model = paro_shard(copy.deepcopy(base), mesh, strategy, mp=mp)
+        opt = ParoOptimizer(model, torch.optim.SGD, lr=0.0)
+        for a in range(accum):
+            (model(batch(rank, 0, a)).loss / accum).backward()
+        opt.clip_grad_norm_(float("inf"))  # the boundary: master grads set, nothing clipped
+        diff = norm = 0.0
+        for g in opt.groups:
+            for master, t in zip(g.master, g.t_layout.tensors):
+                whole = DTensor.from_local(master.grad, mesh, placements(g.strategy.os, mesh.size(1)), run_check=False,
+                                           shape=t.shape, stride=torch.empty(t.shape, device="meta").stride()).full_tensor()
+                want = ref[opt.fqn_of[master]]
+                diff += (whole.double() - want).pow(2).sum().item()
+                norm += want.pow(2).sum().item()
+        errors[name] = (diff / norm) ** 0.5
+    return errors
+
+
 def error_cases(_: Any) -> dict[str, str]:
     """Each bad input must raise; return the messages."""
     from paro_fsdp import ParoOptimizer, init_paro_mesh, paro_shard
@@ -194,6 +246,8 @@ def suite(payload: dict[str, Any]) -> dict[str, Any]:
         out["profile"] = profile_cases(payload["profile"])
     if "bf16" in payload:
         out["bf16"] = {s: bf16_case(s) for s in payload["bf16"]}
+    if "accumulate" in payload:
+        out["accumulate"] = {s: accumulate_case(s) for s in payload["accumulate"]}
     if "meta" in payload:
         out["meta"] = {s: meta_init_case(s) for s in payload["meta"]}
     if "dcp" in payload:

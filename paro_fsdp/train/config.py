@@ -109,7 +109,10 @@ class Training:
     mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
     """Dtype of parameters P (all-gathers, compute); the optimizer's master copy is fp32"""
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
-    """Dtype of gradients G (reduce-scatters, accumulation)"""
+    """Dtype gradients travel in (reduce-scatters, all-reduces)"""
+    mixed_precision_accumulate: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the gradient accumulator G summed over micro-steps (bfloat16 halves G memory but
+    rounds away part of late micro-steps' gradients)"""
 
 
 @dataclass

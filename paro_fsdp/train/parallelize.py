@@ -75,7 +75,8 @@ def parallelize(model: Llama, cfg: JobConfig, mesh: Any, device: torch.device) -
     if cfg.activation_checkpoint.mode == "full":
         apply_activation_checkpointing(model)
     t = cfg.training
-    mp = MixedPrecision(param_dtype=DTYPES[t.mixed_precision_param], reduce_dtype=DTYPES[t.mixed_precision_reduce])
+    mp = MixedPrecision(param_dtype=DTYPES[t.mixed_precision_param], reduce_dtype=DTYPES[t.mixed_precision_reduce],
+                        accumulate_dtype=DTYPES[t.mixed_precision_accumulate])
     model = paro_shard(model, mesh, paro_policy(cfg), mp=mp,
                        reshard_after_forward=cfg.parallelism.paro_reshard_after_forward,
                        param_init_fn=partial(model.init_param, seed=t.seed))

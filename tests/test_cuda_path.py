@@ -1,0 +1,89 @@
+"""What CPU can prove about the CUDA + NCCL path users run: backend strings, the CUDA ordinal,
+the order of device selection and process-group start, and that sharding frees the original
+parameters (the whole unsharded model must not stay resident)."""
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from paro_fsdp import mesh as mesh_mod
+from paro_fsdp.mesh import device_type_for_backend, local_cuda_index
+
+
+@pytest.mark.parametrize("backend, device", [
+    ("nccl", "cuda"), ("NCCL", "cuda"), ("cuda:nccl", "cuda"), ("cpu:gloo,cuda:nccl", "cuda"),
+    ("cuda:nccl,cpu:gloo", "cuda"), ("gloo", "cpu"), ("cpu:gloo", "cpu"), ("fake", "cpu"),
+])
+def test_backend_string_picks_the_device(backend, device):
+    assert device_type_for_backend(backend) == device
+
+
+@pytest.mark.parametrize("local_rank, visible, ordinal", [(0, 8, 0), (5, 8, 5), (5, 1, 0), (7, 4, 3), (3, 2, 1)])
+def test_local_rank_maps_onto_the_visible_gpus(monkeypatch, local_rank, visible, ordinal):
+    """SLURM --gpus-per-task=1 shows each process one GPU while LOCAL_RANK counts 0..7."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    assert local_cuda_index(local_rank) == ordinal
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    assert local_cuda_index() == ordinal
+
+
+def test_no_visible_gpu_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(RuntimeError, match="no CUDA device is visible"):
+        local_cuda_index(0)
+
+
+@pytest.mark.parametrize("backend", ["nccl", "cpu:gloo,cuda:nccl"])
+def test_init_selects_the_gpu_before_the_process_group_and_names_it(monkeypatch, backend):
+    calls = []
+
+    class Started(Exception):
+        pass
+
+    def init_process_group(name, **kwargs):
+        calls.append(("init_process_group", name, kwargs.get("device_id")))
+        raise Started
+
+    monkeypatch.setenv("LOCAL_RANK", "6")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", torch.device(d))))
+    monkeypatch.setattr(mesh_mod.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(mesh_mod.dist, "init_process_group", init_process_group)
+    with pytest.raises(Started):
+        mesh_mod.init_paro_mesh(2, backend=backend)
+    assert calls == [("set_device", torch.device("cuda", 2)), ("init_process_group", backend, torch.device("cuda", 2))]
+
+
+@pytest.fixture
+def fake_world():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    yield
+    dist.destroy_process_group()
+    mesh_mod._MESHES.clear()
+
+
+@pytest.mark.parametrize("strategy", ["IIG", "GGG", "NNN", "ING", {"layers.*": "GGG", "default": "NIG"}])
+def test_sharding_frees_every_original_parameter(fake_world, strategy):
+    """After paro_shard of a model built on CPU, no original full parameter is alive (FSDP2
+    frees them too): the engine keeps only shapes and names of what it replaced."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from paro_fsdp import paro_shard
+    from paro_fsdp.models.llama import Llama, LlamaArgs
+
+    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("inter", "intra"))
+    model = Llama(LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_dim=48, max_seq_len=16))
+    originals = [weakref.ref(p) for p in model.parameters()]
+    model = paro_shard(model, mesh, strategy)
+    gc.collect()
+    alive = [r() for r in originals if r() is not None]
+    assert not alive, f"{len(alive)} of {len(originals)} original parameters still alive, e.g. shape {tuple(alive[0].shape)}"
+    assert all(p.device.type == "cpu" for p in model.parameters())
