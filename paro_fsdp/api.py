@@ -8,7 +8,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .comm import CommStats, MeshComm
-from .mesh import MeshInfo
+from .mesh import MeshInfo, mesh_device
 from .mixed_precision import MixedPrecision
 from .param_group import ParamRef, ParoParamGroup
 from .state import ParoBlock, ParoState
@@ -75,7 +75,8 @@ def paro_shard(
 
     Parameters are bucketed per block (each element of every ``nn.ModuleList`` by default, or
     ``blocks``; the root holds the rest) and per strategy inside a block. The model must hold
-    the same initial values on every rank. The root's parameters stay gathered from forward to
+    the same initial values on every rank. It may be built on the CPU: parameters move to the
+    mesh's device shard by shard (the originals are freed), module buffers move whole. The root's parameters stay gathered from forward to
     backward (as FSDP2 does for its root); blocks are freed after forward unless
     ``reshard_after_forward=False``.
 
@@ -123,11 +124,21 @@ def paro_shard(
         block = ParoBlock(name, module, groups, state)
         block.is_root = module is model
         state.blocks.append(block)
+    _move_buffers(model, mesh_device(info))
     state.install_hooks()
     model._paro_state = state
     cls = model.__class__
     model.__class__ = type(f"Paro{cls.__name__}", (ParoModule, cls), {})
     return model
+
+
+def _move_buffers(model: nn.Module, device: torch.device) -> None:
+    """Module buffers (RoPE tables, norms' running stats) follow the parameters to the mesh's
+    device, as FSDP2 moves them; meta buffers are left for the model's own init."""
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and not buf.is_meta and buf.device != device:
+                module._buffers[name] = buf.to(device)
 
 
 def _name_of(model: nn.Module, module: nn.Module) -> str:
