@@ -31,8 +31,8 @@ from paro_fsdp.train.checkpoint import CheckpointManager, SchedulerState, TrainS
 from paro_fsdp.train.config import ConfigError, JobConfig, grad_accum_steps, group_size, help_text, parse_args, validate
 from paro_fsdp.train.data import build_dataloader, describe
 from paro_fsdp.train.lr import build_lr_scheduler
-from paro_fsdp.train.metrics import CommMeter, MetricsLogger, StepTimer, build_profiler
-from paro_fsdp.train.parallelize import apply_compile, build_model, check_policy, model_args, parallelize
+from paro_fsdp.train.metrics import CommMeter, MetricsLogger, StepTimer, build_profiler, flops_per_token
+from paro_fsdp.train.parallelize import DTYPES, apply_compile, build_model, check_policy, model_args, parallelize
 from paro_fsdp.train.tokenizer import build_tokenizer
 
 REPO = Path(__file__).resolve().parent
@@ -113,9 +113,16 @@ class Trainer:
             raise ConfigError("metrics.enable_tensorboard = true needs the tensorboard package (pip install tensorboard, "
                               "or this project's [train] extra); valid: false, or install it")
         run_name = time.strftime("%Y%m%d-%H%M%S")
-        self.metrics = MetricsLogger(cfg, self.rank, self.device, t.steps, self.tokens_per_step, self.world_size, run_name)
+        a = self.model_args
+        try:
+            self.metrics = MetricsLogger(
+                cfg, self.rank, self.device, t.steps, self.tokens_per_step, self.world_size, run_name,
+                flops_per_token=flops_per_token(a.num_params(), a.n_layers, a.dim, t.seq_len, a.vocab_size * a.dim),
+                param_dtype=DTYPES[t.mixed_precision_param])
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         self.comm = CommMeter(self.model.comm_stats())
-        self.losses: dict[int, float] = {}
+        self.losses: dict[int, float] = {}  # filled at log steps (the values are read once per log window)
         self._print_header(global_batch)
 
     def _choose_strategy(self) -> None:
@@ -191,14 +198,18 @@ class Trainer:
             _log(f"no checkpoint in {self.checkpointer.folder}: starting from step 0")
 
     # ---- the training loop --------------------------------------------------------------------
-    def train_step(self) -> tuple[float, float]:
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step: ``grad_accum`` micro-steps, clip, step. Returns (loss averaged
-        over ranks and micro-steps, global grad norm before clipping)."""
+        over ranks and micro-steps, global grad norm before clipping) as 0-dim tensors on the
+        device: reading them waits for the GPU, which ``train`` does once per log window."""
         total = torch.zeros((), device=self.device)
         for micro in range(self.grad_accum):
             if self.cfg.compile.enable:  # the last backward's graphs also reduce to the OS level
                 self.model.set_is_last_backward(micro == self.grad_accum - 1)
-            batch = next(self.data).to(self.device, non_blocking=True)
+            batch = next(self.data)
+            if self.device.type == "cuda":  # a copy from pageable memory may block the host
+                batch = batch.pin_memory()
+            batch = batch.to(self.device, non_blocking=True)
             loss = self.model(batch).loss / self.grad_accum
             loss.backward()
             total += loss.detach().float()
@@ -207,16 +218,31 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad()
         dist.all_reduce(total)
-        return (total / self.world_size).item(), float(grad_norm)
+        return total / self.world_size, grad_norm.detach()
+
+    def _read_window(self, pending: list[tuple[int, torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
+        """Losses and grad norms of the steps since the last read, copied to the host in one
+        transfer (one sync on CUDA) into ``self.losses``; returns the last step's pair."""
+        values = torch.stack([v.float() for _, loss, norm in pending for v in (loss, norm)]).tolist()
+        for i, (step, _, _) in enumerate(pending):
+            self.losses[step] = values[2 * i]
+        pending.clear()
+        return values[-2], values[-1]
 
     def train(self) -> dict[int, float]:
-        """Train until ``training.steps``; return the loss of every step run here."""
+        """Train until ``training.steps``; return the loss of every step run here.
+
+        Between log steps nothing waits for the device: loss and grad norm stay device tensors
+        and the step timer records CUDA events; at each log step (and the last) the window's
+        values are read at once, the line is written, and ``self.losses`` gains the window."""
         cfg, steps = self.cfg, self.cfg.training.steps
         if self.state.step >= steps:
             _log(f"checkpoint step {self.state.step} already reaches training.steps = {steps}: nothing to train "
                  f"(raise --training.steps, or remove {os.path.abspath(self.checkpointer.folder)} to start over)")
             return self.losses
         timer = StepTimer(self.device)
+        pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        self.metrics.begin_window()
         t_start = time.perf_counter()
         with build_profiler(cfg, self.rank, self.device, self.state.step) as profiler:
             while self.state.step < steps:
@@ -226,10 +252,14 @@ class Trainer:
                 lr = self.optimizer.param_groups[0]["lr"]
                 loss, grad_norm = self.train_step()
                 self.lr_scheduler.step()
-                step_time = timer.stop()
-                self.losses[step] = loss
-                self.metrics.log(step, loss, grad_norm, lr, step_time, self.comm.delta(),
-                                 self.model.memory_report(self.optimizer))
+                timer.stop()
+                pending.append((step, loss, grad_norm))
+                comm = self.comm.delta()  # host-side ledger: the last step's bytes
+                if self.metrics.should_log(step):
+                    step_times = timer.collect()  # waits for the step's last kernel: the window's one sync
+                    loss_value, norm_value = self._read_window(pending)
+                    self.metrics.log(step, loss_value, norm_value, lr, step_times, comm,
+                                     self.model.memory_report(self.optimizer))
                 if step == (self.resumed_from or 0) + 1:
                     self._set_train_timeout()
                     self._log_compiled_schedule(step)
@@ -237,6 +267,8 @@ class Trainer:
                     path = self.checkpointer.save(step)
                     _log(f"saved checkpoint {path}")
                 profiler.step()
+        if pending:  # normally empty: the last step always logs
+            self._read_window(pending)
         elapsed = time.perf_counter() - t_start
         first, last = self.losses[min(self.losses)], self.losses[max(self.losses)]
         _log(f"trained steps {min(self.losses)}..{steps} in {elapsed:.1f} s: loss {first:.4f} -> {last:.4f}")

@@ -4,6 +4,11 @@ TensorBoard scalars and as ``metrics.jsonl`` lines, and torch.profiler traces.
 Why these numbers: PaRO trades memory for communication, so next to loss and speed every line
 shows the model-state bytes this rank holds (P + G + OS, from the engine) and the bytes the
 step moved inside groups (intra) and between groups (inter), from the engine's ledger.
+
+On CUDA nothing here waits for the GPU between log steps: the trainer keeps loss and grad norm
+as device tensors, ``StepTimer`` records CUDA events, and both are read once per log window. Log
+lines on CUDA add MFU (when the GPU's peak is known), reserved memory, allocator retries and the
+peak memory of the window (the allocator's peaks are reset at the start of each window).
 """
 from __future__ import annotations
 
@@ -21,6 +26,18 @@ import torch
 from .config import JobConfig
 
 MiB = float(2**20)
+
+# Dense peak FLOP/s per GPU (TFLOP/s), by a substring of torch.cuda.get_device_name(); the first
+# match wins, so the specific names come first. "fp32" is plain FP32 (PyTorch's default matmul
+# precision "highest"); "tf32" applies when torch.set_float32_matmul_precision allows TF32.
+PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
+    ("H200", {"bf16": 989.0, "tf32": 494.7, "fp32": 66.9}),
+    ("H100 PCIe", {"bf16": 756.0, "tf32": 378.0, "fp32": 51.2}),
+    ("H100", {"bf16": 989.0, "tf32": 494.7, "fp32": 66.9}),
+    ("A100", {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5}),
+)
+PEAK_TFLOPS_ENV = "PARO_PEAK_TFLOPS"
+"""Environment override of one GPU's peak TFLOP/s for the run's dtype (any GPU, or to correct the table)."""
 
 
 def peak_host_rss_bytes() -> int:
@@ -55,6 +72,50 @@ class CommMeter:
         return d
 
 
+def flops_per_token(params: int, n_layers: int, dim: int, seq_len: int, embedding_params: int = 0) -> float:
+    """Model FLOPs of forward + backward per trained token: 6 per matmul weight (the embedding
+    table is a lookup, so ``embedding_params`` are left out, as torchtitan and the advisor do) plus
+    attention's 12 * n_layers * dim * seq_len (scores and weighted sum, forward and backward)."""
+    return 6.0 * (params - embedding_params) + 12.0 * n_layers * dim * seq_len
+
+
+def peak_flops(device: torch.device, param_dtype: torch.dtype) -> Optional[float]:
+    """One GPU's dense peak FLOP/s for ``param_dtype``: ``$PARO_PEAK_TFLOPS`` if set, else the
+    ``PEAK_TFLOPS`` entry of this GPU's name; None on CPU or for a GPU not in the table."""
+    if device.type != "cuda":
+        return None
+    override = os.environ.get(PEAK_TFLOPS_ENV, "").strip()
+    if override:
+        try:
+            value = float(override)
+        except ValueError:
+            raise ValueError(f"${PEAK_TFLOPS_ENV} = {override!r} is not a number; valid: one GPU's peak TFLOP/s, "
+                             f"e.g. 989") from None
+        return value * 1e12 if value > 0 else None
+    name = torch.cuda.get_device_name(device)
+    if param_dtype == torch.bfloat16 or param_dtype == torch.float16:
+        kind = "bf16"
+    else:
+        kind = "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    for key, peaks in PEAK_TFLOPS:
+        if key in name:
+            return peaks[kind] * 1e12
+    return None
+
+
+def cuda_memory(device: torch.device) -> dict[str, float]:
+    """The caching allocator's numbers for the current window (host-side reads, no sync): peak
+    allocated and reserved since the last ``reset_peak_memory_stats``, reserved now, and the
+    cumulative count of cudaMalloc retries (each one freed the cache and retried: memory pressure)."""
+    stats = torch.cuda.memory_stats(device)
+    return {
+        "cuda_max_allocated": float(torch.cuda.max_memory_allocated(device)),
+        "cuda_reserved": float(torch.cuda.memory_reserved(device)),
+        "cuda_max_reserved": float(torch.cuda.max_memory_reserved(device)),
+        "cuda_alloc_retries": float(stats.get("num_alloc_retries", 0)),
+    }
+
+
 def _fmt_bytes(n: float) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= size:
@@ -73,7 +134,8 @@ class MetricsLogger:
     """Rank 0 writes; other ranks only keep the timing state (so every rank can call it)."""
 
     def __init__(self, cfg: JobConfig, rank: int, device: torch.device, total_steps: int, tokens_per_step: int,
-                 world_size: int, run_name: str) -> None:
+                 world_size: int, run_name: str, flops_per_token: float = 0.0,
+                 param_dtype: torch.dtype = torch.float32) -> None:
         self.cfg, self.rank, self.device = cfg, rank, device
         self.total_steps, self.tokens_per_step, self.world_size = total_steps, tokens_per_step, world_size
         self.enabled = rank == 0
@@ -81,6 +143,8 @@ class MetricsLogger:
         self.writer = None
         self.jsonl = None
         self._step_times: list[float] = []
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops(device, param_dtype) if flops_per_token > 0 else None
         if not self.enabled:
             return
         dump = cfg.job.dump_folder
@@ -92,27 +156,49 @@ class MetricsLogger:
             self.tb_dir = os.path.join(dump, cfg.metrics.save_tb_folder, run_name)
             self.writer = SummaryWriter(self.tb_dir)
 
-    def log(self, step: int, loss: float, grad_norm: float, lr: float, step_time: float, comm: CommSnapshot,
+    def should_log(self, step: int) -> bool:
+        """Whether ``step`` ends a log window (every ``log_freq`` steps, and the last step)."""
+        return step % self.cfg.metrics.log_freq == 0 or step == self.total_steps
+
+    def begin_window(self) -> None:
+        """Start a log window: on CUDA the allocator's peaks restart from the current usage. The
+        trainer calls it before its first step; ``log`` calls it after each window's line (but
+        the last)."""
+        if self.enabled and self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def log(self, step: int, loss: float, grad_norm: float, lr: float, step_times: list[float], comm: CommSnapshot,
             memory: dict[str, int]) -> None:
-        """Record one step (call it on every step; it writes on ``log_freq`` steps and the last)."""
-        self._step_times.append(step_time)
-        if not self.enabled or (step % self.cfg.metrics.log_freq and step != self.total_steps):
+        """Write the line of log step ``step`` (``should_log``): its loss, grad norm and lr, and
+        ``step_times``, the seconds of each step of the window ending here (``StepTimer.collect``)."""
+        self._step_times.extend(step_times)
+        if not self.enabled or not self.should_log(step):
             return
         recent = self._step_times[-self.cfg.metrics.log_freq:]
         avg = sum(recent) / len(recent)
+        step_time = step_times[-1] if step_times else avg
         tps = self.tokens_per_step / step_time if step_time > 0 else 0.0
-        if self.device.type == "cuda":
-            peak, peak_name = torch.cuda.max_memory_allocated(self.device), "cuda_max_allocated"
+        cuda = cuda_memory(self.device) if self.device.type == "cuda" else None
+        if cuda is not None:
+            peak, peak_name = cuda["cuda_max_allocated"], "cuda_max_allocated"
         else:
             peak, peak_name = peak_host_rss_bytes(), "peak_rss"
+        mfu = None
+        if self.peak_flops:
+            mfu = 100.0 * self.flops_per_token * tps / (self.peak_flops * self.world_size)
         eta = avg * (self.total_steps - step)
         # under torch.compile the ledger sees only collectives run eagerly (the graphs' own are in
         # the compile schedule dump), so say so rather than print a misleading 0
         comm_label = "comm outside graphs" if self.cfg.compile.enable else "comm"
+        cuda_text = ""
+        if cuda is not None:
+            cuda_text = (f" reserved {_fmt_bytes(cuda['cuda_reserved'])} (max {_fmt_bytes(cuda['cuda_max_reserved'])}) "
+                         f"alloc retries {cuda['cuda_alloc_retries']:.0f}")
+        mfu_text = f" | mfu {mfu:.1f}%" if mfu is not None else ""
         line = (
             f"step {step:>{len(str(self.total_steps))}}/{self.total_steps} | loss {loss:.4f} | gnorm {grad_norm:.3f} | "
-            f"lr {lr:.2e} | {tps:,.0f} tok/s | {step_time:.3f} s/step | "
-            f"mem states {_fmt_bytes(memory['total'])} {peak_name.replace('_', ' ')} {_fmt_bytes(peak)} | "
+            f"lr {lr:.2e} | {tps:,.0f} tok/s{mfu_text} | {step_time:.3f} s/step | "
+            f"mem states {_fmt_bytes(memory['total'])} {peak_name.replace('_', ' ')} {_fmt_bytes(peak)}{cuda_text} | "
             f"{comm_label} intra {_fmt_bytes(comm.intra)} inter {_fmt_bytes(comm.inter)} | eta {_fmt_eta(eta)}"
         )
         print(line, flush=True)
@@ -133,6 +219,12 @@ class MetricsLogger:
             "comm/global_MiB_per_step": comm.global_ / MiB,
             "comm/collectives_per_step": comm.count,
         }
+        if mfu is not None:
+            scalars["throughput/mfu_pct"] = mfu
+        if cuda is not None:
+            scalars["memory/cuda_reserved_MiB"] = cuda["cuda_reserved"] / MiB
+            scalars["memory/cuda_max_reserved_MiB"] = cuda["cuda_max_reserved"] / MiB
+            scalars["memory/cuda_alloc_retries"] = cuda["cuda_alloc_retries"]
         if self.writer is not None:
             for tag, value in scalars.items():
                 self.writer.add_scalar(tag, value, step)
@@ -140,6 +232,8 @@ class MetricsLogger:
         if self.jsonl is not None:
             self.jsonl.write(json.dumps({"step": step, **scalars}) + "\n")
             self.jsonl.flush()
+        if step < self.total_steps:
+            self.begin_window()
 
     def close(self) -> None:
         if self.writer is not None:
@@ -181,16 +275,39 @@ class _NoProfiler:
 
 
 class StepTimer:
-    """Wall time of one step; on CUDA synchronises first so the time covers the kernels."""
+    """The time of each step, read once per log window.
+
+    On CPU: host wall time between ``start`` and ``stop``. On CUDA: a timing event recorded on the
+    current stream at ``start`` and one at ``stop``, and nothing waits for the GPU until
+    ``collect``, which waits for the window's last event (the one sync of the window) and returns
+    the GPU time between each pair: what the step's kernels took while the host queued ahead."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.t0 = 0.0
+        self.cuda = device.type == "cuda"
+        self.t0: Any = 0.0
+        self._pending: list[Any] = []  # CPU: seconds; CUDA: (start, end) events
 
     def start(self) -> None:
-        self.t0 = time.perf_counter()
+        if self.cuda:
+            self.t0 = torch.cuda.Event(enable_timing=True)
+            self.t0.record()
+        else:
+            self.t0 = time.perf_counter()
 
-    def stop(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter() - self.t0
+    def stop(self) -> None:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._pending.append((self.t0, end))
+        else:
+            self._pending.append(time.perf_counter() - self.t0)
+
+    def collect(self) -> list[float]:
+        """Seconds of every step stopped since the last ``collect``."""
+        pending, self._pending = self._pending, []
+        if not self.cuda:
+            return pending
+        if pending:
+            pending[-1][1].synchronize()  # the events record in order: the last done means all done
+        return [start.elapsed_time(end) / 1e3 for start, end in pending]
