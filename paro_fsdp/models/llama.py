@@ -64,9 +64,10 @@ class RMSNorm(nn.Module):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
 
-def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), freqs)
+def rope_tables(head_dim: int, seq_len: int, theta: float,
+                device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), freqs)
     return angles.cos(), angles.sin()
 
 
@@ -145,23 +146,33 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def init_param(self, name: str, tensor: torch.Tensor, seed: Optional[int] = None) -> None:
-        """Initialise one parameter. With a ``seed`` the values depend only on (seed, name), so a
-        model built on the meta device and materialised tensor by tensor inside ``paro_shard``
-        (``param_init_fn``) gets the same values on every rank, in any order."""
+        """Initialise one parameter in place, on the device it lives on: a model materialised on
+        GPUs is filled there, not on one CPU thread per rank and copied.
+
+        With a ``seed`` the values depend only on (seed, name, device type), so a model built on
+        the meta device and materialised tensor by tensor inside ``paro_shard`` (``param_init_fn``)
+        gets the same values on every rank, in any order: the generator lives on the tensor's
+        device. On CPU the values are those of a CPU generator (the same as ever); on CUDA those
+        of a CUDA generator, identical on GPUs of one model (CUDA's kernels spread elements over
+        threads by the GPU's multiprocessor count, so a job must not mix GPU models)."""
         if tensor.dim() == 1:
             tensor.fill_(1.0)
             return
         std = 0.02 / (math.sqrt(2 * self.args.n_layers) if name.endswith(("wo.weight", "w2.weight")) else 1.0)
         if seed is None:
             tensor.normal_(0.0, std)
-        else:
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            tensor.copy_(torch.empty(tensor.shape).normal_(0.0, std, generator=gen))
+            return
+        gen = torch.Generator(device=tensor.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        if tensor.dtype == torch.float32 and tensor.is_contiguous():
+            tensor.normal_(0.0, std, generator=gen)
+        else:  # the fp32 values, then cast or scattered: the same values whatever the target's layout
+            values = torch.empty(tensor.shape, dtype=torch.float32, device=tensor.device)
+            tensor.copy_(values.normal_(0.0, std, generator=gen))
 
     def init_buffers(self, device: torch.device) -> None:
-        """RoPE tables on ``device`` (for a model built on the meta device)."""
-        cos, sin = rope_tables(self.args.dim // self.args.n_heads, self.args.max_seq_len, self.args.rope_theta)
-        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+        """RoPE tables computed on ``device`` (for a model built on the meta device)."""
+        self.rope_cos, self.rope_sin = rope_tables(self.args.dim // self.args.n_heads, self.args.max_seq_len,
+                                                   self.args.rope_theta, device=device)
 
     def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None) -> ModelOutput:
         """``tokens`` [B, T]; without ``labels`` it is a [B, T+1] window predicting itself shifted."""
