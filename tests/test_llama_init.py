@@ -1,11 +1,13 @@
 """Seeded parameter init fills the tensor it is given, in place, with a generator on that tensor's
 device (on a GPU the fill runs there: no whole tensor is built on one CPU thread and copied), and
-its CPU values are those of the CPU generator the trainer has always used."""
+its CPU values are those of the CPU generator the trainer has always used ($PARO_INIT_RNG=cpu:
+those values on any device)."""
 from __future__ import annotations
 
 import math
 import zlib
 
+import pytest
 import torch
 
 from paro_fsdp.models.llama import Llama, flavor, rope_tables
@@ -88,3 +90,23 @@ def test_rope_tables_on_the_target_device():
     assert torch.equal(model.rope_cos, cos) and torch.equal(model.rope_sin, sin)
     meta_cos, _ = rope_tables(ARGS.dim // ARGS.n_heads, 8, ARGS.rope_theta, device=torch.device("meta"))
     assert meta_cos.is_meta  # computed where asked, not on the CPU and moved
+
+
+def test_cpu_rng_on_request_and_bad_values(monkeypatch):
+    model = _meta_model()
+    devices = []
+    real_generator = torch.Generator
+
+    def generator(*args, **kwargs):
+        devices.append(torch.device(kwargs.get("device", args[0] if args else "cpu")))
+        return real_generator(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "Generator", generator)
+    monkeypatch.setenv("PARO_INIT_RNG", "cpu")
+    t = torch.empty(ARGS.dim, ARGS.dim)
+    model.init_param("layers.0.attention.wq.weight", t, seed=5)
+    assert devices == [torch.device("cpu")]
+    assert torch.equal(t, _reference("layers.0.attention.wq.weight", t.shape, 5))
+    monkeypatch.setenv("PARO_INIT_RNG", "gpu")
+    with pytest.raises(ValueError, match=r"PARO_INIT_RNG.*valid: device .* cpu"):
+        model.init_param("layers.0.attention.wq.weight", t, seed=5)

@@ -5,6 +5,7 @@ Flavors follow LLaMA-1 shapes for 7B/13B/65B; ``debug`` is small enough for CPU 
 from __future__ import annotations
 
 import math
+import os
 import zlib
 from dataclasses import dataclass, replace
 from typing import NamedTuple, Optional
@@ -62,6 +63,20 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+INIT_RNG_ENV = "PARO_INIT_RNG"
+
+
+def _init_rng_device(device: torch.device) -> torch.device:
+    """Where seeded init draws its values: the tensor's device, or the CPU with ``$PARO_INIT_RNG=cpu``."""
+    choice = os.environ.get(INIT_RNG_ENV, "").strip().lower()
+    if choice in ("", "device"):
+        return device
+    if choice == "cpu":
+        return torch.device("cpu")
+    raise ValueError(f"${INIT_RNG_ENV} = {choice!r} is not valid; valid: device (the default: the tensor's device), "
+                     f"cpu (the CPU generator's values on any device)")
 
 
 def rope_tables(head_dim: int, seq_len: int, theta: float,
@@ -154,7 +169,9 @@ class Llama(nn.Module):
         gets the same values on every rank, in any order: the generator lives on the tensor's
         device. On CPU the values are those of a CPU generator (the same as ever); on CUDA those
         of a CUDA generator, identical on GPUs of one model (CUDA's kernels spread elements over
-        threads by the GPU's multiprocessor count, so a job must not mix GPU models)."""
+        threads by the GPU's multiprocessor count, so a job must not mix GPU models). With
+        ``$PARO_INIT_RNG=cpu`` every device gets the CPU generator's values (drawn on the CPU and
+        copied: slow for a large model), so a GPU run starts from a CPU run's exact weights."""
         if tensor.dim() == 1:
             tensor.fill_(1.0)
             return
@@ -162,11 +179,12 @@ class Llama(nn.Module):
         if seed is None:
             tensor.normal_(0.0, std)
             return
-        gen = torch.Generator(device=tensor.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        if tensor.dtype == torch.float32 and tensor.is_contiguous():
+        where = _init_rng_device(tensor.device)
+        gen = torch.Generator(device=where).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        if where == tensor.device and tensor.dtype == torch.float32 and tensor.is_contiguous():
             tensor.normal_(0.0, std, generator=gen)
-        else:  # the fp32 values, then cast or scattered: the same values whatever the target's layout
-            values = torch.empty(tensor.shape, dtype=torch.float32, device=tensor.device)
+        else:  # the fp32 values, then cast, scattered or copied: the same values whatever the target
+            values = torch.empty(tensor.shape, dtype=torch.float32, device=where)
             tensor.copy_(values.normal_(0.0, std, generator=gen))
 
     def init_buffers(self, device: torch.device) -> None:
