@@ -188,7 +188,8 @@ class Trainer:
              f"{self.group_size} | strategy {', '.join(strategies)} | {dist.get_backend()} on {self.device.type}")
         _log(f"model {cfg.model.name}/{cfg.model.flavor}: {n_params / 1e6:,.2f}M params, vocab {a.vocab_size}, "
              f"seq {cfg.training.seq_len} | params {cfg.training.mixed_precision_param}, grads "
-             f"{cfg.training.mixed_precision_reduce}, master fp32 | activation checkpoint {cfg.activation_checkpoint.mode}")
+             f"{cfg.training.mixed_precision_reduce} (accumulated in {cfg.training.mixed_precision_accumulate}), master fp32 "
+             f"| activation checkpoint {cfg.activation_checkpoint.mode}")
         _log(f"batch {cfg.training.local_batch_size} per rank x {self.world_size} ranks x {self.grad_accum} accumulation = "
              f"{global_batch} sequences = {self.tokens_per_step:,} tokens per step")
         _log(f"data: {describe(self.data, cfg.training.dataset, cfg.training.dataset_path)}")
@@ -362,7 +363,8 @@ def run_estimate(cfg: JobConfig, world: Optional[int]) -> int:
     r0 = rows[0]
     print(f"{cfg.job.config_file or 'default config'}: {cfg.model.flavor}, {r0['psi'] / 1e9:.3f} B parameters, "
           f"{world} ranks = {world // m} groups x {m}, {accum} micro-steps of {t.local_batch_size} x {t.seq_len} tokens "
-          f"per rank per step, P {t.mixed_precision_param}, G {t.mixed_precision_reduce}, OS fp32 {cfg.optimizer.name}")
+          f"per rank per step, P {t.mixed_precision_param}, G {t.mixed_precision_reduce} on the wire and "
+          f"{t.mixed_precision_accumulate} accumulated, OS fp32 {cfg.optimizer.name}")
     print("per rank: model-state memory (P, G, OS) and bytes sent per optimizer step, measured through the engine "
           "on a fake process group, beside the spec's formulas (activations not included)")
     print(format_table(rows))
