@@ -18,14 +18,21 @@ A group of tensors moves as one flat buffer per level:
                      (``paro_cc``, order "nested"). Block (l, k) holds rows of intra shard l, so
                      NESTED <-> FULL / whole tensors needs every intra index's G layout
                      (``g_starts_all`` / ``g_rows_all``), not only this rank's.
+
+Copies between NESTED and whole tensors (and I <-> [g, sum_g]) take a few ops per tensor at any
+mesh size: a size the world size divides is one strided copy; any other size is one gather and
+one scatter (``index`` / ``index_put_``) through row indices built once per (rows, mesh) shape
+(``_Nesting``, shared by every tensor and rank of that shape) as CPU tensors and moved to the
+buffers' device on first use.
 """
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
-from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -56,6 +63,117 @@ def _dtensor_rows(d0: int, g: int, m: int, level: Level, k: int, l: int) -> tupl
     return (offset[0] if shape[0] else 0), shape[0]
 
 
+@functools.lru_cache(maxsize=None)
+def _dtensor_g_rows(d0: int, g: int, m: int) -> list[list[tuple[int, int]]]:
+    """[l][k]: (first row, number of rows) of rank (k, l)'s global shard, for every rank at once.
+
+    The same answer as ``_dtensor_rows(..., Level.G, k, l)`` (tests/test_layout.py checks), from
+    DTensor's own split of the rows (each placement's ``_split_tensor``, as ``distribute_tensor``
+    shards, mesh dim by mesh dim): asking rank by rank re-splits the whole tensor per rank, which
+    is quadratic in the world size (seconds per tensor size on 1024 ranks)."""
+    strided, intra = placements(Level.G, m)
+    out: list[list[tuple[int, int]]] = [[(0, 0)] * g for _ in range(m)]
+    with unset_fake_temporarily(), torch.inference_mode(False):
+        for k, piece in enumerate(strided._split_tensor(torch.arange(d0), g, with_padding=False)[0]):
+            for l, rows in enumerate(intra._split_tensor(piece, m, with_padding=False)[0]):  # noqa: E741
+                out[l][k] = (int(rows[0]) if rows.numel() else 0, rows.numel())
+    return out
+
+
+class _Nesting:
+    """Every intra index's G layout of a tensor of ``d0`` rows on a (g, m) mesh, the same for
+    every tensor and rank with that shape (built once, ``_nesting``), and, where the world size
+    does not divide d0, the row indices of its NESTED <-> whole-tensor moves.
+
+    NESTED rows of a tensor are addressed as [m * g, g_pad] (``mg`` = l * g + k: block of rank
+    (k, l); ``r``: row of its global shard) and the padded whole tensor's rows as [m, c] (``bl``:
+    intra shard l, ``bj``: row j in it; l * c + j is the whole tensor's row, since DTensor's
+    Shard(0) chunks by c = ceil(d0 / m)). Entry q of each index is row q of the whole tensor, so
+    q = 0 .. d0-1 covers every real row once and a whole tensor's rows need no index. All are CPU
+    int64 tensors made outside any FakeTensorMode; ``on`` hands them out on the buffers' device.
+    """
+
+    def __init__(self, d0: int, g: int, m: int) -> None:
+        self.d0, self.g, self.m = d0, g, m
+        self.error: Optional[str] = None  # "strided" (not nested) or "tiles" (shards do not tile)
+        starts_all, rows_all, i_rows_all = [], [], []
+        shards = _dtensor_g_rows(d0, g, m)
+        for l in range(m):  # noqa: E741
+            i_start, i_rows = _dtensor_rows(d0, g, m, Level.I, 0, l)
+            g_starts, g_rows = [], []
+            cursor = i_start
+            for k in range(g):
+                start, rows = shards[l][k]
+                if rows and start != cursor:
+                    self.error = "strided"
+                    return
+                g_starts.append(cursor - i_start)
+                g_rows.append(rows)
+                cursor += rows
+            if cursor != i_start + i_rows:
+                self.error = "tiles"
+                return
+            starts_all.append(g_starts)
+            rows_all.append(g_rows)
+            i_rows_all.append(i_rows)
+        self.starts_all, self.rows_all, self.i_rows_all = starts_all, rows_all, i_rows_all
+        self.c = -(-d0 // m)
+        self.g_pad = max(max(r) for r in rows_all)
+        # per intra index l: its global shards are g_pad rows at k * g_pad (I <-> [g, sum_g] strided)
+        even = [k * self.g_pad for k in range(g)]
+        self.uniform_l = [s == even and r == [self.g_pad] * g for s, r in zip(starts_all, rows_all)]
+        self.uniform = all(self.uniform_l)
+        self._dev: dict[tuple[str, int, torch.device], torch.Tensor] = {}
+        self._inter: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        if self.uniform:
+            return
+        mg, rr, base, self.first = [], [], [], []  # first[l]: entry of intra shard l's first row
+        for l in range(m):  # noqa: E741
+            self.first.append(len(base))
+            for k in range(g):
+                rows, start = rows_all[l][k], starts_all[l][k]
+                mg.extend([l * g + k] * rows)
+                rr.extend(range(rows))
+                base.extend(range(l * self.c + start, l * self.c + start + rows))
+        if base != list(range(d0)):  # intra shard l at row l * c: what copy_in's padding assumes too
+            raise AssertionError(f"intra shards of {d0} rows on {m} ranks are not chunks of {self.c} rows")
+        with unset_fake_temporarily(), torch.inference_mode(False):
+            self.mg, self.r, rows_q = (torch.tensor(x, dtype=torch.long) for x in (mg, rr, base))
+            self.bl, self.bj = rows_q // self.c, rows_q % self.c
+
+    def inter(self, l: int) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: E741
+        """(k, r) of each row of intra shard ``l``, in order (I <-> [g, sum_g] of rank l)."""
+        if l not in self._inter:
+            with unset_fake_temporarily(), torch.inference_mode(False):
+                sl = slice(self.first[l], self.first[l] + self.i_rows_all[l])
+                self._inter[l] = (self.mg[sl] - l * self.g, self.r[sl].clone())
+        return self._inter[l]
+
+    def on(self, like: torch.Tensor, *names: str, l: int = -1) -> list[torch.Tensor]:  # noqa: E741
+        """The index tensors ``names`` (attributes, or "k" / "r" of ``inter(l)``) on ``like``'s
+        device: cached per device in eager code; converted into ``like``'s FakeTensorMode for
+        fake buffers; moved inside the graph (``.to``) while torch.compile traces."""
+        cpu = [self.inter(l)[("k", "r").index(n)] if l >= 0 else getattr(self, n) for n in names]
+        if torch.compiler.is_compiling():
+            return [x.to(like.device) for x in cpu]
+        if isinstance(like, FakeTensor):
+            return [like.fake_mode.from_tensor(x).to(like.device) for x in cpu]
+        if like.device.type == "cpu":
+            return cpu
+        out = []
+        for n, x in zip(names, cpu):
+            key = (n, l, like.device)
+            if key not in self._dev:
+                self._dev[key] = x.to(like.device)
+            out.append(self._dev[key])
+        return out
+
+
+@functools.lru_cache(maxsize=None)
+def _nesting(d0: int, g: int, m: int) -> _Nesting:
+    return _Nesting(d0, g, m)
+
+
 @dataclass
 class TensorLayout:
     name: str
@@ -72,6 +190,8 @@ class TensorLayout:
     g_rows_all: list[list[int]]  # [l][k]: g_rows of intra index l
     off_i: int = 0  # element offset in the I flat buffer
     off_g: int = 0  # element offset in the G flat buffer
+    l: int = 0  # this rank's intra index  # noqa: E741
+    nest: Optional[_Nesting] = field(default=None, repr=False, compare=False)  # shared per (d0, g, m)
 
     def local_shape(self, level: Level, k: int) -> torch.Size:
         rows = {Level.N: self.d0, Level.I: self.i_rows, Level.G: self.g_rows[k]}[level]
@@ -101,9 +221,19 @@ class TensorLayout:
     def uniform(self) -> bool:
         """Every rank's global shard has g_pad rows at k * g_pad of its intra shard (so
         d0 = m * c = n * g_pad): NESTED <-> FULL is one strided copy and has no padding."""
+        if self.nest is not None:
+            return self.nest.uniform
         g = len(self.g_rows)
         return all(starts == [k * self.g_pad for k in range(g)] and rows == [self.g_pad] * g
                    for starts, rows in zip(self.g_starts_all, self.g_rows_all))
+
+    @property
+    def uniform_here(self) -> bool:
+        """This rank's intra shard is g global shards of g_pad rows: I <-> [g, sum_g] is strided."""
+        if self.nest is not None:
+            return self.nest.uniform_l[self.l]
+        g = len(self.g_rows)
+        return self.g_starts == [k * self.g_pad for k in range(g)] and self.g_rows == [self.g_pad] * g
 
 
 def tensor_layout(name: str, shape: torch.Size, info: MeshInfo) -> TensorLayout:
@@ -114,32 +244,20 @@ def tensor_layout(name: str, shape: torch.Size, info: MeshInfo) -> TensorLayout:
     row = numel // d0 if d0 else 0
     # every intra index's G layout (checked the same way on every rank, so all ranks agree on
     # whether a size nests): the hierarchical global collectives move all of them
-    starts_all, rows_all = [], []
-    for l in range(info.m):  # noqa: E741
-        i_start, i_rows = _rows(d0, info, Level.I, 0, l)
-        g_starts, g_rows = [], []
-        cursor = i_start
-        for k in range(info.g):
-            start, rows = _rows(d0, info, Level.G, k, l)
-            if rows and start != cursor:
-                raise ValueError(
-                    f"parameter {name!r} (dim 0 = {d0}) cannot be sharded globally on a "
-                    f"{info.g}x{info.m} mesh: DTensor's strided layout of it is not nested in the intra "
-                    f"shard. Give it a strategy without level G (policy={{'{name}': 'III', ...}}) or "
-                    f"make dim 0 divisible by the world size {info.n}."
-                )
-            g_starts.append(cursor - i_start)
-            g_rows.append(rows)
-            cursor += rows
-        if cursor != i_start + i_rows:
-            raise ValueError(f"parameter {name!r}: global shards do not tile its intra shard on this mesh")
-        starts_all.append(g_starts)
-        rows_all.append(g_rows)
+    nest = _nesting(d0, info.g, info.m)
+    if nest.error == "strided":
+        raise ValueError(
+            f"parameter {name!r} (dim 0 = {d0}) cannot be sharded globally on a "
+            f"{info.g}x{info.m} mesh: DTensor's strided layout of it is not nested in the intra "
+            f"shard. Give it a strategy without level G (policy={{'{name}': 'III', ...}}) or "
+            f"make dim 0 divisible by the world size {info.n}."
+        )
+    if nest.error == "tiles":
+        raise ValueError(f"parameter {name!r}: global shards do not tile its intra shard on this mesh")
     i_start, i_rows = _rows(d0, info, Level.I, 0, info.l)
-    c = -(-d0 // info.m)
-    g_pad = max(max(r) for r in rows_all)
-    return TensorLayout(name, shape, d0, row, c, i_start, i_rows, starts_all[info.l], rows_all[info.l], g_pad,
-                        starts_all, rows_all)
+    l = info.l  # noqa: E741
+    return TensorLayout(name, shape, d0, row, nest.c, i_start, i_rows, nest.starts_all[l], nest.rows_all[l],
+                        nest.g_pad, nest.starts_all, nest.rows_all, l=l, nest=nest)
 
 
 class FlatLayout:
@@ -155,9 +273,12 @@ class FlatLayout:
             off_g += t.size_g
         self.sum_i, self.sum_g = off_i, off_g
         # when every global shard has g_pad rows at k * g_pad, I <-> G is one strided copy per tensor
-        self._uniform = all(
-            t.g_starts == [k * t.g_pad for k in range(info.g)] and t.g_rows == [t.g_pad] * info.g for t in tensors
-        )
+        self._uniform = all(t.uniform_here for t in tensors)
+        self._nested_uniform = all(t.uniform for t in tensors)
+        # the index tensors of this rank's I <-> [g, sum_g] moves, made now (outside any tracing)
+        for t in tensors:
+            if not t.uniform_here and t.nest is not None:
+                t.nest.inter(t.l)
 
     def numel(self, level: Level) -> int:
         return {Level.N: self.info.m * self.sum_i, Level.I: self.sum_i, Level.G: self.sum_g}[level]
@@ -203,18 +324,21 @@ class FlatLayout:
             out[t.off_g : t.off_g + n].copy_(flat_i[s : s + n])
         return out
 
+    def _inter_cols(self, buf: torch.Tensor, t: TensorLayout) -> torch.Tensor:
+        """Tensor ``t``'s columns of a [g, sum_g] buffer as [g, g_pad, row]."""
+        return buf.view(self.info.g, self.sum_g)[:, t.off_g : t.off_g + t.size_g].view(self.info.g, t.g_pad, t.row)
+
     def i_to_inter(self, flat_i: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Lay the intra shard out as [g, sum_g]: the input of an inter reduce-scatter."""
         g = self.info.g
         out2 = out.view(g, self.sum_g)
         for t in self.tensors:
-            if self._uniform:
+            if t.uniform_here:
                 out2[:, t.off_g : t.off_g + t.size_g].copy_(flat_i[t.off_i : t.off_i + g * t.size_g].view(g, t.size_g))
                 continue
-            for k in range(g):
-                n = t.g_rows[k] * t.row
-                s = t.off_i + t.g_starts[k] * t.row
-                out2[k, t.off_g : t.off_g + n].copy_(flat_i[s : s + n])
+            k, r = t.nest.on(out, "k", "r", l=t.l)  # one scatter of the intra shard's rows
+            src = flat_i[t.off_i : t.off_i + t.i_rows * t.row].view(t.i_rows, t.row)
+            self._inter_cols(out, t).index_put_((k, r), src.to(out.dtype))
         return out
 
     def inter_to_i(self, gathered: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -222,68 +346,75 @@ class FlatLayout:
         g = self.info.g
         src2 = gathered.view(g, self.sum_g)
         for t in self.tensors:
-            if self._uniform:
+            if t.uniform_here:
                 out[t.off_i : t.off_i + g * t.size_g].view(g, t.size_g).copy_(src2[:, t.off_g : t.off_g + t.size_g])
                 continue
-            for k in range(g):
-                n = t.g_rows[k] * t.row
-                s = t.off_i + t.g_starts[k] * t.row
-                out[s : s + n].copy_(src2[k, t.off_g : t.off_g + n])
+            k, r = t.nest.on(gathered, "k", "r", l=t.l)  # one gather of the intra shard's rows
+            out[t.off_i : t.off_i + t.i_rows * t.row].view(t.i_rows, t.row).copy_(self._inter_cols(gathered, t)[k, r])
         return out
 
     # NESTED <-> FULL / whole tensors (the PaRO-CC global collectives) ---------------------
     @property
     def nested_uniform(self) -> bool:
         """NESTED has no padding and maps to FULL by strided copies (sizes n divides)."""
-        return all(t.uniform for t in self.tensors)
+        return self._nested_uniform
 
     def numel_nested(self) -> int:
         return self.info.n * self.sum_g
 
-    def _nested_pairs(self, nested: torch.Tensor, base: torch.Tensor, t: TensorLayout):
-        """Matching (NESTED piece, whole-tensor piece) views of tensor ``t``: ``base`` is its
-        [m, c * row] rows (a whole padded tensor, or its columns of a FULL buffer)."""
+    def _nested_cols(self, nested: torch.Tensor, t: TensorLayout) -> torch.Tensor:
+        """Tensor ``t``'s columns of a NESTED buffer: [m, g, size_g] if uniform, else
+        [m * g, g_pad, row] (rows of every rank's global shard, padded to g_pad)."""
         m, g = self.info.m, self.info.g
-        part = nested.view(m, g, self.sum_g)[:, :, t.off_g : t.off_g + t.size_g]
         if t.uniform:
-            yield part, base.view(m, g, t.size_g)
-            return
-        for l in range(m):  # noqa: E741
-            for k in range(g):
-                rows, start = t.g_rows_all[l][k], t.g_starts_all[l][k]
-                if rows:
-                    yield part[l, k, : rows * t.row], base[l, start * t.row : (start + rows) * t.row]
+            return nested.view(m, g, self.sum_g)[:, :, t.off_g : t.off_g + t.size_g]
+        return nested.view(m * g, self.sum_g)[:, t.off_g : t.off_g + t.size_g].view(m * g, t.g_pad, t.row)
 
     def _full_cols(self, full: torch.Tensor, t: TensorLayout) -> torch.Tensor:
         return full.view(self.info.m, self.sum_i)[:, t.off_i : t.off_i + t.size_i]
 
     def copy_out_nested(self, nested: torch.Tensor, t: TensorLayout, dst: torch.Tensor) -> None:
         """Write tensor ``t`` from a NESTED buffer into ``dst`` (at least m * c rows, padded)."""
-        for src, out in self._nested_pairs(nested, dst[: self.info.m * t.size_i].view(self.info.m, t.size_i), t):
-            out.copy_(src)
+        m, part = self.info.m, self._nested_cols(nested, t)
+        dst = dst[: m * t.size_i]
+        if t.uniform:
+            dst.view(m, self.info.g, t.size_g).copy_(part)
+            return
+        mg, r = t.nest.on(nested, "mg", "r")  # one gather of the real rows, then one copy
+        dst.view(m * t.c, t.row)[: t.d0].copy_(part[mg, r])
 
     def copy_in_nested(self, nested: torch.Tensor, t: TensorLayout, src: torch.Tensor) -> None:
         """Write the whole tensor ``src`` into a NESTED buffer (its padding is left as it is)."""
-        m, c, row = self.info.m, t.c, t.row
-        src = src.reshape(t.d0, row)
-        if t.d0 != m * c:
-            src = torch.cat([src, src.new_zeros(m * c - t.d0, row)])
-        for dst, piece in self._nested_pairs(nested, src.view(m, t.size_i), t):
-            dst.copy_(piece)
+        src = src.reshape(t.d0, t.row)
+        if t.uniform:
+            self._nested_cols(nested, t).copy_(src.view(self.info.m, self.info.g, t.size_g))
+            return
+        mg, r = t.nest.on(nested, "mg", "r")  # one scatter of the real rows
+        self._nested_cols(nested, t).index_put_((mg, r), src.to(nested.dtype))
 
     def full_to_nested(self, full: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """FULL [m, sum_i] -> NESTED [m, g, sum_g] (``out`` zeroed by the caller where
         ``nested_uniform`` is false, if its padding matters)."""
+        m, g = self.info.m, self.info.g
         for t in self.tensors:
-            for dst, src in self._nested_pairs(out, self._full_cols(full, t), t):
-                dst.copy_(src)
+            base = self._full_cols(full, t)
+            if t.uniform:
+                self._nested_cols(out, t).copy_(base.view(m, g, t.size_g))
+                continue
+            bl, bj, mg, r = t.nest.on(out, "bl", "bj", "mg", "r")  # one gather, one scatter
+            self._nested_cols(out, t).index_put_((mg, r), base.view(m, t.c, t.row)[bl, bj].to(out.dtype))
         return out
 
     def nested_to_full(self, nested: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """NESTED [m, g, sum_g] -> FULL [m, sum_i] (padding rows of ``out`` are not written)."""
+        m, g = self.info.m, self.info.g
         for t in self.tensors:
-            for src, dst in self._nested_pairs(nested, self._full_cols(out, t), t):
-                dst.copy_(src)
+            base = self._full_cols(out, t)
+            if t.uniform:
+                base.view(m, g, t.size_g).copy_(self._nested_cols(nested, t))
+                continue
+            bl, bj, mg, r = t.nest.on(nested, "bl", "bj", "mg", "r")  # one gather, one scatter
+            base.view(m, t.c, t.row).index_put_((bl, bj), self._nested_cols(nested, t)[mg, r].to(out.dtype))
         return out
 
     def full_to_i(self, full: torch.Tensor) -> torch.Tensor:

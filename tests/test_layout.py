@@ -4,6 +4,7 @@ import itertools
 import pytest
 import torch
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from paro_fsdp.layout import FlatLayout, placements, tensor_layout
 from paro_fsdp.mesh import MeshInfo
@@ -42,6 +43,19 @@ def test_local_slices_match_dtensor(g, m, shape):
             assert tuple(local.shape) == tuple(lshape)
             if local.numel():
                 assert torch.equal(local, full.narrow(0, offset[0], lshape[0]))
+
+
+@pytest.mark.parametrize("g,m,sizes", [(2, 2, (7, 67)), (4, 2, (9, 67)), (3, 8, (7, 67, 11008)), (6, 8, (67, 11008)),
+                                       (16, 8, (1000,))])
+def test_all_ranks_global_shards_at_once_match_dtensor_rank_by_rank(g, m, sizes):
+    """The layout asks DTensor for every rank's global shard in one split (rank by rank is
+    quadratic in the world size); the answer is DTensor's per-rank one, nested or not."""
+    from paro_fsdp.layout import _dtensor_g_rows, _dtensor_rows
+
+    for d0 in sizes:
+        every = _dtensor_g_rows(d0, g, m)
+        for k, l in itertools.product(range(g), range(m)):
+            assert every[l][k] == _dtensor_rows(d0, g, m, Level.G, k, l), (d0, k, l)
 
 
 def test_non_nested_size_is_rejected_with_the_fix():
@@ -110,3 +124,97 @@ def test_nested_buffers_hold_every_ranks_g_buffer(g, m):
             lay.copy_out_nested(expected, t, out)
             assert torch.equal(out[: x.numel()].view(x.shape), x)
     assert lays[0, 0].nested_uniform == all(d0 % n == 0 for d0 in (s[0] for s in shapes))
+
+
+# ---- a large uneven world: a few ops per tensor, not one per rank ------------------------------
+@pytest.fixture
+def fake_48_ranks():
+    """Rank 0 of torch's fake 48-rank process group, on a 6 x 8 ("inter", "intra") mesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from tools.estimate import release_fake_world
+
+    if dist.is_initialized() and dist.get_backend() != "fake":
+        pytest.skip("a real process group is running in this process")
+    release_fake_world()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=48)
+    try:
+        yield init_device_mesh("cpu", (6, 8), mesh_dim_names=("inter", "intra"))
+    finally:
+        dist.destroy_process_group()
+
+
+class _KernelCount(TorchDispatchMode):
+    """ATen ops that are not views (each one is a kernel launch on a GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_uneven_moves_on_48_ranks_are_a_few_ops_per_tensor(fake_48_ranks):
+    """Llama-7B's 11008-row w1 / w3 on 48 GPUs: 11008 = 8 x 1376 and 1376 = 6 x 229.3, so the
+    ranks' global shards differ in size and NESTED has padding. Every NESTED <-> whole-tensor /
+    FULL move and I <-> [g, sum_g] move is a few ATen ops per tensor (it used to be one copy per
+    rank: 48 per tensor), and the values are DTensor's shards, computed here rank by rank."""
+    from paro_fsdp.mesh import MeshInfo
+
+    inf = MeshInfo.from_mesh(fake_48_ranks)
+    g, m, n = inf.g, inf.m, inf.n
+    assert (g, m, inf.k, inf.l) == (6, 8, 0, 0)
+    shapes = [torch.Size(s) for s in [(11008, 8), (4096, 8), (96, 3), (67,), ()]]  # (96, 3): n divides
+    fulls = [torch.randn(s) for s in shapes]
+    lay = FlatLayout([tensor_layout(f"t{i}", s, inf) for i, s in enumerate(shapes)], inf)
+    assert [t.uniform for t in lay.tensors] == [False, False, True, False, False]
+    assert lay.tensors[0].g_rows_all[0] == [230, 230, 230, 230, 230, 226]  # padded to g_pad = 230
+
+    # the reference: block (l, k) of NESTED is rank (k, l)'s G buffer, each tensor's DTensor shard
+    # at its offset in the buffer, zero padding; [g, sum_g] (this rank, l = 0) is NESTED's block l
+    expected = torch.zeros(m, g, lay.sum_g)
+    for t, x, s in zip(lay.tensors, fulls, shapes):
+        rows = x.reshape(t.d0, t.row)
+        for k, l in itertools.product(range(g), range(m)):
+            lshape, offset = _compute_local_shape_and_global_offset(s or (1,), (g, m), [k, l], placements(Level.G, m))
+            piece = rows[offset[0] : offset[0] + lshape[0]].reshape(-1)
+            expected[l, k, t.off_g : t.off_g + piece.numel()] = piece
+    expected = expected.view(-1)
+    full_ref = torch.zeros(m * lay.sum_i)
+    for t, x in zip(lay.tensors, fulls):  # FULL: intra shard l of each tensor at row l, padded to c rows
+        padded = torch.cat([x.reshape(t.d0, t.row), torch.zeros(m * t.c - t.d0, t.row)])
+        full_ref.view(m, lay.sum_i)[:, t.off_i : t.off_i + t.size_i] = padded.view(m, t.size_i)
+
+    per_tensor = len(lay.tensors)
+    counts = {}
+
+    def run(name, fn, tensors=per_tensor):
+        with _KernelCount() as kc:
+            out = fn()
+        counts[name] = max(counts.get(name, 0), len(kc.ops) / tensors)
+        assert len(kc.ops) <= 4 * tensors, (name, kc.ops)
+        return out
+
+    nest = torch.zeros(lay.numel_nested())
+    for t, x in zip(lay.tensors, fulls):
+        run("copy_in_nested", lambda: lay.copy_in_nested(nest, t, x), 1)
+    assert torch.equal(nest, expected)
+    got = run("full_to_nested", lambda: lay.full_to_nested(full_ref, torch.zeros(lay.numel_nested())))
+    assert torch.equal(got, expected)
+    got = run("nested_to_full", lambda: lay.nested_to_full(expected, torch.zeros(lay.numel(Level.N))))
+    assert torch.equal(got, full_ref)
+    for t, x in zip(lay.tensors, fulls):
+        out = torch.full((m * t.size_i,), float("nan"))
+        run("copy_out_nested", lambda: lay.copy_out_nested(expected, t, out), 1)
+        assert torch.equal(out[: x.numel()].view(x.shape), x)
+    inter_ref = expected.view(m, g * lay.sum_g)[inf.l]
+    got = run("i_to_inter", lambda: lay.i_to_inter(lay.full_to_i(full_ref), torch.zeros(g * lay.sum_g)))
+    assert torch.equal(got, inter_ref)
+    got = run("inter_to_i", lambda: lay.inter_to_i(inter_ref, torch.zeros(lay.sum_i)))
+    assert torch.equal(got, lay.full_to_i(full_ref))
+    print("kernel ops per tensor:", counts)
