@@ -6,6 +6,8 @@ spawn. The model's dims are multiples of 64 so the layout adds no padding and eq
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from paro_fsdp import Strategy
@@ -91,6 +93,36 @@ def test_inter_traffic_vs_grad_accum():
     assert three["IIG"]["inter_bytes"] == one["IIG"]["inter_bytes"] > 0
     assert three["IIG"]["intra_bytes"] > one["IIG"]["intra_bytes"]
     assert three["GGG"]["inter_bytes"] > 2.5 * one["GGG"]["inter_bytes"]
+
+
+# every dim 0 uneven on 1024 ranks: 32 (wk, wv), 64, 172 (w1, w3; Llama-7B's 11008 / 64), 1000 (vocab)
+UNEVEN = LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=1000, ffn_dim=172, max_seq_len=32)
+
+
+def test_a_1024_rank_world_costs_about_what_a_64_rank_one_does():
+    """Issue 11: ``--world 1024`` had not finished after 14 minutes. The layout's work for sizes the
+    world size does not divide was per rank (DTensor's offsets asked rank by rank, one copy per
+    rank and tensor in every NESTED move); it is per tensor now, so 16 times the ranks costs about
+    the same CPU time (it used to grow with the world size: 1024 ranks were 10x and more)."""
+    # NESTED -> whole (GGG gathers), whole -> NESTED (GGG, NGN reduce), FULL -> NESTED (ING's
+    # boundary), NESTED -> FULL (NGN's boundary), I <-> [g, sum_g] (IIG's boundary and push)
+    strategies = ["GGG", "IIG", "NGN", "ING"]
+    estimate(UNEVEN, N, M, ["NNN"], grad_accum=1)  # warm up: imports, the first fake model
+    cpu, rows = {}, {}
+    for world in (N, 1024):
+        start = time.process_time()
+        rows[world] = {r["strategy"]: r for r in estimate(UNEVEN, world, M, strategies, grad_accum=1)}
+        cpu[world] = time.process_time() - start
+    print("CPU seconds per world size:", cpu)
+    assert cpu[1024] < 2 * cpu[N] + 2, cpu
+    for name, row in rows[1024].items():
+        assert "error" not in row, row
+        for k in ("mem_P", "mem_G", "mem_OS", "intra_bytes", "inter_bytes"):  # padding only adds
+            assert row[k] >= row[f"formula_{k}"] * (1 - 1e-12), (name, k)
+    # intra shards do not depend on the number of groups: P = I and G = I cost the same on 64 ranks
+    for name, keys in {"IIG": ("mem_P", "mem_G", "intra_bytes"), "ING": ("mem_P",)}.items():
+        for k in keys:
+            assert rows[1024][name][k] == rows[N][name][k], (name, k)
 
 
 def test_ledger_matches_spec_prose():
