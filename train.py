@@ -359,7 +359,8 @@ def run_estimate(cfg: JobConfig, world: Optional[int]) -> int:
     strategies = [chosen] + (["GGG"] if chosen != "GGG" else [])
     wall = time.perf_counter()
     rows = estimate(args, world, m, strategies, grad_accum=accum, dtype=dtype[t.mixed_precision_param],
-                    reduce_dtype=dtype[t.mixed_precision_reduce], max_norm=t.max_norm if t.max_norm > 0 else 1.0)
+                    reduce_dtype=dtype[t.mixed_precision_reduce], max_norm=t.max_norm if t.max_norm > 0 else 1.0,
+                    accumulate_dtype=dtype[t.mixed_precision_accumulate])
     r0 = rows[0]
     print(f"{cfg.job.config_file or 'default config'}: {cfg.model.flavor}, {r0['psi'] / 1e9:.3f} B parameters, "
           f"{world} ranks = {world // m} groups x {m}, {accum} micro-steps of {t.local_batch_size} x {t.seq_len} tokens "

@@ -68,7 +68,7 @@ class ParamRef:
     its shards out; the group then drops it, so the unsharded model is freed (as FSDP2 frees it)."""
 
     fqn: str
-    shape: torch.Size
+    like: nn.Parameter  # a meta Parameter of the original's shape (no memory), see ``of``
     stride: tuple[int, ...]
     requires_grad: bool
     owners: list[tuple[nn.Module, str]] = field(default_factory=list)
@@ -76,11 +76,20 @@ class ParamRef:
 
     @classmethod
     def of(cls, fqn: str, param: nn.Parameter, owners: list[tuple[nn.Module, str]]) -> "ParamRef":
-        return cls(fqn, param.shape, param.stride(), param.requires_grad, owners, param)
+        # Why a meta Parameter and not ints: traced code reads whole-tensor shapes from it, and
+        # dynamo keeps Parameter sizes static, while ints or tensors on plain objects turned
+        # symbolic when per-block graphs recompiled for the next block (and the graph passes
+        # then met symbolic collective sizes).
+        like = nn.Parameter(torch.empty(param.shape, device="meta"), requires_grad=False)
+        return cls(fqn, like, tuple(param.stride()), param.requires_grad, owners, param)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.like.shape
 
     @property
     def numel(self) -> int:
-        return self.shape.numel()
+        return self.like.numel()
 
 
 class ShardState(enum.Enum):

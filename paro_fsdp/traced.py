@@ -47,7 +47,7 @@ def gather_whole(group: "ParoParamGroup") -> list[torch.Tensor]:
     """The group's whole tensors, gathered from P = I (one intra all-gather) or P = G (one
     global all-gather). One slice-and-copy per tensor: few, large ops keep compile time low."""
     layout, info, comm = group.p_layout, group.info, group.comm
-    shapes = [(ref.numel, ref.shape) for ref in group.refs]
+    shapes = [(ref.like.numel(), ref.like.shape) for ref in group.refs]  # static to dynamo (ParamRef.of)
     if group.strategy.p == Level.I:
         rows = comm.all_gather(group.p_flat, "intra").wait().view(info.m, layout.sum_i)
         return [_whole(rows[:, t.off_i : t.off_i + t.size_i], *s) for t, s in zip(layout.tensors, shapes)]

@@ -202,6 +202,7 @@ def estimate(
     seq_len: int = 16,
     full: bool = False,
     max_norm: float = 1.0,
+    accumulate_dtype: Optional[str] = "fp32",
 ) -> list[dict[str, Any]]:
     """Measure each strategy on a fake ``world``-rank mesh and put the spec's formulas beside it.
 
@@ -217,10 +218,11 @@ def estimate(
     args = flavor(model) if isinstance(model, str) else model
     if seq_len > args.max_seq_len:
         raise ValueError(f"seq_len {seq_len} exceeds the model's max_seq_len {args.max_seq_len}")
-    if dtype not in DTYPES or (reduce_dtype is not None and reduce_dtype not in DTYPES):
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r} / {reduce_dtype!r}")
+    if any(d is not None and d not in DTYPES for d in (dtype, reduce_dtype, accumulate_dtype)) or dtype is None:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r} / {reduce_dtype!r} / {accumulate_dtype!r}")
     names = [Strategy.parse(s).name for s in (strategies or ALL_STRATEGIES)]
-    mp = MixedPrecision(DTYPES[dtype], DTYPES[reduce_dtype] if reduce_dtype else None)
+    mp = MixedPrecision(DTYPES[dtype], DTYPES[reduce_dtype] if reduce_dtype else None,
+                        DTYPES[accumulate_dtype] if accumulate_dtype else None)
     pb = torch.empty((), dtype=mp.param_dtype).element_size()
     gb = torch.empty((), dtype=mp.grad_dtype).element_size()
     ab = torch.empty((), dtype=mp.acc_dtype).element_size()  # the G accumulator's bytes (memory)
