@@ -10,13 +10,25 @@ from test_strategies_4ranks import check_against_reference, check_ledger
 from workloads import reference
 
 WORLD = 8
-CASES = [(s, m, a) for m in (4, 2) for s in ALL_STRATEGIES for a in (1, 3)]
+# every strategy on both mesh shapes, A = 3 on 2x4 (m > g: a wrong rank order cannot hide) and
+# A = 1 on 4x2; the slow set runs the whole grid (both A on both shapes)
+CASES = [(s, 4, 3) for s in ALL_STRATEGIES] + [(s, 2, 1) for s in ALL_STRATEGIES]
+FULL_GRID = [(s, m, a) for m in (4, 2) for s in ALL_STRATEGIES for a in (1, 3)]
 PROFILED = [(s, 4, 2) for s in ("GGG", "IIG", "NIG", "IGG", "ING", "NNG")]  # 2x4: intra 4, inter 2
 
 
 @pytest.fixture(scope="module")
 def results():
     return run_world(WORLD, "cases:suite", {"train": CASES, "profile": PROFILED})[0]
+
+
+@pytest.mark.slow
+def test_full_grid_matches_reference_and_ledger(refs):
+    rest = [c for c in FULL_GRID if c not in CASES]
+    got = run_world(WORLD, "cases:suite", {"train": rest})[0]["train"]
+    for strategy, group, accum in rest:
+        check_against_reference(got[(strategy, group, accum)], refs[accum])
+        check_ledger(got[(strategy, group, accum)], strategy, WORLD, group, accum)
 
 
 @pytest.fixture(scope="module")
