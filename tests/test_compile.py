@@ -317,13 +317,14 @@ NUMERIC_CASES = (
     + [("NNG", 2, {"passes": ALL}, "tiny")]  # boundary: global RS (PaRO-CC); push: global AG
     + [("IIG", 2, {"passes": [], "boundary_in_graph": False}, "tiny"),  # no passes; the optimizer's boundary
        ("GGG", 1, {"passes": ALL, "scope": "blocks"}, "tiny"),
-       ("IIG", 2, {"passes": ALL, "ac": True}, "tiny"), ("GGG", 1, {"passes": ALL, "backend": "inductor"}, "tiny")]
+       ("IIG", 2, {"passes": ALL, "ac": True}, "tiny")]
 )
 # every strategy, all passes, accumulation with the boundary in the graph; AOTAutograd's graphs run
 # as they are (inductor's codegen would take about a minute per graph on two cores)
 NIGHTLY = [(s, 2, {"passes": ALL}, "tiny") for s in ALL_STRATEGIES] + [
     ("TWO_GROUPS", 2, {"passes": ALL}, "tiny"),  # two groups per block, bucketed
-    ("GGG", 1, {"passes": ALL, "options": {"chunk_bytes": 512, "max_chunks": 4}}, "odd")]  # uneven, chunked
+    ("GGG", 1, {"passes": ALL, "options": {"chunk_bytes": 512, "max_chunks": 4}}, "odd"),  # uneven, chunked
+    ("GGG", 1, {"passes": ALL, "backend": "inductor"}, "tiny")]  # inductor's codegen (make test: test_passes_run_inside_inductor)
 
 
 def _case_id(case) -> str:
@@ -386,6 +387,7 @@ def test_all_strategies_compiled(refs, case, nightly=[]):
     _check(nightly[0][_case_id(case)], refs[(case[1], case[3])], case)
 
 
+@pytest.mark.slow
 def test_inductor_overlap_scheduler_runs_on_cpu_with_our_estimates(mesh):
     """Inductor's own overlap scheduler asks the GPU driver for bandwidths; with
     passes.runtime's estimates (the advisor's cluster model) it plans on CPU too."""
