@@ -76,7 +76,8 @@ def paro_shard(
     Parameters are bucketed per block (each element of every ``nn.ModuleList`` by default, or
     ``blocks``; the root holds the rest) and per strategy inside a block. The model must hold
     the same initial values on every rank. It may be built on the CPU: parameters move to the
-    mesh's device shard by shard (the originals are freed), module buffers move whole. The root's parameters stay gathered from forward to
+    mesh's device shard by shard (the originals are freed), module buffers move whole. The
+    root's parameters stay gathered from forward to
     backward (as FSDP2 does for its root); blocks are freed after forward unless
     ``reshard_after_forward=False``.
 

@@ -131,7 +131,7 @@ class Pending:
         return _ops.wait_tensor(self.tensor) if self.issued else self.tensor
 
 
-def on_side_stream(streams: CommStreams | None, kind: str, keep: Any, issue: Callable[[], torch.Tensor]) -> Pending:
+def on_side_stream(streams: CommStreams, kind: str, keep: Any, issue: Callable[[], torch.Tensor]) -> Pending:
     """Issue a collective (``issue()`` returns its functional result) on the ``kind`` side
     stream and wait for it there; the consumer waits on the event (streams.py)."""
     with streams.issue(kind) as side:
