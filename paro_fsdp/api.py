@@ -77,9 +77,8 @@ def paro_shard(
     ``blocks``; the root holds the rest) and per strategy inside a block. The model must hold
     the same initial values on every rank. It may be built on the CPU: parameters move to the
     mesh's device shard by shard (the originals are freed), module buffers move whole. The
-    root's parameters stay gathered from forward to
-    backward (as FSDP2 does for its root); blocks are freed after forward unless
-    ``reshard_after_forward=False``.
+    root's parameters stay gathered from forward to backward (as FSDP2 does for its root);
+    blocks are freed after forward unless ``reshard_after_forward=False``.
 
     A model on the meta device is materialised one tensor at a time: ``param_init_fn(name,
     tensor)`` fills each whole fp32 tensor (identically on every rank), this rank keeps its
