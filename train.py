@@ -27,9 +27,10 @@ import torch.distributed as dist
 
 from paro_fsdp import ParoOptimizer, init_paro_mesh
 from paro_fsdp.mesh import device_type_for_backend, local_cuda_index
-from paro_fsdp.train.checkpoint import CheckpointManager, SchedulerState, TrainState
+from paro_fsdp.train.checkpoint import CheckpointError, CheckpointManager, SchedulerState, TrainState
 from paro_fsdp.train.config import ConfigError, JobConfig, grad_accum_steps, group_size, help_text, parse_args, validate
 from paro_fsdp.train.data import build_dataloader, describe
+from paro_fsdp.train.faults import NonFiniteGuard, TrainingStopped, collective_failure, nonfinite_masters, restart_store
 from paro_fsdp.train.lr import build_lr_scheduler
 from paro_fsdp.train.metrics import CommMeter, MetricsLogger, StepTimer, build_profiler, flops_per_token
 from paro_fsdp.train.parallelize import DTYPES, apply_compile, build_model, check_policy, model_args, parallelize
@@ -69,8 +70,11 @@ class Trainer:
             self.tokenizer = build_tokenizer(cfg.model.tokenizer)
         except (FileNotFoundError, RuntimeError) as exc:
             raise ConfigError(str(exc)) from None
-        self.data = build_dataloader(t.dataset, t.dataset_path, self.tokenizer, t.seq_len, t.local_batch_size,
-                                     dp_rank=self.rank, dp_world=self.world_size, grad_accum=self.grad_accum, seed=t.seed)
+        try:
+            self.data = build_dataloader(t.dataset, t.dataset_path, self.tokenizer, t.seq_len, t.local_batch_size,
+                                         dp_rank=self.rank, dp_world=self.world_size, grad_accum=self.grad_accum, seed=t.seed)
+        except (FileNotFoundError, ValueError) as exc:  # an empty folder, no documents, bad JSONL: one line
+            raise ConfigError(str(exc)) from None
         global_batch = t.local_batch_size * self.world_size * self.grad_accum
         self.tokens_per_step = global_batch * t.seq_len
 
@@ -105,6 +109,7 @@ class Trainer:
             os.path.join(cfg.job.dump_folder, c.folder), c.interval, c.keep_latest_k, c.enable,
             states={"optimizer": self.optimizer, "lr_scheduler": SchedulerState(self.lr_scheduler),
                     "dataloader": self.data, "train_state": self.state},
+            verify=c.verify,
         )
         self.resumed_from = self.checkpointer.load(c.load_step)
 
@@ -122,6 +127,7 @@ class Trainer:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         self.comm = CommMeter(self.model.comm_stats())
+        self.guard = NonFiniteGuard(t.on_nonfinite, t.max_consecutive_skips)
         self.losses: dict[int, float] = {}  # filled at log steps (the values are read once per log window)
         self._print_header(global_batch)
 
@@ -169,12 +175,15 @@ class Trainer:
                 os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             timeout = datetime.timedelta(seconds=self.cfg.comm.init_timeout_seconds)
+            kwargs: dict[str, Any] = {"timeout": timeout}
+            store = restart_store(timeout)  # under torchrun: a fresh key space per restart attempt
+            if store is not None:
+                kwargs.update(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
             if device_type_for_backend(backend) == "cuda":  # one GPU per process, named so NCCL need not guess
                 device = torch.device("cuda", local_cuda_index())
                 torch.cuda.set_device(device)
-                dist.init_process_group(backend, timeout=timeout, device_id=device)
-            else:
-                dist.init_process_group(backend, timeout=timeout)
+                kwargs["device_id"] = device
+            dist.init_process_group(backend, **kwargs)
         if device_type_for_backend(backend) == "cuda":
             torch.cuda.set_device(local_cuda_index())
             return torch.device("cuda", torch.cuda.current_device())
@@ -193,6 +202,9 @@ class Trainer:
         _log(f"batch {cfg.training.local_batch_size} per rank x {self.world_size} ranks x {self.grad_accum} accumulation = "
              f"{global_batch} sequences = {self.tokens_per_step:,} tokens per step")
         _log(f"data: {describe(self.data, cfg.training.dataset, cfg.training.dataset_path)}")
+        for name in self.checkpointer.removed:
+            _log(f"removed {self.checkpointer.folder}/{name}: a save or prune that did not finish (the run stopped "
+                 f"while writing it)")
         if self.resumed_from is not None:
             _log(f"resumed from {self.checkpointer.folder}/step-{self.resumed_from}")
         elif cfg.checkpoint.enable:
@@ -202,7 +214,8 @@ class Trainer:
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step: ``grad_accum`` micro-steps, clip, step. Returns (loss averaged
         over ranks and micro-steps, global grad norm before clipping) as 0-dim tensors on the
-        device: reading them waits for the GPU, which ``train`` does once per log window."""
+        device. A non-finite loss or norm skips the step or stops the run
+        (``training.on_nonfinite``); checking it is the step's one device-to-host read."""
         total = torch.zeros((), device=self.device)
         for micro in range(self.grad_accum):
             if self.cfg.compile.enable:  # the last backward's graphs also reduce to the OS level
@@ -215,11 +228,15 @@ class Trainer:
             loss.backward()
             total += loss.detach().float()
         max_norm = self.cfg.training.max_norm if self.cfg.training.max_norm > 0 else float("inf")
-        grad_norm = self.optimizer.clip_grad_norm_(max_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad()
+        grad_norm = self.optimizer.clip_grad_norm_(max_norm).detach()
         dist.all_reduce(total)
-        return total / self.world_size, grad_norm.detach()
+        loss = total / self.world_size
+        if self.guard.allows_step(self.state.step, loss, grad_norm, self.optimizer):  # global values: all ranks agree
+            self.optimizer.step()
+        else:
+            _log(self.guard.last)
+        self.optimizer.zero_grad()
+        return loss, grad_norm
 
     def _read_window(self, pending: list[tuple[int, torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
         """Losses and grad norms of the steps since the last read, copied to the host in one
@@ -265,6 +282,10 @@ class Trainer:
                     self._set_train_timeout()
                     self._log_compiled_schedule(step)
                 if self.checkpointer.should_save(step, steps):
+                    bad = nonfinite_masters(self.optimizer)
+                    if bad:  # never reachable by a skipped step; an overflow in the update itself
+                        raise TrainingStopped(f"step {step}: the fp32 master of {bad} is non-finite, so step-{step} is not "
+                                              f"saved; {self.checkpointer.latest_hint()}; lower optimizer.lr")
                     path = self.checkpointer.save(step)
                     _log(f"saved checkpoint {path}")
                 profiler.step()
@@ -315,11 +336,14 @@ class Trainer:
                  f"TensorBoard's torch-tb-profiler tab lists them but draws its charts only with internet access)")
         _log(f"metrics per logged step: {os.path.join(dump, 'metrics.jsonl')}")
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Flush the metrics; leave the process group (after a barrier, unless the run failed:
+        a peer may be gone, and a barrier would wait for it)."""
         self.metrics.close()
         if self.owns_process_group and dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
+            if not failed:
+                dist.barrier()
+                dist.destroy_process_group()
 
 
 # ---- --estimate: memory and communication without hardware --------------------------------------
@@ -379,7 +403,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     is_rank0 = os.environ.get("RANK", "0") == "0"
     had_process_group = dist.is_initialized()
-    trainer = None
+    trainer, failed = None, True
     try:
         cfg, cli = parse_args(argv)
         if cli.help:
@@ -393,16 +417,35 @@ def main(argv: Optional[list[str]] = None) -> int:
             return run_estimate(cfg, cli.world) if is_rank0 else 0
         trainer = Trainer(cfg)
         trainer.train()
+        failed = False
     except ConfigError as exc:
         if is_rank0:
             print(f"train.py: error: {exc}", file=sys.stderr, flush=True)
         if trainer is None and dist.is_initialized() and not had_process_group:
             dist.destroy_process_group()
         return 2
+    except (TrainingStopped, CheckpointError) as exc:  # the same decision on every rank: rank 0 says it
+        if is_rank0:
+            print(f"train.py: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except (RuntimeError, dist.DistError) as exc:
+        step = trainer.state.step if trainer is not None else 0
+        line = collective_failure(exc, int(os.environ.get("RANK", "0")), step, _timeout_of(trainer))
+        if line is None:
+            raise
+        print(f"train.py: error: {line}", file=sys.stderr, flush=True)  # every rank: the survivors say who saw what
+        return 1
     finally:
         if trainer is not None:
-            trainer.close()
+            trainer.close(failed=failed)
     return 0
+
+
+def _timeout_of(trainer: Optional[Trainer]) -> float:
+    if trainer is None:
+        return 0.0
+    c = trainer.cfg.comm
+    return c.train_timeout_seconds if trainer.state.step > (trainer.resumed_from or 0) + 1 else c.init_timeout_seconds
 
 
 if __name__ == "__main__":

@@ -14,7 +14,12 @@ loads under GGG on 2 ranks, and back.
 
 Why atomic: DCP writes into ``step-<N>.tmp`` and rank 0 renames it to ``step-<N>`` only after
 every rank finished writing, so a crash mid-save leaves a ``.tmp`` folder that is never loaded
-(and is removed at the next start), never a checkpoint that loads wrongly.
+(and is removed at the next start), never a checkpoint that loads wrongly. A pruned checkpoint
+is renamed to ``.tmp`` before it is deleted, for the same reason.
+
+Why verified: each save also writes a manifest of file sizes and CRC32s, checked before a
+load, and the checkpoint's shapes are compared with this model's (checkpoint_files.py), so a
+damaged file or another model's checkpoint stops the run with one line, never loads partly.
 """
 from __future__ import annotations
 
@@ -27,6 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.optim.lr_scheduler import LambdaLR
+
+from .checkpoint_files import CheckpointError, SafeLoadPlanner, SafeReader, first_line, shape_problem, verify, write_manifest
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -86,15 +93,18 @@ class CheckpointManager:
     """Saves every ``interval`` steps (and after the last step), prunes to ``keep_latest_k``,
     and resumes from the latest complete checkpoint."""
 
-    def __init__(self, folder: str, interval: int, keep_latest_k: int, enabled: bool, states: dict[str, Any]) -> None:
+    def __init__(self, folder: str, interval: int, keep_latest_k: int, enabled: bool, states: dict[str, Any],
+                 verify: bool = True) -> None:
         self.folder, self.interval, self.keep_latest_k, self.enabled = folder, interval, keep_latest_k, enabled
-        self.states = states
+        self.states, self.verify = states, verify
         self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.removed: list[str] = []  # leftovers of a save (or prune) that crashed, removed here
         if self.enabled and self.rank == 0:
             os.makedirs(self.folder, exist_ok=True)
-            for name in os.listdir(self.folder):  # leftovers of a save that crashed
+            for name in sorted(os.listdir(self.folder)):
                 if name.endswith(".tmp"):
                     shutil.rmtree(os.path.join(self.folder, name), ignore_errors=True)
+                    self.removed.append(name)
         self._barrier()
 
     def _barrier(self) -> None:
@@ -116,8 +126,28 @@ class CheckpointManager:
                 f"checkpoint.load_step = {step}: no complete checkpoint of that step in {self.folder}; "
                 f"valid: -1 or one of {sorted(found)}"
             )
-        dcp.load(self.states, checkpoint_id=found[step])
+        path = found[step]
+        others = [s for s in found if s != step]
+        fix = (f"load an earlier one with --checkpoint.load_step {max(others)} (complete: {others}), or move {path} away"
+               if others else f"move {path} away to start from step 0")
+        problem = verify(path) if self.verify else None
+        if problem:
+            raise CheckpointError(f"checkpoint {path} is damaged: {problem}; {fix}")
+        reader = SafeReader(path)
+        problem = shape_problem(reader.read_metadata(), self.states)
+        if problem:
+            raise CheckpointError(f"checkpoint {path} does not fit this model: {problem}; {fix}")
+        try:
+            dcp.load(self.states, storage_reader=reader, planner=SafeLoadPlanner())
+        except CheckpointError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - DCP wraps every rank's failure; name the folder
+            raise CheckpointError(f"checkpoint {path} failed to load: {first_line(exc)}; {fix}") from None
         return step
+
+    def latest_hint(self) -> str:
+        found = list_checkpoints(self.folder) if self.enabled else {}
+        return f"the latest complete checkpoint is {found[max(found)]}" if found else "there is no complete checkpoint yet"
 
     def should_save(self, step: int, last_step: int) -> bool:
         return self.enabled and (step % self.interval == 0 or step == last_step)
@@ -126,19 +156,30 @@ class CheckpointManager:
         """Write ``step-<step>`` atomically, then prune. Every rank must call it."""
         final = os.path.join(self.folder, f"step-{step}")
         tmp = final + ".tmp"
-        if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-        self._barrier()
-        dcp.save(self.states, checkpoint_id=tmp)
-        self._barrier()  # every rank's shards are on disk; rank 0 already wrote .metadata
+        hint = self.latest_hint()
+        try:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+                os.makedirs(tmp)
+            self._barrier()
+            dcp.save(self.states, checkpoint_id=tmp)  # raises on every rank if any rank's write failed
+            write_manifest(tmp, step)
+        except (OSError, RuntimeError) as exc:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(f"saving checkpoint step-{step} in {self.folder} failed: {first_line(exc)}; {hint} "
+                                  f"and stays loadable; free space there or set job.dump_folder to a larger disk") from None
+        self._barrier()  # every rank's shards are on disk; rank 0 already wrote .metadata and the manifest
         if self.rank == 0:
             if os.path.exists(final):
                 shutil.rmtree(final)
             os.rename(tmp, final)
             if self.keep_latest_k > 0:
                 steps = sorted(list_checkpoints(self.folder))
-                for old in steps[: -self.keep_latest_k]:
-                    shutil.rmtree(os.path.join(self.folder, f"step-{old}"), ignore_errors=True)
+                for old in steps[: -self.keep_latest_k]:  # renamed first: a half-deleted folder is never "complete"
+                    doomed = os.path.join(self.folder, f"step-{old}.tmp")
+                    os.rename(os.path.join(self.folder, f"step-{old}"), doomed)
+                    shutil.rmtree(doomed, ignore_errors=True)
         self._barrier()
         return final
+

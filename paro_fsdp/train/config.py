@@ -113,6 +113,10 @@ class Training:
     mixed_precision_accumulate: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the gradient accumulator G summed over micro-steps (bfloat16 halves G memory but
     rounds away part of late micro-steps' gradients)"""
+    on_nonfinite: Literal["skip", "stop"] = "skip"
+    """A NaN or inf loss or gradient norm: skip that optimizer step (log it, keep the weights) or stop the run"""
+    max_consecutive_skips: int = 5
+    """Stop after this many non-finite steps in a row (on_nonfinite = "skip"); 0: never stop"""
 
 
 @dataclass
@@ -185,6 +189,8 @@ class Checkpoint:
     """Keep the newest k checkpoints; 0 keeps all"""
     load_step: int = -1
     """Resume from this step's checkpoint; -1: the latest complete one (if any)"""
+    verify: bool = True
+    """Check every file of a checkpoint against the sizes and CRC32 checksums written with it before loading"""
 
 
 @dataclass
@@ -489,6 +495,7 @@ def validate(cfg: JobConfig, world_size: Optional[int], local_world_size: Option
     positive("optimizer.eps", cfg.optimizer.eps)
     positive("optimizer.weight_decay", cfg.optimizer.weight_decay, allow_zero=True)
     positive("lr_scheduler.warmup_steps", cfg.lr_scheduler.warmup_steps, allow_zero=True)
+    positive("training.max_consecutive_skips", t.max_consecutive_skips, allow_zero=True)
     if not 0.0 <= cfg.lr_scheduler.min_lr_factor <= 1.0:
         raise ConfigError(f"lr_scheduler.min_lr_factor = {cfg.lr_scheduler.min_lr_factor} is out of range; valid: a number in [0, 1]")
     if cfg.lr_scheduler.decay_ratio is not None and not 0.0 <= cfg.lr_scheduler.decay_ratio <= 1.0:

@@ -33,7 +33,8 @@ def _files(path: str, suffixes: tuple[str, ...]) -> list[Path]:
     if p.is_dir():
         files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in suffixes)
         if not files:
-            raise FileNotFoundError(f"training.dataset_path = {path!r} holds no {'/'.join(suffixes)} files")
+            raise FileNotFoundError(f"training.dataset_path = {path!r} holds no {'/'.join(suffixes)} files; "
+                                    f"valid: such a file, or a folder that holds some")
         return files
     raise FileNotFoundError(f"training.dataset_path = {path!r} does not exist")
 
@@ -72,7 +73,7 @@ def load_documents(dataset: str, path: Optional[str] = None) -> list[str]:
                     docs.append(record["text"])
     docs = [d for d in docs if d.strip()]
     if not docs:
-        raise ValueError(f"training.dataset = {dataset!r} ({path}) has no non-empty documents")
+        raise ValueError(f"training.dataset = {dataset!r} ({path}) has no non-empty documents; valid: a dataset_path with text")
     return docs
 
 
@@ -96,7 +97,8 @@ def pack_windows(tokens: np.ndarray, seq_len: int) -> np.ndarray:
     width = seq_len + 1
     n = len(tokens) // width
     if n == 0:
-        raise ValueError(f"the dataset has {len(tokens)} tokens, fewer than one window of seq_len + 1 = {width}")
+        raise ValueError(f"the dataset has {len(tokens)} tokens, fewer than one window of training.seq_len + 1 = {width}; "
+                         f"valid: a smaller training.seq_len, or more text")
     return tokens[: n * width].reshape(n, width)
 
 

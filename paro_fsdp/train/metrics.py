@@ -45,6 +45,17 @@ def peak_host_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def host_now() -> dict[str, float]:
+    """Resident memory and open file descriptors of this process now: a long run's leak shows
+    as a slope in either (Linux /proc; empty elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            rss_pages = int(f.read().split()[1])
+        return {"host/rss_MiB": rss_pages * os.sysconf("SC_PAGE_SIZE") / MiB, "host/open_files": len(os.listdir("/proc/self/fd"))}
+    except (OSError, ValueError):
+        return {}
+
+
 @dataclass
 class CommSnapshot:
     intra: float = 0.0
@@ -219,6 +230,7 @@ class MetricsLogger:
             "comm/global_MiB_per_step": comm.global_ / MiB,
             "comm/collectives_per_step": comm.count,
         }
+        scalars.update(host_now())
         if mfu is not None:
             scalars["throughput/mfu_pct"] = mfu
         if cuda is not None:
