@@ -1,11 +1,13 @@
 """``paro_shard``: turn a model into a PaRO data-parallel model on a 2D mesh."""
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional
+from collections import OrderedDict
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from .comm import CommStats, MeshComm
 from .mesh import MeshInfo, mesh_device
@@ -54,12 +56,98 @@ class ParoModule:
             if is_last and g.trainable and g.grad_acc is None:  # one graph whatever the step
                 g.grad_acc = g.t_layout.new(g.strategy.g, g.mp.acc_dtype, g.device).zero_()
 
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide the gradient summed over ranks (and micro-steps) by ``factor`` instead of the
+        world size before the optimizer sees it, as FSDP2's ``set_gradient_divide_factor``.
+        ``1.0`` keeps the plain sum, which trainers that already divide the loss by the global
+        token count want (torchtitan does). Unlike FSDP2's it applies to the whole model: one
+        model has one gradient scale."""
+        if not factor > 0:
+            raise ValueError(f"set_gradient_divide_factor: factor must be > 0, got {factor}")
+        for g in self._paro_state.groups:
+            g.grad_divide_factor = float(factor)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict``, then the fp32 masters of every loaded parameter take
+        the loaded values. Without that a model-only load (initial weights, a seed checkpoint,
+        torchtitan's ``initial_load_path``) would be undone by the next optimizer step, which
+        pushes the old masters back to P. Values may be DTensors (``model.state_dict()``, DCP)
+        or whole plain tensors (an unsharded checkpoint; their masters are then exact in fp32,
+        DTensor values give P's precision). The optimizer's moments are left as they are:
+        load the optimizer's own state for a full resume (it overwrites the masters again)."""
+        if assign:
+            raise ValueError("paro_shard models load in place: assign=True would replace the sharded DTensor parameters")
+        metadata = getattr(state_dict, "_metadata", None)
+        sd = OrderedDict(state_dict)
+        if metadata is not None:
+            sd._metadata = metadata
+        index = _param_index(self)
+        full: dict[str, torch.Tensor] = {}
+        for key, value in state_dict.items():
+            if key in index and torch.is_tensor(value) and not isinstance(value, DTensor):
+                group, i = index[key]
+                if value.shape == group.refs[i].shape:  # else nn.Module reports the mismatch
+                    full[group.refs[i].fqn] = value
+                    sd[key] = _as_p_level(group, i, value)
+        result = super().load_state_dict(sd, strict=strict)
+        loaded = {index[key][0].refs[index[key][1]].fqn for key in sd if key in index}
+        for g in self._paro_state.groups:
+            g.reload_master(loaded, full)
+        return result
+
     def paro_strategies(self) -> dict[str, Strategy]:
         return {ref.fqn: g.strategy for g in self._paro_state.groups for ref in g.refs}
 
 
+# wrappers whose names torch's state-dict helpers drop from parameter names (activation
+# checkpointing, torch.compile, FSDP1)
+_WRAPPER_NAMES = {"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"}
+
+
+def _clean_fqn(fqn: str) -> str:
+    return ".".join(part for part in fqn.split(".") if part not in _WRAPPER_NAMES)
+
+
+def _param_index(model: nn.Module) -> dict[str, tuple[ParoParamGroup, int]]:
+    """Parameter name -> (group, index in ``group.refs``), under the module's own name and
+    the name with wrapper modules dropped (what ``model.state_dict()`` of a checkpoint-wrapped
+    model produces)."""
+    index = {}
+    for g in model._paro_state.groups:
+        for i, ref in enumerate(g.refs):
+            index[ref.fqn] = index[_clean_fqn(ref.fqn)] = (g, i)
+    return index
+
+
+def _as_p_level(group: ParoParamGroup, i: int, whole: torch.Tensor) -> DTensor:
+    """A whole tensor as a DTensor like the sharded parameter (this rank's shard of it), so
+    nn.Module's in-place copy into the DTensor parameter works."""
+    param = group.sharded_params[i]
+    local = group.p_layout.tensors[i].local_slice(whole.detach().to(group.device), group.strategy.p, group.info.k)
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                              stride=param.stride())
+
+
+def _blocks_of(modules: Iterable[nn.Module]) -> list[nn.Module]:
+    """Blocks from ``blocks=``: containers (``nn.ModuleList``, ``nn.ModuleDict``, e.g.
+    torchtitan's ``model.layers``) stand for their elements."""
+    out: list[nn.Module] = []
+    for m in modules:
+        if isinstance(m, nn.ModuleList):
+            out += _blocks_of(m)
+        elif isinstance(m, nn.ModuleDict):
+            out += _blocks_of(m.values())
+        elif isinstance(m, nn.Module):
+            out.append(m)
+        else:
+            raise TypeError(f"blocks= takes modules (or ModuleList / ModuleDict of them), got {type(m).__name__}")
+    return out
+
+
 def _default_blocks(model: nn.Module) -> list[nn.Module]:
-    return [child for module in model.modules() if isinstance(module, nn.ModuleList) for child in module]
+    """Each element of every ``nn.ModuleList`` and each value of every ``nn.ModuleDict``."""
+    return [child for module in model.modules() if isinstance(module, (nn.ModuleList, nn.ModuleDict))
+            for child in module.children()]
 
 
 def paro_shard(
@@ -73,8 +161,9 @@ def paro_shard(
 ) -> nn.Module:
     """Shard ``model`` in place with a PaRO ``policy`` and return it.
 
-    Parameters are bucketed per block (each element of every ``nn.ModuleList`` by default, or
-    ``blocks``; the root holds the rest) and per strategy inside a block. The model must hold
+    Parameters are bucketed per block (each element of every ``nn.ModuleList`` and value of
+    every ``nn.ModuleDict`` by default, or ``blocks``: modules, or containers standing for their
+    elements; the root holds the rest) and per strategy inside a block. The model must hold
     the same initial values on every rank. It may be built on the CPU: parameters move to the
     mesh's device shard by shard (the originals are freed), module buffers move whole. The
     root's parameters stay gathered from forward to backward (as FSDP2 does for its root);
@@ -101,9 +190,11 @@ def paro_shard(
     named = list(model.named_parameters())
     strategies = resolve_policy(policy, named)
 
-    block_modules = list(blocks) if blocks is not None else _default_blocks(model)
+    block_modules = _blocks_of(blocks) if blocks is not None else _default_blocks(model)
     if any(b is model for b in block_modules):
         raise ValueError("blocks= must not contain the model itself; the root is always a block")
+    if len({id(b) for b in block_modules}) != len(block_modules):
+        raise ValueError("blocks= names a module twice")
     block_of: dict[nn.Parameter, nn.Module] = {}
     for b in block_modules:  # later (inner) blocks override earlier (outer) ones
         for p in b.parameters():

@@ -181,6 +181,10 @@ class ParoParamGroup:
         self.last_backward = False
         self.sink: torch.Tensor | None = None  # gradient leaves of the traced path (traced.make_sinks)
         self.os_sink: torch.Tensor | None = None
+        # what the summed gradient is divided by at the boundary: None = the world size (a mean
+        # over data-parallel ranks); 1.0 = the plain sum, for trainers whose loss is already
+        # normalised globally (ParoModule.set_gradient_divide_factor, as FSDP2's)
+        self.grad_divide_factor: float | None = None
 
     # ---- parameters: shard <-> whole -----------------------------------------------------
     def issue_unshard(self) -> None:
@@ -309,9 +313,10 @@ class ParoParamGroup:
             yield pending
 
     def set_master_grads(self, reduced: torch.Tensor) -> None:
-        """``reduced`` (from ``reduce_to_os``) / n becomes the fp32 masters' ``.grad``."""
+        """``reduced`` (from ``reduce_to_os``) / n (or / ``grad_divide_factor``) becomes the
+        fp32 masters' ``.grad``."""
         layout, OS, dt = self.t_layout, self.strategy.os, self.mp.grad_dtype
-        scale = 1.0 / self.info.n
+        scale = 1.0 / (self.info.n if self.grad_divide_factor is None else self.grad_divide_factor)
         if OS == Level.N:
             for master, t in zip(self.master, layout.tensors):
                 tmp = torch.empty(self.info.m * t.size_i, dtype=dt, device=self.device)
@@ -369,6 +374,30 @@ class ParoParamGroup:
                 tmp = torch.empty(self.info.m * t.size_i, dtype=dt, device=self.device)
                 layout.copy_out(out[0], t, tmp)
                 local.copy_(tmp[: local.numel()].view(local.shape))
+
+    @torch.no_grad()
+    def reload_master(self, fqns: set[str], full: dict[str, torch.Tensor]) -> None:
+        """After the parameters were loaded (a model-only ``load_state_dict``), make the fp32
+        masters of the tensors named in ``fqns`` hold the loaded values: the optimizer updates
+        the masters and pushes them to P, so a master left as it was would undo the load at the
+        next step. ``full`` gives whole fp32 values where the caller had them (exact masters);
+        the others are gathered from P (exact in fp32, P's precision in a lower param dtype)."""
+        todo = [(i, r) for i, r in enumerate(self.trainable) if r.fqn in fqns]
+        if not todo:
+            return
+        gather = self.strategy.p != Level.N and any(r.fqn not in full for _, r in todo)
+        was = self.state
+        if gather:
+            self.reshard()  # whole tensors gathered before the load would be stale
+            self.unshard()
+        for i, ref in todo:
+            whole = full.get(ref.fqn)
+            if whole is None:
+                whole = self.full_params[i]
+            whole = whole.detach().to(device=self.device, dtype=torch.float32)
+            self.master[i].copy_(self.t_layout.tensors[i].local_slice(whole, self.strategy.os, self.info.k))
+        if gather and was == ShardState.SHARDED:
+            self.reshard()
 
     def zero_grad(self) -> None:
         if self.grad_acc is not None:
