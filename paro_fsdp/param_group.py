@@ -381,7 +381,8 @@ class ParoParamGroup:
         masters of the tensors named in ``fqns`` hold the loaded values: the optimizer updates
         the masters and pushes them to P, so a master left as it was would undo the load at the
         next step. ``full`` gives whole fp32 values where the caller had them (exact masters);
-        the others are gathered from P (exact in fp32, P's precision in a lower param dtype)."""
+        the others are gathered from P (exact in fp32, P's precision in a lower param dtype,
+        where a master that already rounds to the loaded value is kept)."""
         todo = [(i, r) for i, r in enumerate(self.trainable) if r.fqn in fqns]
         if not todo:
             return
@@ -391,11 +392,17 @@ class ParoParamGroup:
             self.reshard()  # whole tensors gathered before the load would be stale
             self.unshard()
         for i, ref in todo:
-            whole = full.get(ref.fqn)
-            if whole is None:
-                whole = self.full_params[i]
-            whole = whole.detach().to(device=self.device, dtype=torch.float32)
-            self.master[i].copy_(self.t_layout.tensors[i].local_slice(whole, self.strategy.os, self.info.k))
+            t, master = self.t_layout.tensors[i], self.master[i]
+            if ref.fqn in full:
+                whole = full[ref.fqn].detach().to(device=self.device, dtype=torch.float32)
+                master.copy_(t.local_slice(whole, self.strategy.os, self.info.k))
+                continue
+            loaded = t.local_slice(self.full_params[i].detach(), self.strategy.os, self.info.k)
+            # an element whose master already rounds to the loaded P value keeps its fp32 master:
+            # a full resume that loaded the optimizer's masters before the model (torchtitan's
+            # order) stays exact in a bf16 run; any changed element takes the loaded value
+            same = master.detach().to(loaded.dtype) == loaded
+            master.copy_(torch.where(same, master.detach(), loaded.to(torch.float32)))
         if gather and was == ShardState.SHARDED:
             self.reshard()
 
