@@ -1,0 +1,1 @@
+"""Plug-ins that run the PaRO engine inside other trainers (each an optional extra)."""

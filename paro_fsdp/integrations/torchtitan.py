@@ -1,0 +1,356 @@
+"""PaRO inside torchtitan 0.3's own ``Trainer``: one flag away from FSDP2.
+
+    python -m torchtitan.train --module paro_fsdp.integrations.torchtitan \\
+        --config llama3_8b_paro --paro.strategy IIG --paro.group_size 8
+
+What torchtitan keeps: its model, data, loss, LR schedule, metrics, checkpointer and training
+loop. What changes, and why:
+- ``parallelize_paro`` replaces ``parallelize_llama``: torchtitan's own activation
+  checkpointing and per-block compile, then ``paro_shard`` instead of ``fully_shard``. Blocks are
+  the values of ``model.layers`` (a ModuleDict), unwrapped from torchtitan's checkpoint
+  wrapper: the engine's hooks must run inside the checkpointed call, so the recomputation
+  re-gathers what the forward gathered. Gradients are summed over ranks (divide factor 1.0),
+  as torchtitan's FSDP2 setup does: its loss already divides by the global token count.
+- Parameters are materialised inside ``paro_shard`` one tensor at a time with torchtitan's own
+  per-parameter initialisers (``param_init``), each seeded from (seed, name), so every rank
+  draws the same values and no rank holds the whole model; the trainer's ``to_empty`` /
+  ``init_weights`` that follow then only touch buffers.
+- ``ParoOptimizersContainer`` runs ``ParoOptimizer`` (the fp32 masters live at the OS level,
+  not in the parameters): torchtitan's ``clip_grad_norm_`` sees no ``.grad`` (norm 0, no
+  clipping), so the container clips by the global norm at ``step()`` and the trainer logs
+  that norm. Its state dict is torchtitan's flat ``state.{fqn}.{name}`` format with DTensor
+  values, so checkpoints interchange with FSDP2 runs (weights come from the model's state
+  dict; loading them refreshes the masters, see ``ParoModule.load_state_dict``).
+- ``ParoTrainer`` tells the model which micro-batch is the last (``set_is_last_backward``), and
+  computes torchtitan's chunked loss unchunked: the chunks call ``lm_head`` outside the model's
+  forward, where its sharded weight is not gathered.
+
+Not supported (a clear error at start-up): tensor, pipeline, context and expert parallelism,
+HSDP replicate degrees (PaRO's group size replaces them), and optimizer param groups by regex
+(one catch-all group; per-tensor *strategies* go in ``paro.policy``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from torchtitan.components.checkpointer.utils import canonical_fqn
+from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.config import TORCH_DTYPE_MAP
+from torchtitan.trainer import Trainer
+
+from paro_fsdp import MixedPrecision, ParoOptimizer, init_paro_mesh, paro_shard
+
+__all__ = ["ParoConfig", "ParoOptimizersContainer", "ParoTrainer", "parallelize_paro",
+           "llama3_debug_paro", "llama3_8b_paro", "llama3_70b_paro", "to_paro"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(kw_only=True, slots=True)
+class ParoConfig:
+    """The ``[paro]`` section (CLI ``--paro.<key>``)."""
+
+    enable: bool = True
+    """False: torchtitan's own FSDP2 path, everything else alike (the one flag)."""
+    strategy: str = "IIG"
+    """Three letters P G OS from N / I / G (README "Strategies")."""
+    group_size: int = 8
+    """Ranks per group, usually the GPUs of one node; must divide the world size."""
+    policy: dict[str, str] = field(default_factory=dict)
+    """Per-tensor strategies: fnmatch pattern over parameter names -> strategy (first match
+    wins, ``strategy`` for the rest)."""
+    reshard_after_forward: bool = True
+    """Free gathered blocks after forward (re-gather in backward)."""
+    accumulate_dtype: str = "float32"
+    """dtype of the gradient accumulator over micro-batches (float32 | bfloat16)."""
+    seed: int = 0
+    """Parameter init: each tensor's values depend only on (seed, name)."""
+
+
+# ---- the model ------------------------------------------------------------------------------
+class _TitanParoModel:
+    """Mixed into the sharded model's class: torchtitan calls ``to_empty`` and ``init_weights``
+    after its parallelize function. The parameters were materialised inside ``paro_shard``,
+    and re-allocating or re-drawing them would detach them from the engine's storage (and
+    leave the fp32 masters stale), so only buffers are allocated and initialised."""
+
+    def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> nn.Module:
+        for module in self.modules():
+            for name, buf in module._buffers.items():
+                if buf is not None and buf.is_meta:
+                    module._buffers[name] = torch.empty_like(buf, device=device)
+        return self
+
+    def init_weights(self, buffer_device: torch.device | None = None, **_: Any) -> None:
+        from torchtitan.protocols.module import Module
+
+        for module in self.modules():
+            if isinstance(module, Module):
+                module._init_self_buffers(buffer_device=buffer_device)
+
+
+def _param_init_fn(model: nn.Module, seed: int) -> Callable[[str, torch.Tensor], None]:
+    """``paro_shard``'s ``param_init_fn`` from torchtitan's per-parameter initialisers: the
+    owning module's ``param_init`` entry (or its ``reset_parameters`` on a stand-in holding
+    only this tensor), under a generator seeded from (seed, canonical name)."""
+    modules = dict(model.named_modules())
+
+    def init(fqn: str, tensor: torch.Tensor) -> None:
+        owner_name, _, attr = fqn.rpartition(".")
+        owner = modules[owner_name]
+        devices = [tensor.device] if tensor.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            torch.manual_seed(seed * 1_000_003 + zlib.crc32(canonical_fqn(fqn).encode()))
+            table = getattr(owner, "_param_init", None)
+            if table is not None:
+                table[attr](tensor)
+            elif callable(getattr(owner, "reset_parameters", None)):
+                stand_in = nn.Module.__new__(type(owner))
+                stand_in.__dict__ = dict(owner.__dict__)
+                stand_in._parameters = {k: (nn.Parameter(tensor, requires_grad=False) if k == attr else
+                                            nn.Parameter(torch.empty_like(v, device="meta"), requires_grad=False))
+                                        for k, v in owner._parameters.items()}
+                stand_in.reset_parameters()
+            else:
+                raise ValueError(f"no initialiser for {fqn}: {type(owner).__name__} has neither param_init "
+                                 f"nor reset_parameters")
+
+    return init
+
+
+def _unwrap(block: nn.Module) -> nn.Module:
+    """The module inside torchtitan's activation-checkpoint wrapper: the engine's hooks go on
+    it, so they run (again) inside the recomputation."""
+    return getattr(block, "_checkpoint_wrapped_module", block)
+
+
+def parallelize_paro(model: nn.Module, *, parallel_dims: Any, training: Any, parallelism: Any,
+                     compile_config: Any, ac_config: Any, dump_folder: str, paro: ParoConfig) -> nn.Module:
+    """torchtitan's ``parallelize_fn`` contract (``ModelSpec.parallelize_fn``) with PaRO in
+    place of FSDP2: activation checkpointing, per-block compile, then ``paro_shard``."""
+    from torchtitan.distributed.compile import apply_compile
+
+    check_supported(parallelism)
+    if ac_config is not None:
+        ac_config.build(dump_folder=dump_folder).apply(model)
+    if compile_config.enable and "model" in compile_config.components:
+        apply_compile(model, compile_config=compile_config, parallel_dims=parallel_dims)
+    mesh = init_paro_mesh(paro.group_size)
+    mp = MixedPrecision(param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
+                        reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
+                        accumulate_dtype=DTYPES[paro.accumulate_dtype])
+    policy: Any = paro.strategy
+    if paro.policy:
+        policy = {**paro.policy, "default": paro.strategy}
+    blocks = [_unwrap(b) for b in model.get_submodule("layers").values()]
+    model = paro_shard(model, mesh, policy, mp=mp, blocks=blocks, reshard_after_forward=paro.reshard_after_forward,
+                       param_init_fn=_param_init_fn(model, paro.seed))
+    model.set_gradient_divide_factor(1.0)  # torchtitan's loss is already divided by the global token count
+    cls = model.__class__
+    model.__class__ = type(cls.__name__, (_TitanParoModel, cls), {})
+    return model
+
+
+def check_supported(parallelism: Any) -> None:
+    """PaRO is the data parallelism; nothing else is combined with it yet."""
+    for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree",
+                "expert_parallel_degree", "data_parallel_replicate_degree"):
+        if getattr(parallelism, key, 1) not in (1, -1):
+            hint = " (PaRO's groups replace HSDP: set --paro.group_size)" if "replicate" in key else ""
+            raise ValueError(f"parallelism.{key} = {getattr(parallelism, key)}: not supported with PaRO{hint}; "
+                             f"set it to 1 or run FSDP2 with --paro.enable false")
+
+
+# ---- the optimizer --------------------------------------------------------------------------
+class ParoOptimizersContainer(OptimizersContainer):
+    """torchtitan's optimizers container around one ``ParoOptimizer``. ``optimizers`` holds
+    the inner torch optimizer (over the fp32 master shards), which torchtitan's LR schedulers
+    wrap; ``step()`` finishes the gradient reduction, clips by the global norm (kept in
+    ``grad_norm`` for the log) and updates. A model that is not PaRO-sharded (``paro.enable =
+    false``) gets torchtitan's own container unchanged."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(OptimizersContainer.Config):
+        max_norm: float = 1.0
+        """Clipping norm; ``ParoTrainer`` copies ``training.max_norm`` here."""
+
+    def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
+        self.paro: ParoOptimizer | None = None
+        self.grad_norm = torch.zeros(())
+        if not any(hasattr(m, "_paro_state") for m in model_parts):
+            OptimizersContainer.__init__(self, config, model_parts=model_parts)
+            return
+        if len(model_parts) != 1:
+            raise ValueError("PaRO runs one model part (no pipeline parallelism)")
+        groups = config.param_groups
+        if len(groups) != 1 or groups[0].pattern not in (".*", r".*", "", "^.*$"):
+            raise ValueError(
+                f"optimizer.param_groups: {len(groups)} group(s) ({[g.pattern for g in groups]}); PaRO takes one "
+                f"catch-all group (pattern '.*'). Regex param groups are not supported with PaRO: put per-tensor "
+                f"strategies in paro.policy, or run FSDP2 with --paro.enable false")
+        group = groups[0]
+        factory = self._resolve_optimizer_factory(group.optimizer_name)
+        if factory not in (torch.optim.Adam, torch.optim.AdamW):
+            raise ValueError(f"optimizer {group.optimizer_name!r} is not supported with PaRO (Adam, AdamW)")
+        kwargs = {**self._build_impl_kwargs(config), **group.optimizer_kwargs}
+        self.model_parts = model_parts
+        self.max_norm = float(config.max_norm)
+        self.paro = ParoOptimizer(model_parts[0], factory, **kwargs)
+        self.optimizers = [self.paro.inner]
+        Optimizer.__init__(self, list(self.paro.fqn_of), {})
+
+    def step(self, closure: Callable[[], float] | None = None) -> None:
+        if self.paro is None:
+            return OptimizersContainer.step(self, closure)
+        assert closure is None, "OptimizersContainer does not support closures"
+        self.grad_norm = self.paro.clip_grad_norm_(self.max_norm)
+        self.paro.step()
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.paro is None:
+            return OptimizersContainer.zero_grad(self, set_to_none)
+        self.paro.zero_grad(set_to_none)
+
+    def _names(self) -> list[tuple[str, torch.Tensor]]:
+        return [(canonical_fqn(self.paro.fqn_of[m]), m) for pg in self.paro.inner.param_groups for m in pg["params"]]
+
+    def state_dict(self) -> dict[str, Any]:
+        """torchtitan's flat format (``state.{fqn}.{name}``, ``param_groups.{fqn}.{key}``), the
+        per-parameter states as DTensors at the OS level, so DCP reshards them to any mesh and
+        any strategy, FSDP2's included."""
+        if self.paro is None:
+            return OptimizersContainer.state_dict(self)
+        p = self.paro
+        p._ensure_state()
+        layout_of = {id(m): (g, t) for g in p.groups for t, m in zip(g.t_layout.tensors, g.master)}
+        flat: dict[str, Any] = {}
+        for fqn, m in self._names():
+            g, t = layout_of[id(m)]
+            for key, value in p.inner.state[m].items():
+                if torch.is_tensor(value) and value.dim() and value.shape == m.shape:
+                    value = p._dtensor(g, t, value)
+                flat[f"state.{fqn}.{key}"] = value
+        for pg in p.inner.param_groups:
+            for m in pg["params"]:
+                fqn = canonical_fqn(p.fqn_of[m])
+                for key, value in pg.items():
+                    if key not in ("params", "param_names"):
+                        flat[f"param_groups.{fqn}.{key}"] = value
+        return flat
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.paro is None:
+            return OptimizersContainer.load_state_dict(self, state_dict)
+        p = self.paro
+        p._ensure_state()
+        for fqn, m in self._names():
+            state = p.inner.state[m]
+            for key in list(state):
+                value = state_dict.get(f"state.{fqn}.{key}")
+                if value is None:
+                    continue
+                value = value.to_local() if isinstance(value, DTensor) else value
+                if torch.is_tensor(state[key]):
+                    if state[key].data_ptr() != value.data_ptr():
+                        state[key].copy_(value)
+                else:
+                    state[key] = value
+        for pg in p.inner.param_groups:
+            fqn = canonical_fqn(p.fqn_of[pg["params"][0]])
+            for key in list(pg):
+                if key not in ("params", "param_names") and f"param_groups.{fqn}.{key}" in state_dict:
+                    pg[key] = state_dict[f"param_groups.{fqn}.{key}"]
+
+
+# ---- the trainer ----------------------------------------------------------------------------
+class ParoTrainer(Trainer):
+    """torchtitan's ``Trainer`` with a ``paro`` config section. With ``paro.enable`` it swaps
+    in ``parallelize_paro`` and ``ParoOptimizersContainer``, marks the last micro-batch of each
+    step, and logs the norm the container clipped by; without, it is torchtitan's trainer."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        paro: ParoConfig = field(default_factory=ParoConfig)
+
+        def __post_init__(self) -> None:
+            Trainer.Config.__post_init__(self)
+            if self.paro.enable:
+                check_supported(self.parallelism)
+
+    def __init__(self, config: Config) -> None:
+        self._micro = 0
+        if config.paro.enable:
+            spec = config.model_spec
+            config.model_spec = dataclasses.replace(spec, parallelize_fn=partial(parallelize_paro, paro=config.paro),
+                                                    pipelining_fn=None)
+            opt = config.optimizer
+            if not isinstance(opt, ParoOptimizersContainer.Config):
+                opt = ParoOptimizersContainer.Config(**{f.name: getattr(opt, f.name) for f in dataclasses.fields(opt)})
+            opt.max_norm = float(config.training.max_norm)
+            config.optimizer = opt
+            from torchtitan.components.loss import ChunkedLossWrapper
+
+            if isinstance(config.loss, ChunkedLossWrapper.Config):
+                # the chunked loss calls lm_head outside the model's forward, where PaRO has
+                # not gathered its weight: compute the same loss unchunked
+                config.loss = config.loss.loss_fn
+        super().__init__(config)
+        if config.paro.enable:
+            self.titan_log = self.metrics_processor.log
+
+            def log_paro_norm(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+                # torchtitan's own clip saw no .grad (the masters hold the gradients): log ours
+                return self.titan_log(step, global_avg_loss, global_max_loss, float(self.optimizers.grad_norm),
+                                      extra_metrics=extra_metrics)
+
+            self.metrics_processor.log = log_paro_norm
+
+    def train_step(self, data_iterator: Any) -> None:
+        self._micro = 0
+        return super().train_step(data_iterator)
+
+    def forward_backward_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.config.paro.enable:
+            self._micro += 1
+            for m in self.model_parts:
+                m.set_is_last_backward(self._micro == self.gradient_accumulation_steps)
+        return super().forward_backward_step(*args, **kwargs)
+
+
+# ---- config functions (``--module paro_fsdp.integrations.torchtitan --config <name>``) ------
+def to_paro(config: Trainer.Config, **paro: Any) -> ParoTrainer.Config:
+    """Any torchtitan ``Trainer.Config`` as a ``ParoTrainer.Config`` with a ``paro`` section."""
+    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    return ParoTrainer.Config(**values, paro=ParoConfig(**paro))
+
+
+def llama3_debug_paro() -> ParoTrainer.Config:
+    """torchtitan's debug Llama 3 (``llama3_debugmodel``) with PaRO IIG in groups of 8."""
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    return to_paro(llama3_debugmodel())
+
+
+def llama3_8b_paro() -> ParoTrainer.Config:
+    """Llama 3 8B (``llama3_8b``) with PaRO IIG, groups of 8 GPUs (one node)."""
+    from torchtitan.models.llama3.config_registry import llama3_8b
+
+    return to_paro(llama3_8b())
+
+
+def llama3_70b_paro() -> ParoTrainer.Config:
+    """Llama 3 70B (``llama3_70b``) with PaRO IIG, groups of 8 GPUs (one node)."""
+    from torchtitan.models.llama3.config_registry import llama3_70b
+
+    return to_paro(llama3_70b())
