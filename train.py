@@ -24,13 +24,15 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from paro_fsdp import ParoOptimizer, init_paro_mesh
 from paro_fsdp.mesh import device_type_for_backend, local_cuda_index
 from paro_fsdp.train.checkpoint import CheckpointError, CheckpointManager, SchedulerState, TrainState
 from paro_fsdp.train.config import ConfigError, JobConfig, grad_accum_steps, group_size, help_text, parse_args, validate
 from paro_fsdp.train.data import build_dataloader, describe
-from paro_fsdp.train.faults import NonFiniteGuard, TrainingStopped, collective_failure, nonfinite_masters, restart_store
+from paro_fsdp.train.faults import (NonFiniteGuard, TrainingStopped, collective_failure, nonfinite_masters, restart_store,
+                                    set_collective_timeout)
 from paro_fsdp.train.lr import build_lr_scheduler
 from paro_fsdp.train.metrics import CommMeter, MetricsLogger, StepTimer, build_profiler, flops_per_token
 from paro_fsdp.train.parallelize import DTYPES, apply_compile, build_model, check_policy, model_args, parallelize
@@ -313,13 +315,7 @@ class Trainer:
 
     def _set_train_timeout(self) -> None:
         """After the first step the (usually shorter) training timeout applies, as in torchtitan."""
-        timeout = datetime.timedelta(seconds=self.cfg.comm.train_timeout_seconds)
-        try:
-            from torch.distributed.distributed_c10d import _get_default_group, _set_pg_timeout
-
-            _set_pg_timeout(timeout, _get_default_group())
-        except (ImportError, AttributeError, RuntimeError):  # not every backend/torch supports it
-            pass
+        set_collective_timeout(datetime.timedelta(seconds=self.cfg.comm.train_timeout_seconds))
 
     def _print_where_to_look(self) -> None:
         if self.rank != 0:
@@ -428,7 +424,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if is_rank0:
             print(f"train.py: error: {exc}", file=sys.stderr, flush=True)
         return 1
-    except (RuntimeError, dist.DistError) as exc:
+    except (RuntimeError, dist.DistError, CheckpointException) as exc:
         step = trainer.state.step if trainer is not None else 0
         line = collective_failure(exc, int(os.environ.get("RANK", "0")), step, _timeout_of(trainer))
         if line is None:

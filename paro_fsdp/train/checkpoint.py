@@ -33,7 +33,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.optim.lr_scheduler import LambdaLR
 
-from .checkpoint_files import CheckpointError, SafeLoadPlanner, SafeReader, first_line, shape_problem, verify, write_manifest
+from torch.distributed.checkpoint.api import CheckpointException
+
+from .checkpoint_files import (CheckpointError, SafeLoadPlanner, SafeReader, disk_failure, first_line, shape_problem, verify,
+                               write_manifest)
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -141,7 +144,9 @@ class CheckpointManager:
             dcp.load(self.states, storage_reader=reader, planner=SafeLoadPlanner())
         except CheckpointError:
             raise
-        except Exception as exc:  # noqa: BLE001 - DCP wraps every rank's failure; name the folder
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP wraps every rank's failure; name the folder
+            if not disk_failure(exc) and not isinstance(exc, CheckpointException):
+                raise
             raise CheckpointError(f"checkpoint {path} failed to load: {first_line(exc)}; {fix}") from None
         return step
 
@@ -164,9 +169,11 @@ class CheckpointManager:
             self._barrier()
             dcp.save(self.states, checkpoint_id=tmp)  # raises on every rank if any rank's write failed
             write_manifest(tmp, step)
-        except (OSError, RuntimeError) as exc:
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP raises a BaseException
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
+            if not disk_failure(exc):
+                raise  # a lost peer or a bug: reported as such, not as a disk problem
             raise CheckpointError(f"saving checkpoint step-{step} in {self.folder} failed: {first_line(exc)}; {hint} "
                                   f"and stays loadable; free space there or set job.dump_folder to a larger disk") from None
         self._barrier()  # every rank's shards are on disk; rank 0 already wrote .metadata and the manifest

@@ -24,6 +24,18 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 MANIFEST = "paro_manifest.json"
 
 
+def disk_failure(exc: BaseException) -> bool:
+    """Whether a failed save is the file system's doing (full disk, permissions, I/O), as opposed
+    to a lost peer, which the trainer reports as such."""
+    if isinstance(exc, OSError):
+        return True
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict):
+        causes = [c[0] if isinstance(c, tuple) else c for c in failures.values()]
+        return any(isinstance(c, OSError) for c in causes)
+    return False
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written or must not be read; the message is one line naming
     the folder, the file or tensor, and the fix."""
@@ -90,7 +102,8 @@ def first_line(exc: BaseException) -> str:
     the lowest failing rank's error is the message)."""
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict) and failures:
-        rank, cause = sorted(failures.items())[0]
+        rank, cause = sorted(failures.items(), key=lambda kv: kv[0])[0]
+        cause = cause[0] if isinstance(cause, tuple) else cause  # (exception, traceback)
         return f"rank {rank}: {type(cause).__name__}: {first_line(cause)}"
     text = str(exc).strip()
     return text.splitlines()[0][:200] if text else type(exc).__name__

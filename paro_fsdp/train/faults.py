@@ -41,6 +41,23 @@ def restart_store(timeout: datetime.timedelta) -> Optional[dist.Store]:
     return dist.PrefixStore(f"paro/attempt{attempt}", store)
 
 
+def set_collective_timeout(timeout: datetime.timedelta) -> int:
+    """Apply ``timeout`` to every process group of this process, the mesh's sub-groups included
+    (the engine's collectives run on those: a timeout set on the default group alone never
+    fires for them). Returns how many groups took it."""
+    from torch.distributed import distributed_c10d as c10d
+
+    groups = list(getattr(getattr(c10d, "_world", None), "pg_map", {}) or [c10d._get_default_group()])
+    done = 0
+    for group in groups:
+        try:
+            c10d._set_pg_timeout(timeout, group)
+            done += 1
+        except (AttributeError, RuntimeError, ValueError):  # a backend without settable timeouts
+            pass
+    return done
+
+
 # ---- a failed collective, in one line -----------------------------------------------------------
 _PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused",
               "Socket closed", "NCCL communicator was aborted", "ncclRemoteError")
@@ -50,6 +67,9 @@ _TIMED_OUT = ("Timed out waiting", "timed out", "Timeout", "Watchdog caught coll
 def collective_failure(exc: BaseException, rank: int, step: int, timeout_s: float) -> Optional[str]:
     """One line describing ``exc`` if it is a collective that lost its peers or timed out, else
     None (then it is a bug, and its traceback must be seen)."""
+    failures = getattr(exc, "failures", None)  # DCP's CheckpointException: each rank's (error, traceback)
+    if isinstance(failures, dict) and failures:
+        exc = sorted(failures.items(), key=lambda kv: kv[0])[0][1][0]
     if not isinstance(exc, (RuntimeError, dist.DistError)):
         return None
     text = str(exc)

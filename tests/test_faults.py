@@ -1,0 +1,298 @@
+"""When something breaks mid-run (README "When things fail"): a rank killed (also while saving),
+a rank hung, a NaN, a damaged or foreign checkpoint, a full disk.
+
+The lost and hung ranks run under the real ``torchrun --max-restarts``, watched from here; the
+rest runs in one 4-rank gloo world (process start costs seconds per rank), which also trains
+the uninterrupted reference the restarted run must reproduce exactly (fp32 on CPU).
+"""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+for p in (str(REPO), str(Path(__file__).parent)):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+from dist_harness import run_world  # noqa: E402
+from torchrun_launch import Launch, losses_by_attempt  # noqa: E402
+
+# the debug model, 4 ranks = 2 groups x 2 (IIG), no accumulation, every step logged
+ARGS = ["--model.flavor", "debug", "--training.seq_len", "32", "--training.local_batch_size", "2",
+        "--training.global_batch_size", "8", "--training.mixed_precision_param", "float32",
+        "--training.mixed_precision_reduce", "float32", "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "2",
+        "--lr_scheduler.decay_type", "constant", "--parallelism.paro_strategy", "IIG", "--parallelism.paro_group_size", "2",
+        "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false", "--comm.backend", "gloo"]
+STEPS = 12
+
+
+# ---- inside the 4-rank world ------------------------------------------------------------------
+def _trainer(argv: list[str]):
+    from paro_fsdp.train.config import parse_args
+    from train import Trainer
+
+    cfg, _ = parse_args(ARGS + argv)
+    return Trainer(cfg)
+
+
+def _masters(trainer) -> dict[str, Any]:
+    return {k: v.full_tensor().clone() for k, v in trainer.optimizer.state_dict()["master"].items()}
+
+
+def _error(fn) -> str:
+    """The message of the error ``fn`` raises (every rank raises the same one)."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def _poison_embedding(trainer, at_steps: set[int], rank: int) -> None:
+    """NaN in one rank's activations at the given steps: what a bad batch does."""
+    import torch.distributed as dist
+
+    def hook(module, args, out):
+        if trainer.state.step in at_steps and dist.get_rank() == rank:
+            return out * float("nan")
+        return None
+
+    trainer.model.tok_embeddings.register_forward_hook(hook)
+
+
+def world4(tmp: str) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    rank0 = dist.get_rank() == 0
+    out: dict[str, Any] = {}
+
+    # the uninterrupted run the restarted torchrun must reproduce
+    trainer = _trainer(["--training.steps", str(STEPS), "--checkpoint.enable", "false"])
+    out["reference"] = trainer.train()
+    trainer.close()
+
+    # a NaN on rank 1 at step 3: skipped, named, and the weights are those of step 2
+    t = _trainer(["--training.steps", "3", "--job.dump_folder", f"{tmp}/nan", "--checkpoint.enable",
+                  "--checkpoint.interval", "100"])
+    _poison_embedding(t, {3}, rank=1)
+    losses = t.train()
+    out["nan/skip"] = {"losses": losses, "skipped": t.guard.skipped, "masters": _masters(t),
+                       "saved": sorted(os.listdir(f"{tmp}/nan/checkpoint"))}
+    t.close()
+    t = _trainer(["--training.steps", "2", "--checkpoint.enable", "false"])
+    t.train()
+    out["nan/two_steps"] = _masters(t)
+    t.close()
+    # stop at the first one; stop after K in a row
+    t = _trainer(["--training.steps", "4", "--training.on_nonfinite", "stop", "--checkpoint.enable", "false"])
+    _poison_embedding(t, {2}, rank=3)
+    out["nan/stop"] = _error(t.train)
+    t = _trainer(["--training.steps", "6", "--training.max_consecutive_skips", "2", "--checkpoint.enable", "false"])
+    _poison_embedding(t, {2, 3, 4}, rank=0)
+    out["nan/consecutive"] = _error(t.train)
+    # a master that overflowed in the update is never saved
+    t = _trainer(["--training.steps", "2", "--job.dump_folder", f"{tmp}/inf", "--checkpoint.enable", "--checkpoint.interval", "1"])
+    step = t.optimizer.step
+
+    def step_then_overflow():
+        step()
+        if t.state.step == 2 and dist.get_rank() == 2:
+            t.optimizer.groups[0].master[0].data[0] = float("inf")
+
+    t.optimizer.step = step_then_overflow
+    out["inf/save"] = (_error(t.train), sorted(os.listdir(f"{tmp}/inf/checkpoint")))
+
+    # damaged checkpoints: each load fails with one line naming the file and the earlier step
+    ck = ["--training.steps", "4", "--job.dump_folder", f"{tmp}/ck", "--checkpoint.enable", "--checkpoint.interval", "2"]
+    t = _trainer(ck)
+    t.train()
+    t.close()
+    folder = f"{tmp}/ck/checkpoint/step-4"
+    shard = os.path.join(folder, "__1_0.distcp")
+    original = Path(shard).read_bytes()
+    dist.barrier()
+    if rank0:
+        Path(shard).write_bytes(original[: len(original) // 2])
+    dist.barrier()
+    out["ck/truncated"] = _error(lambda: _trainer(ck))
+    dist.barrier()
+    if rank0:
+        flipped = bytearray(original)
+        flipped[len(flipped) // 2] ^= 0xFF
+        Path(shard).write_bytes(bytes(flipped))
+    dist.barrier()
+    out["ck/corrupted"] = _error(lambda: _trainer(ck))
+    dist.barrier()
+    if rank0:
+        Path(shard).write_bytes(original)
+    dist.barrier()
+    out["ck/vocab"] = _error(lambda: _trainer(ck + ["--model.vocab_size", "300"]))
+    t = _trainer(ck + ["--checkpoint.load_step", "2"])  # the fix the messages name works
+    out["ck/earlier"] = t.resumed_from
+    t.close()
+
+    # a full disk: a tmpfs with room for one checkpoint, not two
+    size = sum(f.stat().st_size for f in Path(folder).iterdir())
+    disk = f"{tmp}/disk"
+    mounted = [False]
+    if rank0:
+        os.makedirs(disk)
+        mounted[0] = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(size * 1.6) // 4096 * 4096}", "tmpfs", disk],
+                                    capture_output=True).returncode == 0
+    dist.broadcast_object_list(mounted, src=0)
+    if mounted[0]:
+        full = ["--training.steps", "4", "--job.dump_folder", disk, "--checkpoint.enable", "--checkpoint.interval", "2",
+                "--checkpoint.keep_latest_k", "1", "--metrics.log_freq", "100"]
+        t = _trainer(full)
+        err = _error(t.train)
+        t.close(failed=True)
+        left = sorted(os.listdir(f"{disk}/checkpoint"))
+        t = _trainer(full)  # the previous checkpoint still loads
+        out["disk"] = (err, left, t.resumed_from)
+        t.metrics.close()
+        dist.barrier()
+        if rank0:
+            subprocess.run(["umount", disk], check=True)
+    else:
+        out["disk"] = None
+    dist.barrier()
+    return out
+
+
+# ---- the world, once per module -----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("faults"))
+
+
+@pytest.fixture(scope="module")
+def world(tmp) -> dict[str, Any]:
+    return run_world(4, "test_faults:world4", tmp)[0]
+
+
+# ---- lost and hung ranks under torchrun ---------------------------------------------------------
+def test_killed_while_saving_then_hung_rank_restarts_and_continues_exactly(world, tmp):
+    """Rank 2 is SIGKILLed while step-8 is being written, then (next attempt) rank 1 is
+    SIGSTOPped: the survivors time out with one line, torchrun restarts, every attempt resumes
+    from the latest complete checkpoint, and every step's loss equals the uninterrupted run's."""
+    dump = f"{tmp}/restarts"
+    timeout_s = 5
+    run = Launch(ARGS + ["--training.steps", str(STEPS), "--checkpoint.enable", "--checkpoint.interval", "4",
+                         "--checkpoint.keep_latest_k", "3", "--comm.train_timeout_seconds", str(timeout_s),
+                         "--job.dump_folder", dump], max_restarts=2)
+    try:
+        # attempt 0: killed in the middle of writing step-8 (stopped first, so the save cannot finish)
+        tmp8 = f"{dump}/checkpoint/step-8.tmp"
+        deadline = time.monotonic() + 240
+        while not os.path.isdir(tmp8):
+            assert time.monotonic() < deadline and run.proc.poll() is None, run.output()[-4000:]
+            time.sleep(0.005)
+        run.signal(2, 0, signal.SIGSTOP)
+        time.sleep(0.5)
+        assert not os.path.exists(f"{dump}/checkpoint/step-8"), "the save finished before the kill"
+        n = len(run.lines)
+        run.signal(2, 0, signal.SIGKILL)
+        killed = time.monotonic()
+        i, _ = run.wait_for(r"another rank died", after=n)  # a survivor says so in one line
+        i, resumed = run.wait_for(r"resumed from .*/step-4$", after=i)
+        restart_s = resumed - killed
+        # attempt 1: rank 1 hangs after step 10
+        i, _ = run.wait_for(rf"^step\s+10/{STEPS}", after=i)
+        run.signal(1, 1, signal.SIGSTOP)
+        stopped = time.monotonic()
+        i, timed_out = run.wait_for(r"collective timed out after 5 s \(comm.train_timeout_seconds\)", after=i)
+        run.signal(1, 1, signal.SIGCONT)  # lets it take torchrun's SIGTERM now, not after torchrun's grace period
+        i, _ = run.wait_for(r"resumed from .*/step-8$", after=i)
+        assert run.finish() == 0, run.output()[-4000:]
+    finally:
+        run.stop()
+    assert timed_out - stopped < timeout_s + 10
+    attempts = losses_by_attempt(f"{dump}/metrics.jsonl")
+    assert [min(a) for a in attempts] == [1, 5, 9] and max(attempts[-1]) == STEPS
+    for a in attempts:  # bit-identical to the uninterrupted run, before and after each restart
+        assert a == {s: world["reference"][s] for s in a}
+    assert sorted(os.listdir(f"{dump}/checkpoint")) == ["step-12", "step-4", "step-8"]
+    print(f"restart after a kill: {restart_s:.1f} s to the resumed line; timeout fired {timed_out - stopped:.1f} s "
+          f"after the SIGSTOP (train timeout {timeout_s} s)")
+
+
+@pytest.mark.slow
+def test_killed_mid_step_restarts_from_latest_checkpoint(world, tmp):
+    """Rank 2 SIGKILLed between checkpoints (after step 6): steps 5-6 are redone, identically."""
+    dump = f"{tmp}/midstep"
+    run = Launch(ARGS + ["--training.steps", "8", "--checkpoint.enable", "--checkpoint.interval", "4",
+                         "--job.dump_folder", dump], max_restarts=1)
+    try:
+        i, _ = run.wait_for(r"^step\s+6/8")
+        run.signal(2, 0, signal.SIGKILL)
+        run.wait_for(r"resumed from .*/step-4$", after=i)
+        assert run.finish() == 0, run.output()[-4000:]
+    finally:
+        run.stop()
+    attempts = losses_by_attempt(f"{dump}/metrics.jsonl")
+    assert [min(a) for a in attempts] == [1, 5] and max(attempts[-1]) == 8
+    for a in attempts:
+        assert a == {s: world["reference"][s] for s in a}
+
+
+# ---- non-finite steps ---------------------------------------------------------------------------
+def test_nan_step_is_skipped_named_and_leaves_the_weights(world):
+    import torch
+
+    got = world["nan/skip"]
+    assert got["skipped"] == [3] and math.isnan(got["losses"][3])
+    assert got["losses"][1] == world["reference"][1]
+    for k, v in world["nan/two_steps"].items():  # step 3 changed nothing: the weights of a 2-step run
+        torch.testing.assert_close(got["masters"][k], v, rtol=0, atol=0, msg=k)
+    assert got["saved"] == ["step-3"]  # saved after the last step, with finite masters
+
+
+def test_nan_stop_and_consecutive_limit(world):
+    assert world["nan/stop"].startswith("TrainingStopped: step 2: non-finite loss nan")
+    assert "first non-finite gradient: " in world["nan/stop"] and 'training.on_nonfinite = "skip"' in world["nan/stop"]
+    assert "step 3: " in world["nan/consecutive"] and "2 non-finite steps in a row" in world["nan/consecutive"]
+    assert "training.max_consecutive_skips = 2" in world["nan/consecutive"]
+
+
+def test_nonfinite_master_is_never_saved(world):
+    err, saved = world["inf/save"]
+    assert "step 2: the fp32 master of" in err and "is non-finite, so step-2 is not saved" in err
+    assert "step-1" in err  # names the checkpoint that is still good
+    assert saved == ["step-1"]
+
+
+# ---- bad checkpoints ----------------------------------------------------------------------------
+def test_damaged_checkpoint_names_the_file_and_the_earlier_step(world):
+    for key, what in (("ck/truncated", "__1_0.distcp has"), ("ck/corrupted", "__1_0.distcp does not match its CRC32")):
+        msg = world[key]
+        assert msg.startswith("CheckpointError: checkpoint ") and "step-4 is damaged: " in msg, msg
+        assert what in msg and "--checkpoint.load_step 2" in msg and "\n" not in msg, msg
+    assert "truncated" in world["ck/truncated"]
+    assert world["ck/earlier"] == 2
+
+
+def test_checkpoint_of_another_vocabulary_is_refused(world):
+    msg = world["ck/vocab"]
+    assert "does not fit this model" in msg and ("output.weight" in msg or "tok_embeddings.weight" in msg), msg
+    assert "its vocabulary has 258 rows, this model 300" in msg and "--checkpoint.load_step 2" in msg
+
+
+def test_full_disk_keeps_the_previous_checkpoint(world):
+    if world["disk"] is None:
+        pytest.skip("mounting a tmpfs needs root")
+    err, left, resumed_from = world["disk"]
+    assert err.startswith("CheckpointError: saving checkpoint step-4 in ") and "No space left on device" in err, err
+    assert "step-2 and stays loadable" in err
+    assert left == ["step-2"]  # no .tmp debris, the previous checkpoint intact
+    assert resumed_from == 2
