@@ -89,3 +89,23 @@ def test_model_only_load_continues(got, ref):
     losses = [loss for _, loss, _ in rows]
     trained = ref["ref"]["rows"][-1][1]
     assert losses[0] < trained + 0.05 and max(losses) < trained + 0.05, (losses, trained)
+
+
+@pytest.mark.parametrize("what", ["tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree",
+                                  "expert_parallel_degree", "param_groups"])
+def test_unsupported_configs_stop_with_a_clear_error(what):
+    import titan_shims  # noqa: F401
+    from torchtitan.components.optimizer import ParamGroupConfig
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    from paro_fsdp.integrations.torchtitan import to_paro
+
+    cfg = llama3_debugmodel()
+    if what == "param_groups":
+        cfg.optimizer.param_groups = [ParamGroupConfig(pattern=r"\.bias$", optimizer_name="AdamW"),
+                                      ParamGroupConfig(pattern=".*", optimizer_name="AdamW")]
+    else:
+        setattr(cfg.parallelism, what, 2)
+    with pytest.raises(ValueError, match=what):
+        to_paro(cfg)
+    to_paro(cfg, enable=False)  # FSDP2 takes it

@@ -29,6 +29,7 @@ def config(*, paro: bool = True, strategy: str = "IIG", group_size: int = 2, ste
 
     cfg = llama3_debugmodel()
     cfg.model_spec = sdpa_model_spec()
+    cfg.loss = getattr(cfg.loss, "loss_fn", cfg.loss)  # unchunked on both sides (ParoTrainer unchunks it)
     cfg.tokenizer = SynthTokenizer.Config()
     cfg.dataloader = SynthLoader.Config(emulate_world=emulate_world)
     local = B * max(emulate_world, 1)

@@ -170,6 +170,15 @@ def check_supported(parallelism: Any) -> None:
                              f"set it to 1 or run FSDP2 with --paro.enable false")
 
 
+def check_param_groups(groups: list[Any]) -> None:
+    """One catch-all optimizer group: the masters are flat per block and strategy."""
+    if len(groups) != 1 or groups[0].pattern not in (".*", "", "^.*$"):
+        raise ValueError(
+            f"optimizer.param_groups: {len(groups)} group(s) ({[g.pattern for g in groups]}); PaRO takes one "
+            f"catch-all group (pattern '.*'). Regex param groups are not supported with PaRO: put per-tensor "
+            f"strategies in paro.policy, or run FSDP2 with --paro.enable false")
+
+
 # ---- the optimizer --------------------------------------------------------------------------
 class ParoOptimizersContainer(OptimizersContainer):
     """torchtitan's optimizers container around one ``ParoOptimizer``. ``optimizers`` holds
@@ -191,13 +200,8 @@ class ParoOptimizersContainer(OptimizersContainer):
             return
         if len(model_parts) != 1:
             raise ValueError("PaRO runs one model part (no pipeline parallelism)")
-        groups = config.param_groups
-        if len(groups) != 1 or groups[0].pattern not in (".*", r".*", "", "^.*$"):
-            raise ValueError(
-                f"optimizer.param_groups: {len(groups)} group(s) ({[g.pattern for g in groups]}); PaRO takes one "
-                f"catch-all group (pattern '.*'). Regex param groups are not supported with PaRO: put per-tensor "
-                f"strategies in paro.policy, or run FSDP2 with --paro.enable false")
-        group = groups[0]
+        check_param_groups(config.param_groups)
+        group = config.param_groups[0]
         factory = self._resolve_optimizer_factory(group.optimizer_name)
         if factory not in (torch.optim.Adam, torch.optim.AdamW):
             raise ValueError(f"optimizer {group.optimizer_name!r} is not supported with PaRO (Adam, AdamW)")
@@ -287,6 +291,7 @@ class ParoTrainer(Trainer):
             Trainer.Config.__post_init__(self)
             if self.paro.enable:
                 check_supported(self.parallelism)
+                check_param_groups(self.optimizer.param_groups)
 
     def __init__(self, config: Config) -> None:
         self._micro = 0
