@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from paro_fsdp import ParoOptimizer, init_paro_mesh
 from paro_fsdp.mesh import device_type_for_backend, local_cuda_index
-from paro_fsdp.train.checkpoint import CheckpointError, CheckpointManager, SchedulerState, TrainState
+from paro_fsdp.train.checkpoint import CheckpointError, CheckpointManager, SchedulerState, TrainState, load_model_weights
 from paro_fsdp.train.config import ConfigError, JobConfig, grad_accum_steps, group_size, help_text, parse_args, validate
 from paro_fsdp.train.data import build_dataloader, describe
 from paro_fsdp.train.faults import (NonFiniteGuard, TrainingStopped, collective_failure, nonfinite_masters, restart_store,
@@ -114,6 +114,9 @@ class Trainer:
             verify=c.verify,
         )
         self.resumed_from = self.checkpointer.load(c.load_step)
+        self.initial_load = None  # model weights only, when there is nothing to resume
+        if self.resumed_from is None and c.initial_load_path:
+            self.initial_load = load_model_weights(self.model, c.initial_load_path, c.verify)
 
         # ---- metrics, profiler ---------------------------------------------------------------
         if cfg.metrics.enable_tensorboard and importlib.util.find_spec("tensorboard") is None:
@@ -209,6 +212,9 @@ class Trainer:
                  f"while writing it)")
         if self.resumed_from is not None:
             _log(f"resumed from {self.checkpointer.folder}/step-{self.resumed_from}")
+        elif self.initial_load:
+            _log(f"started from {self.initial_load} in {cfg.checkpoint.initial_load_path} (optimizer, lr schedule and "
+                 f"data from step 0)")
         elif cfg.checkpoint.enable:
             _log(f"no checkpoint in {self.checkpointer.folder}: starting from step 0")
 

@@ -116,9 +116,21 @@ def world4(tmp: str) -> dict[str, Any]:
     # damaged checkpoints: each load fails with one line naming the file and the earlier step
     ck = ["--training.steps", "4", "--job.dump_folder", f"{tmp}/ck", "--checkpoint.enable", "--checkpoint.interval", "2"]
     t = _trainer(ck)
-    t.train()
+    trained = t.train()
+    final = _masters(t)
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(dict(t.model.state_dict()), checkpoint_id=f"{tmp}/model_only")  # parameter names as keys, as torchtitan's
     t.close()
     folder = f"{tmp}/ck/checkpoint/step-4"
+    # model weights only (checkpoint.initial_load_path): the masters take them, the next step builds on them
+    for name, path in (("own", folder), ("model_only", f"{tmp}/model_only")):
+        t = _trainer(["--training.steps", "2", "--job.dump_folder", f"{tmp}/init_{name}",
+                      "--checkpoint.initial_load_path", path])
+        loaded = _masters(t)
+        out[f"init/{name}"] = {"same": all(torch.equal(loaded[k], final[k]) for k in final), "what": t.initial_load,
+                               "losses": t.train(), "trained": trained}
+        t.close()
     shard = os.path.join(folder, "__1_0.distcp")
     original = Path(shard).read_bytes()
     dist.barrier()
@@ -296,3 +308,16 @@ def test_full_disk_keeps_the_previous_checkpoint(world):
     assert "step-2 and stays loadable" in err
     assert left == ["step-2"]  # no .tmp debris, the previous checkpoint intact
     assert resumed_from == 2
+
+
+def test_initial_load_path_starts_from_the_weights_and_keeps_them(world):
+    """A model-only load (a step-N folder's masters, or parameter-name keys as torchtitan writes):
+    the masters hold the loaded weights, so training continues from them instead of the next
+    step pushing the freshly initialised masters back (loss back near its start)."""
+    for name, what in (("own", "the fp32 masters of a paro-fsdp checkpoint"), ("model_only", "model weights")):
+        got = world[f"init/{name}"]
+        assert got["what"] == what and got["same"], name
+        trained, losses = got["trained"], got["losses"]
+        assert losses[1] < trained[1] - 0.3, (name, losses, trained)  # starts where the other run ended
+        assert losses[2] < trained[2] - 0.3 and abs(losses[2] - losses[1]) < 0.2, (name, losses, trained)
+

@@ -190,3 +190,36 @@ class CheckpointManager:
         self._barrier()
         return final
 
+
+def load_model_weights(model: torch.nn.Module, path: str, verify_files: bool = True) -> str:
+    """Load model weights only from the DCP folder ``path`` into a ``paro_shard`` model, whose
+    ``load_state_dict`` then refreshes the fp32 masters (else the next step would push the old
+    masters back). Keys are parameter names, or ``optimizer.master.<name>`` in a checkpoint of
+    this trainer (its fp32 masters: exact). Returns which of the two it was. Collective."""
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        raise CheckpointError(f"checkpoint.initial_load_path = {path!r} is not a DCP checkpoint folder (no .metadata); "
+                              f"valid: a folder written by torch.distributed.checkpoint, e.g. a step-N folder")
+    problem = verify(path) if verify_files else None
+    if problem:
+        raise CheckpointError(f"checkpoint.initial_load_path {path} is damaged: {problem}")
+    reader = SafeReader(path)
+    metadata = reader.read_metadata()
+    own = any(k.startswith("optimizer.master.") for k in metadata.state_dict_metadata)
+    weights = {k: v for k, v in model.state_dict().items() if k in _parameter_names(model)}
+    state = {"optimizer": {"master": weights}} if own else weights
+    problem = shape_problem(metadata, state, scope="optimizer.master." if own else "")
+    if problem:
+        raise CheckpointError(f"checkpoint.initial_load_path {path} does not fit this model: {problem}")
+    try:
+        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
+    except CheckpointException as exc:
+        raise CheckpointError(f"checkpoint.initial_load_path {path} failed to load: {first_line(exc)}") from None
+    model.load_state_dict(weights, strict=False)
+    return "the fp32 masters of a paro-fsdp checkpoint" if own else "model weights"
+
+
+def _parameter_names(model: torch.nn.Module) -> set[str]:
+    """``model.state_dict()`` keys that are parameters (buffers such as RoPE tables are rebuilt, not loaded)."""
+    params = {id(p) for p in model.parameters()}
+    return {k for k, v in model.state_dict(keep_vars=True).items() if id(v) in params}
+

@@ -191,6 +191,10 @@ class Checkpoint:
     """Resume from this step's checkpoint; -1: the latest complete one (if any)"""
     verify: bool = True
     """Check every file of a checkpoint against the sizes and CRC32 checksums written with it before loading"""
+    initial_load_path: str = ""
+    """With no checkpoint to resume from: start from the model weights of this DCP folder (keys =
+    parameter names, as torchtitan's model-only checkpoints, or a step-N folder of this trainer:
+    its fp32 masters); the optimizer, lr schedule and data start fresh"""
 
 
 @dataclass
@@ -502,6 +506,10 @@ def validate(cfg: JobConfig, world_size: Optional[int], local_world_size: Option
         raise ConfigError(f"lr_scheduler.decay_ratio = {cfg.lr_scheduler.decay_ratio} is out of range; valid: unset or a number in [0, 1]")
     if t.dataset in ("text", "jsonl") and not t.dataset_path:
         raise ConfigError(f"training.dataset_path is required when training.dataset = {_show(t.dataset)}; valid: a file or folder path")
+    init = cfg.checkpoint.initial_load_path
+    if init and not os.path.isdir(init):
+        raise ConfigError(f"checkpoint.initial_load_path = {_show(init)} does not exist; valid: \"\" or a DCP checkpoint "
+                          f"folder (e.g. a step-N folder)")
     if t.dataset_path and not os.path.exists(t.dataset_path):
         raise ConfigError(f"training.dataset_path = {_show(t.dataset_path)} does not exist; valid: an existing file or folder")
     per_step = t.local_batch_size * (world_size or 1)
