@@ -113,7 +113,10 @@ class Trainer:
                     "dataloader": self.data, "train_state": self.state},
             verify=c.verify,
         )
-        self.resumed_from = self.checkpointer.load(c.load_step)
+        try:
+            self.resumed_from = self.checkpointer.load(c.load_step)
+        except FileNotFoundError as exc:  # checkpoint.load_step names a step that is not there
+            raise ConfigError(str(exc)) from None
         self.initial_load = None  # model weights only, when there is nothing to resume
         if self.resumed_from is None and c.initial_load_path:
             self.initial_load = load_model_weights(self.model, c.initial_load_path, c.verify)
@@ -429,6 +432,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (TrainingStopped, CheckpointError) as exc:  # the same decision on every rank: rank 0 says it
         if is_rank0:
             print(f"train.py: error: {exc}", file=sys.stderr, flush=True)
+        if trainer is None and dist.is_initialized() and not had_process_group:
+            dist.destroy_process_group()
         return 1
     except (RuntimeError, dist.DistError, CheckpointException) as exc:
         step = trainer.state.step if trainer is not None else 0
