@@ -1,0 +1,203 @@
+"""The import graph: no loops, and every module imports on its own in dependency order.
+
+Why from the AST: an import loop patched over by a function-level or ``TYPE_CHECKING`` import
+still ties two modules together; reading every ``import`` statement, wherever it stands, finds
+those too.
+"""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("paro_fsdp", "passes")
+OPTIONAL = "paro_fsdp.integrations."  # needs the torchtitan extra
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+def _resolve(importer: str, is_pkg: bool, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = importer.split(".")
+    base = base if is_pkg else base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the project modules it imports (any statement: top level, in functions, under
+    ``TYPE_CHECKING``)."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        is_pkg = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = _resolve(name, is_pkg, node)
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            for t in targets:
+                while t and t not in modules:  # "paro_fsdp.comm.CommStats" -> "paro_fsdp.comm"
+                    t = t.rpartition(".")[0]
+                if t and t != name:
+                    graph[name].add(t)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def dependency_order(graph: dict[str, set[str]]) -> list[str]:
+    """Modules, each after every module it imports (and after its parent package)."""
+    order: list[str] = []
+    done: set[str] = set()
+
+    def visit(v: str) -> None:
+        if v in done:
+            return
+        done.add(v)
+        parent = v.rpartition(".")[0]
+        for w in sorted(graph[v] | ({parent} if parent in graph else set())):
+            visit(w)
+        order.append(v)
+
+    for v in sorted(graph):
+        visit(v)
+    return order
+
+
+def test_import_graph_is_a_dag():
+    found = cycles(import_graph())
+    assert found == [], "import loops: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_every_module_imports_alone_in_dependency_order():
+    """One fresh interpreter imports every module, leaves first: a module that only works when
+    something else happened to be imported before it fails here."""
+    order = dependency_order(import_graph())
+    # the torchtitan plug-in last, after the CPU shims its own tests use (torchtitan imports triton)
+    order = [m for m in order if not m.startswith(OPTIONAL)] + [m for m in order if m.startswith(OPTIONAL)]
+    script = ("import importlib, sys\nsys.path.insert(0, 'tests')\nfor name in sys.argv[1:]:\n"
+              f"    if name.startswith({OPTIONAL!r}):\n        import titan_shims; titan_shims.install()\n"
+              "    importlib.import_module(name)\n")
+    r = subprocess.run([sys.executable, "-c", script, *order], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_the_engine_imports_neither_passes_nor_the_trainer():
+    graph = import_graph()
+    engine = [m for m in graph if m.startswith("paro_fsdp") and not m.startswith(("paro_fsdp.train", "paro_fsdp.integrations"))]
+    bad = {m: sorted(t for t in graph[m] if t.startswith(("passes", "paro_fsdp.train", "paro_fsdp.integrations")))
+           for m in engine}
+    assert {m: t for m, t in bad.items() if t} == {}
+
+
+# ---- tools/ and train.py (issue 15, part A): nothing imports tools/; the engine stands alone ----
+#: tests of tools that are command lines with no package code behind them may import their tool
+TOOL_TESTS = {"test_emulate.py": "tools.emulate", "test_gpu_check.py": "tools.gpu_check"}
+
+
+def _file_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) for every import in a file, wherever it stands; ``from a import b`` gives
+    both ``a`` and ``a.b`` (b may be a module)."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    name, is_pkg = ".".join(p for p in parts if p != "__init__"), parts[-1] == "__init__"
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve(name, is_pkg, node)
+            out += [(node.lineno, base)] + [(node.lineno, f"{base}.{a.name}") for a in node.names]
+    return out
+
+
+def _importing(paths: list[Path], roots: tuple[str, ...]) -> list[str]:
+    return [f"{p.relative_to(ROOT)}:{line} imports {mod}" for p in paths for line, mod in _file_imports(p)
+            if any(mod == r or mod.startswith(r + ".") for r in roots)]
+
+
+def test_nothing_imports_tools():
+    """Package code, the passes, train.py and the tests use the package; tools/ only wrap it."""
+    files = [*sorted((ROOT / "paro_fsdp").rglob("*.py")), *sorted((ROOT / "passes").rglob("*.py")), ROOT / "train.py"]
+    assert _importing(files, ("tools",)) == []
+    tests = [p for p in sorted((ROOT / "tests").glob("*.py")) if p.name not in TOOL_TESTS]
+    assert _importing(tests, ("tools",)) == []
+    for test, tool in TOOL_TESTS.items():
+        hits = _importing([ROOT / "tests" / test], ("tools",))
+        assert all(h.endswith((" tools", f" {tool}")) or f" {tool}." in h for h in hits), hits
+
+
+def test_the_engine_source_imports_no_tools_nor_train_script():
+    skip = (ROOT / "paro_fsdp" / "train", ROOT / "paro_fsdp" / "integrations")
+    engine = [p for p in sorted((ROOT / "paro_fsdp").rglob("*.py")) if not any(s in p.parents for s in skip)]
+    assert _importing(engine, ("tools", "train", "passes", "paro_fsdp.train", "paro_fsdp.integrations")) == []
+
+
+_ENGINE_PROBE = r"""
+import importlib, json, pkgutil, sys
+import paro_fsdp
+names = sorted(m.name for m in pkgutil.walk_packages(paro_fsdp.__path__, "paro_fsdp."))
+engine = [n for n in names if not n.startswith(("paro_fsdp.train", "paro_fsdp.integrations"))]
+for n in engine:
+    importlib.import_module(n)
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("passes", "tools", "train")
+                or m.startswith(("paro_fsdp.train", "paro_fsdp.integrations")))
+print(json.dumps({"engine": engine, "loaded": loaded}))
+"""
+
+
+def test_fresh_interpreter_importing_the_whole_engine_loads_no_passes_tools_or_trainer():
+    r = subprocess.run([sys.executable, "-c", _ENGINE_PROBE], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    import json
+
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert "paro_fsdp.api" in out["engine"] and "paro_fsdp.cost.collectives" in out["engine"]
+    assert out["loaded"] == [], f"importing the engine loaded {out['loaded']}"
