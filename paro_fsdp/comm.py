@@ -8,7 +8,6 @@ reduce-scatter as an all-reduce, so its wire bytes are higher than counted here.
 """
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -16,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from .cost.collectives import CollectiveCounts, ring_bytes
 from .mesh import MeshInfo, mesh_device
 from .streams import CommStreams, active, streams_for
 
@@ -76,38 +76,14 @@ def use_safe_gloo_all_gather() -> None:
     _GLOO_LIB = lib
 
 
-class CommStats:
-    """Count and bytes per (kind, mesh dimension), per rank."""
+class CommStats(CollectiveCounts):
+    """Count and ring bytes per (kind, mesh dimension), per rank: the counter type of the
+    spec's ledger (``cost.collectives.CollectiveCounts``), fed by the collectives as they run."""
 
-    def __init__(self) -> None:
-        self._count: dict[tuple[str, str], int] = defaultdict(int)
-        self._bytes: dict[tuple[str, str], float] = defaultdict(float)
-
-    def record(self, kind: str, dim: str, nbytes: float) -> None:
+    def record(self, kind: str, dim: str, nbytes: float, times: int = 1) -> None:
         if torch.compiler.is_compiling():  # a graph runs many times: passes/schedule.py counts graphs
             return
-        self._count[(kind, dim)] += 1
-        self._bytes[(kind, dim)] += nbytes
-
-    def reset(self) -> None:
-        self._count.clear()
-        self._bytes.clear()
-
-    def _select(self, table: dict, kind: str | None, dim: str | None):
-        return sum(v for (k, d), v in table.items() if kind in (None, k) and dim in (None, d))
-
-    def bytes(self, kind: str | None = None, dim: str | None = None) -> float:
-        return self._select(self._bytes, kind, dim)
-
-    def count(self, kind: str | None = None, dim: str | None = None) -> int:
-        return self._select(self._count, kind, dim)
-
-    def as_dict(self) -> dict[str, dict[str, float]]:
-        return {f"{k}/{d}": {"count": self._count[(k, d)], "bytes": self._bytes[(k, d)]} for (k, d) in sorted(self._count)}
-
-    def __repr__(self) -> str:
-        rows = [f"{k:>14} {d:>6} {self._count[(k, d)]:>6} {self._bytes[(k, d)] / 2**20:12.3f} MiB" for (k, d) in sorted(self._count)]
-        return "CommStats(\n" + "\n".join(rows) + "\n)"
+        super().record(kind, dim, nbytes, times)
 
 
 @dataclass
@@ -167,9 +143,7 @@ class MeshComm:
         return on_side_stream(streams, kind, keep, issue)
 
     def _ring_bytes(self, kind: str, dim: str, numel: int, t: torch.Tensor) -> float:
-        k = self.info.size(dim)
-        per_rank = numel * t.element_size() * (k - 1) / k
-        return 2 * per_rank if kind == "all_reduce" else per_rank
+        return ring_bytes(kind, numel * t.element_size(), self.info.size(dim))
 
     def all_gather(self, shard: torch.Tensor, dim: str) -> Pending:
         """Concatenate every rank's 1-D ``shard`` in rank order along ``dim``."""

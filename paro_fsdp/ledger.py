@@ -10,8 +10,8 @@ ones; A micro-steps per optimizer step; ``param_bytes`` / ``grad_bytes`` = eleme
 parameter / gradient dtype (P and its all-gathers / G and its reductions); OS = fp32 master + the
 optimizer's states, ``os_bytes`` per trainable element (AdamW: 4 + 4 + 4 = 12 = the spec's K).
 
-Ring cost per rank of a collective over k ranks on a buffer of S bytes (the full, gathered size):
-all-gather and reduce-scatter S(k-1)/k, all-reduce 2S(k-1)/k; a collective over k = 1 rank is
+Ring cost per rank of a collective over k ranks on a buffer of S bytes (the full, gathered size,
+``cost.collectives.ring_bytes``): all-gather and reduce-scatter S(k-1)/k, all-reduce 2S(k-1)/k; a collective over k = 1 rank is
 skipped (the engine issues nothing). Global collectives are hierarchical, as the engine runs them:
   global AG(S) = inter AG(S/m) + intra AG(S);   global RS(S) = intra RS(S) + inter RS(S/m);
   global AR(S) = intra RS(S) + inter AR(S/m) + intra AG(S).
@@ -42,10 +42,10 @@ n there is no padding and these formulas equal the engine's counts exactly (LLaM
 """
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from .cost.collectives import CollectiveCounts, ring_bytes
 from .strategy import Level, Strategy, StrategyLike
 
 __all__ = [
@@ -61,20 +61,23 @@ __all__ = [
 _N, _I, _G = Level.N, Level.I, Level.G
 
 
-class Traffic:
-    """Collectives one rank issues: count and ring bytes per (kind, mesh dim).
+class Traffic(CollectiveCounts):
+    """Collectives one rank issues per the spec: count and ring bytes per (kind, mesh dim).
 
-    Same keys and query methods as ``paro_fsdp.CommStats`` (kind: all_gather / reduce_scatter /
-    all_reduce; dim: intra / inter / global), so ``stats.bytes(dim="inter") ==
-    traffic.bytes(dim="inter")`` is the check.
+    The engine's ``paro_fsdp.CommStats`` is the same counter type (``cost.collectives``), so
+    ``stats.bytes(dim="inter") == traffic.bytes(dim="inter")`` and ``stats.as_dict() ==
+    traffic.as_dict()`` are the checks. Counts are floats: a bucket's collectives per step are
+    scaled by the micro-step count.
     """
+
+    count_type = float
+    _count_format = ">8g"
 
     def __init__(self, n: int, m: int) -> None:
         if n % m:
             raise ValueError(f"world size n={n} is not divisible by the group size m={m}")
+        super().__init__()
         self.n, self.m, self.g = n, m, n // m
-        self._count: dict[tuple[str, str], float] = defaultdict(float)
-        self._bytes: dict[tuple[str, str], float] = defaultdict(float)
 
     def _size(self, dim: str) -> int:
         return {"intra": self.m, "inter": self.g, "global": self.n}[dim]
@@ -85,9 +88,7 @@ class Traffic:
         k = self._size(dim)
         if k == 1 or times == 0:
             return
-        per = full_numel * itemsize * (k - 1) / k
-        self._count[(kind, dim)] += times
-        self._bytes[(kind, dim)] += times * (2 * per if kind == "all_reduce" else per)
+        self.record(kind, dim, times * ring_bytes(kind, full_numel * itemsize, k), times)
 
     # hierarchical global collectives, as the engine issues them
     def all_gather(self, level: Level, numel: float, itemsize: int, times: float = 1) -> None:
@@ -103,27 +104,6 @@ class Traffic:
             self.add("reduce_scatter", "intra", numel, itemsize, times)
         if level == _G:
             self.add("reduce_scatter", "inter", numel / self.m, itemsize, times)
-
-    def bytes(self, kind: str | None = None, dim: str | None = None) -> float:
-        return sum(v for (k, d), v in self._bytes.items() if kind in (None, k) and dim in (None, d))
-
-    def count(self, kind: str | None = None, dim: str | None = None) -> float:
-        return sum(v for (k, d), v in self._count.items() if kind in (None, k) and dim in (None, d))
-
-    def as_dict(self) -> dict[str, dict[str, float]]:
-        """``{"kind/dim": {"count", "bytes"}}``, the format of ``CommStats.as_dict()``."""
-        return {f"{k}/{d}": {"count": self._count[(k, d)], "bytes": self._bytes[(k, d)]} for (k, d) in sorted(self._count)}
-
-    def __iadd__(self, other: "Traffic") -> "Traffic":
-        for key, v in other._count.items():
-            self._count[key] += v
-        for key, v in other._bytes.items():
-            self._bytes[key] += v
-        return self
-
-    def __repr__(self) -> str:
-        rows = [f"{k:>14} {d:>6} {self._count[(k, d)]:>8g} {self._bytes[(k, d)] / 2**20:12.3f} MiB" for (k, d) in sorted(self._count)]
-        return "Traffic(\n" + "\n".join(rows) + "\n)"
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,7 @@ from typing import Callable
 import torch
 
 from .comm import CommStats, use_safe_gloo_all_gather
+from .cost.collectives import ring_bytes
 from .mesh import MeshInfo
 from .streams import CommStreams, active
 
@@ -162,8 +163,7 @@ class ParoCC:
         if self.stats is None:
             return
         k = self.info.g if dim == "inter" else self.info.m
-        per_rank = full_numel * t.element_size() * (k - 1) / k
-        self.stats.record(kind, dim, 2 * per_rank if kind == "all_reduce" else per_rank)
+        self.stats.record(kind, dim, ring_bytes(kind, full_numel * t.element_size(), k))
 
     def _ag(self, x: torch.Tensor, dim: str) -> torch.Tensor:
         k = self.info.g if dim == "inter" else self.info.m
