@@ -143,7 +143,9 @@ class Trainer:
         """``paro_strategy = "auto"``: the advisor (paro_fsdp/advisor.py) ranks all 27 strategies
         on the given cluster file, or on this mesh calibrated now; log the table, train with the
         fastest that fits. Rank 0's choice is broadcast so every rank shards the same way."""
-        from paro_fsdp.advisor import AdvisorError, calibrate_in_process, choose_strategy, load_cluster
+        from paro_fsdp.cost.calibrate import calibrate_in_process
+        from paro_fsdp.cost.cluster import AdvisorError, load_cluster
+        from paro_fsdp.cost.predict import choose_strategy
 
         t, p = self.cfg.training, self.cfg.parallelism
         dtype = {"bfloat16": "bf16", "float32": "fp32"}
@@ -359,7 +361,7 @@ def run_estimate(cfg: JobConfig, world: Optional[int]) -> int:
     if not world:
         print("train.py: error: --estimate needs --world N (the number of ranks to estimate for)", file=sys.stderr)
         return 2
-    from tools.estimate import estimate, format_table
+    from paro_fsdp.cost.estimate import estimate, format_table
 
     t, p = cfg.training, cfg.parallelism
     m = group_size(cfg, world, local_world_size=min(8, world))
@@ -372,7 +374,8 @@ def run_estimate(cfg: JobConfig, world: Optional[int]) -> int:
     dtype = {"bfloat16": "bf16", "float32": "fp32"}
     chosen = p.paro_strategy.upper()
     if chosen == "AUTO":  # rank the strategies on the cluster file (default: the A100 preset)
-        from paro_fsdp.advisor import AdvisorError, choose_strategy
+        from paro_fsdp.cost.cluster import AdvisorError
+        from paro_fsdp.cost.predict import choose_strategy
 
         try:
             best, table = choose_strategy(args, world, m, t.local_batch_size, accum, t.seq_len,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from paro_fsdp.cost.collectives import ring_bytes
 from paro_fsdp.mesh import GROUPS, MeshInfo
 
 _ops = torch.ops._c10d_functional
@@ -46,9 +47,7 @@ class Collective:
     @property
     def ring_bytes(self) -> float:
         """Bytes one rank sends, by the spec's ring formula (as comm.CommStats counts them)."""
-        k = self.group_size
-        per_rank = self.nbytes * (k - 1) / k
-        return 2 * per_rank if self.kind == "all_reduce" else per_rank
+        return ring_bytes(self.kind, self.nbytes, self.group_size)
 
     @property
     def group_size(self) -> int:

@@ -4,7 +4,7 @@ Why: inductor's overlap scheduler (``aten_distributed_optimizations.enable_overl
 estimates collectives from the GPU's NCCL bandwidth tables and compute by benchmarking on the
 GPU; on CPU it fails ("0 active drivers", or importing triton for its fusion-region costs). It accepts a ``custom_runtime_estimation(node,
 override_size)``: this one prices every node with the advisor's cluster description
-(``paro_fsdp/advisor.py``: per-link ring bandwidth and latency, achieved FLOP/s, memory
+(``paro_fsdp/cost/``: per-link ring bandwidth and latency, achieved FLOP/s, memory
 bandwidth), so the scheduler runs on CPU and plans for the cluster the job is sized for. Times
 are in milliseconds, as inductor's own estimates.
 """
@@ -16,7 +16,8 @@ import torch
 import torch._inductor.fx_passes.overlap_scheduling as _overlap
 import torch.fx as fx
 
-from paro_fsdp.advisor import Cluster, load_cluster
+from paro_fsdp.cost.cluster import Cluster, link_for, load_cluster
+from paro_fsdp.cost.collectives import link_seconds, ring_bytes
 from paro_fsdp.mesh import GROUPS
 
 from .graph import COMPUTE, KIND_OF
@@ -61,11 +62,10 @@ class RuntimeEstimate:
             nbytes = _numel_bytes(node.meta.get("val"))
         else:
             nbytes = _numel_bytes(node.args[0].meta.get("val"))  # type: ignore[union-attr]
-        link = self.cluster.intra if dim == "intra" else self.cluster.inter  # global: the slow links bound it
-        bandwidth, latency = link.cost(kind)
-        steps = 2 * (k - 1) if kind == "all_reduce" else k - 1
-        ring = nbytes * steps / max(k, 1)
-        return (ring / bandwidth + steps * latency) * 1e3
+        # one node at a time, without the mesh shape: the plain link of its dimension (global:
+        # the slow links bound it), not the advisor's layout-aware choice
+        link = link_for(dim, self.cluster)
+        return link_seconds(link, kind, k, ring_bytes(kind, nbytes, k)) * 1e3
 
     def __call__(self, node: fx.Node, override_size: int | None = None) -> float | None:
         if node.op != "call_function":
@@ -81,7 +81,7 @@ class RuntimeEstimate:
 
 def enable_overlap_scheduler(cluster: Cluster | str = "a100_ib") -> RuntimeEstimate:
     """Turn on inductor's overlap scheduler with our estimates (``cluster``: a ``Cluster`` or a
-    preset name / TOML path for ``paro_fsdp.advisor.load_cluster``)."""
+    preset name / TOML path for ``paro_fsdp.cost.cluster.load_cluster``)."""
     estimate = RuntimeEstimate(load_cluster(cluster) if not isinstance(cluster, Cluster) else cluster)
     cfg = torch._inductor.config.aten_distributed_optimizations
     cfg.enable_overlap_scheduling = True

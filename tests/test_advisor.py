@@ -1,4 +1,4 @@
-"""The strategy advisor (paro_fsdp/advisor.py, tools/advisor.py, tools/calibrate.py).
+"""The strategy advisor (paro_fsdp/cost/, tools/advisor.py, tools/calibrate.py).
 
 What must hold (issue 5): the cost model's byte counts equal the engine's measured CommStats and
 its model-state memory equals memory_report, for every strategy, on the fake 64-rank mesh and on
@@ -18,18 +18,9 @@ import pytest
 import torch
 
 from paro_fsdp import ALL_STRATEGIES, Strategy
-from paro_fsdp.advisor import (
-    AdvisorError,
-    Cluster,
-    activation_bytes,
-    choose_strategy,
-    cluster_from_dict,
-    cluster_to_toml,
-    load_cluster,
-    model_spec,
-    predict,
-    rank_strategies,
-)
+from paro_fsdp.cost.cluster import AdvisorError, Cluster, cluster_from_dict, cluster_to_toml, load_cluster, presets
+from paro_fsdp.cost.model import activation_bytes, model_spec
+from paro_fsdp.cost.predict import choose_strategy, predict, rank_strategies
 from paro_fsdp.ledger import formula_bytes, traffic_of
 from paro_fsdp.models.llama import Llama, LlamaArgs
 
@@ -54,7 +45,7 @@ def _assert_same_collectives(got: dict, expected: dict, what: str) -> None:
 
 # ---- exactness: the fake 64-rank mesh ---------------------------------------------------------
 def test_bytes_and_state_memory_equal_engine_on_fake_64_ranks():
-    from tools.estimate import estimate, release_fake_world
+    from paro_fsdp.cost.estimate import estimate, release_fake_world
 
     a100 = load_cluster("a100_ib")
     try:
@@ -84,7 +75,7 @@ def _four_rank_case(payload):
     import torch.distributed as dist
 
     from paro_fsdp import MixedPrecision, ParoOptimizer, init_paro_mesh, paro_shard
-    from paro_fsdp.advisor import calibrate_in_process
+    from paro_fsdp.cost.calibrate import calibrate_in_process
 
     start = time.perf_counter()
     mesh = init_paro_mesh(2)
@@ -180,7 +171,7 @@ def test_activation_formula_equals_saved_tensors(dtype, act_bytes, ckpt):
 
 
 def test_step_decomposes_into_micro_steps_and_boundary_and_matches_spec_ledger():
-    from paro_fsdp.advisor import buckets
+    from paro_fsdp.cost.model import buckets
 
     spec = model_spec("llama7b")
     for s in ALL_STRATEGIES:
@@ -226,7 +217,7 @@ def _write(tmp_path: Path, text: str) -> Path:
     return path
 
 
-GOOD = (Path(__file__).resolve().parent.parent / "tools" / "clusters" / "a100_ib.toml").read_text()
+GOOD = (presets() / "a100_ib.toml").read_text()
 
 
 @pytest.mark.parametrize("mutate,needle", [
@@ -267,7 +258,7 @@ def test_bad_model_and_sizes_errors():
 
 
 def test_cli_errors_exit_2_with_one_line(capsys):
-    from tools.advisor import main
+    from paro_fsdp.cost.report import main
 
     assert main(["--model", "llama8b", "--no-plot"]) == 2
     assert "unknown model flavor 'llama8b'" in capsys.readouterr().err
@@ -279,7 +270,7 @@ def test_cli_errors_exit_2_with_one_line(capsys):
 
 # ---- the CLI ----------------------------------------------------------------------------------
 def test_cli_table_plot_and_sweeps(tmp_path, capsys):
-    from tools.advisor import main
+    from paro_fsdp.cost.report import main
 
     pytest.importorskip("matplotlib")
     png = tmp_path / "a.png"
@@ -360,5 +351,5 @@ def test_presets_load_and_document_their_sources():
         assert c.gpus_per_node == 8 and c.memory_gib == 80 and c.source and c.node_gbps
         assert c.intra.bandwidth_gbs > 10 * c.inter.bandwidth_gbs or name == "h100_ndr"
         assert 100 <= c.node_gbps <= 400 or name == "h100_ndr"
-        text = (Path(__file__).resolve().parent.parent / "tools" / "clusters" / f"{name}.toml").read_text()
+        text = (presets() / f"{name}.toml").read_text()
         assert text.count("#") > 5  # the derivation of every number is written down

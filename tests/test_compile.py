@@ -20,7 +20,7 @@ from dist_harness import run_world
 from paro_fsdp import ALL_STRATEGIES, paro_shard
 from paro_fsdp.models.llama import LlamaArgs
 from passes.graph import collectives
-from tools.estimate import fake_mesh, release_fake_world
+from paro_fsdp.cost.estimate import fake_mesh, release_fake_world
 from workloads import ODD, TINY, batch, make_model, reference
 
 # one strategy per (P level, G level) pair

@@ -28,7 +28,9 @@ import time
 from dataclasses import replace
 from typing import Any, Optional, Sequence
 
-from paro_fsdp.advisor import Cluster, cluster_to_toml, predict
+from paro_fsdp.cost.cluster import Cluster, cluster_to_toml
+from paro_fsdp.cost.predict import predict
+from paro_fsdp.local_world import run_local_world
 from paro_fsdp.models.llama import LlamaArgs
 
 CHECK = LlamaArgs(dim=256, n_layers=4, n_heads=4, ffn_dim=704, vocab_size=4096, max_seq_len=128)
@@ -42,7 +44,7 @@ def _rank_main(payload: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     from paro_fsdp import MixedPrecision, ParoOptimizer, init_paro_mesh, paro_shard
-    from paro_fsdp.advisor import calibrate_in_process
+    from paro_fsdp.cost.calibrate import calibrate_in_process
     from paro_fsdp.models.llama import Llama
 
     mesh = init_paro_mesh(payload["group_size"])
@@ -127,12 +129,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if a.nproc % a.group_size:
         print(f"advisor_check: error: group size {a.group_size} does not divide --nproc {a.nproc}", file=sys.stderr)
         return 2
-    from tools.calibrate import run_local
-
     payload = {"group_size": a.group_size, "strategies": a.strategies.split(","), "steps": a.steps, "reps": a.reps,
                "sizes_mib": [float(x) for x in a.sizes_mib.split(",")]}
     wall = time.perf_counter()
-    out = run_local(a.nproc, "tools.advisor_check:_rank_main", payload)
+    out = run_local_world(a.nproc, "tools.advisor_check:_rank_main", payload)[0]
     c = out["cluster"]
     print(f"check model: dim {CHECK.dim}, {CHECK.n_layers} layers, ffn {CHECK.ffn_dim}, vocab {CHECK.vocab_size}, fp32; "
           f"micro-batch {MICRO_BATCH} x {SEQ_LEN} tokens, A = {GRAD_ACCUM}; {a.nproc} gloo ranks = "

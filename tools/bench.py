@@ -38,7 +38,7 @@ Columns:
              tx_bytes counters of node 0's loopback (intra) and uplink(s) (inter), divided by
              the ranks per node (gloo's wire bytes: its reduce-scatter is an all-reduce)
   pred s     the advisor's predicted step time with a cluster calibrated on this emulator
-             (paro_fsdp.advisor.calibrate_in_process, run by the workers first); PaRO rows only
+             (paro_fsdp.cost.calibrate.calibrate_in_process, run by the workers first); PaRO rows only
 """
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.tensor import DTensor
 
     from paro_fsdp import MixedPrecision, ParoOptimizer, init_paro_mesh, paro_shard
-    from paro_fsdp.advisor import model_spec
+    from paro_fsdp.cost.model import model_spec
     from paro_fsdp.models.llama import Llama, LlamaArgs
 
     torch.set_num_threads(1)
@@ -251,7 +251,8 @@ def worker(args: argparse.Namespace) -> None:
     cluster, preds, pick = None, {}, None
     t0 = time.perf_counter()
     if not args.no_advisor:
-        from paro_fsdp.advisor import calibrate_in_process, choose_strategy, predict
+        from paro_fsdp.cost.calibrate import calibrate_in_process
+        from paro_fsdp.cost.predict import choose_strategy, predict
 
         cluster = calibrate_in_process(mesh, margs, micro_batch=args.batch, seq_len=args.seq, dtype=args.dtype, reps=2,
                                        name="emulated")

@@ -1,0 +1,347 @@
+"""Calibration: measure the mesh this process belongs to and return the :class:`Cluster` the
+cost model reads.
+
+Why in the package: the trainer's ``paro_strategy = "auto"`` without a cluster file calibrates
+at start-up, and ``tools.calibrate``, ``tools.advisor_check`` and ``tools.bench`` calibrate the
+mesh they run on; all call :func:`calibrate_in_process` on every rank. Collectives are timed at
+several sizes and fitted with the same alpha-beta ring model the time model prices
+(``cost.collectives``), so what is measured is what is predicted.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+from ..local_world import run_local_world
+from ..models.llama import LlamaArgs, flavor
+from .cluster import GB, Cluster, GiB, cluster_to_toml
+from .collectives import KINDS, Link, hops, ring_bytes
+from .model import flops_per_token, model_spec
+
+__all__ = ["calibrate_in_process", "fit_alpha_beta", "main", "run"]
+
+CLI_DOC = """Measure the real mesh and write a cluster file the advisor reads.
+
+    torchrun --nproc-per-node 8 --nnodes 4 ... -m tools.calibrate --out my_cluster.toml
+    python -m tools.calibrate --nproc 4 --group-size 2 --out cpu4.toml     # local gloo ranks on CPU
+    python -m tools.advisor --cluster my_cluster.toml --model llama7b --gpus 64 ...
+
+Why: the advisor's predictions are only as good as its bandwidths, latencies and FLOP/s, and
+datasheet figures are optimistic (and say nothing about a particular fabric). This runs the
+collectives PaRO uses on the mesh PaRO uses — all-gather, reduce-scatter and all-reduce over
+the ``intra`` and the ``inter`` dimension of the (n/m, m) mesh, every group at once as in
+training, at several buffer sizes — and fits time = (ring steps) x latency + ring bytes /
+bandwidth per kind and dimension; it also times a matmul, one transformer block's forward +
+backward at the model's shape (the achieved FLOP/s the advisor uses), memory bandwidth and how
+well a collective overlaps compute. Any backend: NCCL on GPUs, gloo on CPU. Every rank takes
+part; rank 0 writes the TOML (``[measured]`` keeps the raw timings).
+
+The file describes *this* mesh: ``gpus_per_node`` = the group size, ``[intra]`` = the intra
+dimension's links, ``[inter]`` = the inter dimension's, per GPU while all ranks communicate.
+Calibrate with the group size you will train with (normally the GPUs per node) and at least
+two groups, so that the inter links are measured (with one group, [inter] copies [intra]).
+"""
+
+
+def fit_alpha_beta(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Fit time = a + bytes / bw to (bytes, seconds) points, least squares in *relative* error
+    (so the small messages set the latency and the large ones the bandwidth); returns
+    (bw in bytes/s, a in s) with a >= 0 and bw > 0."""
+    pts = [(x, y) for x, y in points if y > 0]
+    if not pts:
+        raise ValueError("no positive timings to fit")
+    if len(pts) == 1 or max(x for x, _ in pts) == min(x for x, _ in pts):
+        x, y = max(pts)
+        return x / y, 0.0
+    # minimise sum(((a + s x) / y - 1)^2): normal equations in (a, s) with u = 1/y, v = x/y
+    suu = sum(1 / y**2 for _, y in pts)
+    svv = sum((x / y) ** 2 for x, y in pts)
+    suv = sum(x / y**2 for x, y in pts)
+    su = sum(1 / y for _, y in pts)
+    sv = sum(x / y for x, y in pts)
+    det = suu * svv - suv**2
+    a = (su * svv - sv * suv) / det
+    slope = (suu * sv - suv * su) / det
+    if slope <= 0:  # noise dominates: the largest message's throughput, the smallest's time
+        return max(pts)[0] / max(pts)[1], min(pts)[1]
+    if a < 0:  # no measurable latency: a line through the origin, relative least squares
+        return sum((x / y) ** 2 for x, y in pts) / sum(x / y for x, y in pts), 0.0
+    return 1.0 / slope, a
+
+
+def calibrate_in_process(
+    mesh: Any,
+    model_args: Optional[Union[str, LlamaArgs]] = None,
+    micro_batch: int = 1,
+    seq_len: int = 128,
+    dtype: str = "bf16",
+    sizes_mib: Optional[Sequence[float]] = None,
+    reps: int = 3,
+    name: str = "calibrated",
+) -> Cluster:
+    """Measure the mesh this process belongs to and return a :class:`Cluster`.
+
+    Collective: every rank of ``mesh`` (the PaRO ("inter", "intra") mesh) must call it. For each
+    mesh dimension of size > 1 and each of all-gather / reduce-scatter / all-reduce, times
+    ``reps`` calls at several buffer sizes (every group of the dimension runs at once, as in
+    training; the fastest call counts), fits time = hops x latency + ring bytes / bandwidth, and keeps the slowest rank's
+    numbers; measures matmul FLOP/s, a transformer block's forward + backward at
+    ``model_args``' shape (the ``achieved_tflops`` the advisor uses), memory bandwidth (an
+    in-place add), and how much a collective overlaps with compute. All ranks agree on the result
+    (max-reduced). ``gpus_per_node`` is set to the intra size, so the intra dimension maps to the
+    ``intra`` link."""
+    import torch
+    import torch.distributed as dist
+
+    from ..models.llama import TransformerBlock, rope_tables
+
+    # the non-deprecated names where this torch has them (same c10d collectives)
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    info_dims = {d: mesh.get_group(d) for d in ("intra", "inter")}
+    sizes = {d: dist.get_world_size(grp) for d, grp in info_dims.items()}
+    m, g = sizes["intra"], sizes["inter"]
+    device = mesh.device_type
+    dev = torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    if sizes_mib is None:
+        sizes_mib = (0.0625, 1, 8, 64) if device == "cuda" else (0.0625, 0.5, 2, 8)
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    def timed(fn, r: int) -> float:
+        """The fastest of ``r`` timed calls after a warm-up: the figure least disturbed by other
+        work on a shared machine (a collective's figure is then the slowest rank's)."""
+        fn()
+        sync()
+        ts = []
+        for _ in range(r):
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            ts.append(time.perf_counter() - t0)
+        return min(ts)
+
+    def slowest(values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.cpu().tolist()
+
+    measured: dict[str, Any] = {"ranks": m * g, "intra_size": m, "inter_size": g, "backend": dist.get_backend(),
+                                "device": device, "sizes_mib": list(sizes_mib)}
+    links: dict[str, Link] = {}
+    for d in ("intra", "inter"):
+        k, grp = sizes[d], info_dims[d]
+        if k == 1:
+            continue
+        per_kind: dict[str, tuple[float, float]] = {}
+        for kind in KINDS:
+            raw: list[float] = []
+            ring: list[float] = []
+            for mib in sizes_mib:
+                numel = max(k, int(mib * 2**20 / 4) // k * k)  # fp32 elements, divisible by k
+                full = torch.ones(numel, device=dev)
+                shard = torch.ones(numel // k, device=dev)
+                if kind == "all_gather":
+                    fn = lambda: all_gather(full, shard, group=grp)  # noqa: E731
+                elif kind == "reduce_scatter":
+                    fn = lambda: reduce_scatter(shard, full, group=grp)  # noqa: E731
+                else:
+                    fn = lambda: dist.all_reduce(full, group=grp)  # noqa: E731
+                dist.barrier()
+                raw.append(timed(fn, reps))
+                ring.append(ring_bytes(kind, numel * 4, k))
+            times = slowest(raw)
+            bw, a = fit_alpha_beta(list(zip(ring, times)))
+            per_kind[kind] = (bw / GB, a / hops(kind, k) * 1e6)
+            measured[f"{d}_{kind}_seconds"] = [round(t, 7) for t in times]
+        default_bw, default_lat = per_kind["all_gather"]
+        links[d] = Link(default_bw, default_lat, {kd: v for kd, v in per_kind.items() if v != (default_bw, default_lat)})
+    for d, other in (("intra", "inter"), ("inter", "intra")):
+        measured[f"{d}_link"] = "measured" if d in links else (f"copied from {other}" if other in links else
+                                                                "not measured (one rank): placeholder")
+    if not links:  # a single rank: nothing to time; the advisor then sees communication as free
+        links["intra"] = links["inter"] = Link(1e3, 0.0)
+    links.setdefault("intra", links.get("inter"))
+    links.setdefault("inter", links.get("intra"))
+
+    # matmul FLOP/s, all ranks at once (they share the machine in training too)
+    nmm = 4096 if device == "cuda" else 512
+    a_ = torch.randn(nmm, nmm, device=dev, dtype=tdtype)
+    b_ = torch.randn(nmm, nmm, device=dev, dtype=tdtype)
+    dist.barrier()
+    t_mm = timed(lambda: a_ @ b_, max(reps, 3))
+    # a transformer block's forward + backward at the model's shape
+    args = flavor(model_args) if isinstance(model_args, str) else (model_args or LlamaArgs(
+        dim=256, n_layers=1, n_heads=4, ffn_dim=704, vocab_size=1024, max_seq_len=seq_len))
+    torch.manual_seed(0)
+    block = TransformerBlock(args).to(device=dev, dtype=tdtype)
+    x = torch.randn(micro_batch, seq_len, args.dim, device=dev, dtype=tdtype, requires_grad=True)
+    cos, sin = (t.to(dev) for t in rope_tables(args.dim // args.n_heads, seq_len, args.rope_theta))
+
+    def block_step() -> None:
+        block(x, cos, sin).float().sum().backward()
+
+    dist.barrier()
+    t_block = timed(block_step, max(reps, 3))
+    spec1 = replace(model_spec(replace(args, n_layers=1)), vocab_size=0)
+    f_fwd, f_bwd = flops_per_token(replace(spec1, trainable_layers=1), seq_len, False)
+    block_flops = (f_fwd + f_bwd) * micro_batch * seq_len
+    # memory bandwidth: y += x reads 2 and writes 1 buffer
+    nbw = (64 if device == "cuda" else 16) * 2**20
+    xb, yb = torch.ones(nbw, device=dev), torch.ones(nbw, device=dev)
+    dist.barrier()
+    t_bw = timed(lambda: yb.add_(xb), max(reps, 3))
+    # overlap: a collective on the widest dimension issued async while matmuls run
+    d_ov = "inter" if g > 1 else ("intra" if m > 1 else None)
+    overlap = 0.0
+    if d_ov is not None:
+        k, grp = sizes[d_ov], info_dims[d_ov]
+        numel = int(sizes_mib[-1] * 2**20 / 4) // k * k
+        full, shard = torch.ones(numel, device=dev), torch.ones(numel // k, device=dev)
+        comm = lambda: all_gather(full, shard, group=grp)  # noqa: E731
+        t_comm = timed(comm, reps)
+        n_mm = max(1, int(round(t_comm / max(t_mm, 1e-9))))
+        comp = lambda: [a_ @ b_ for _ in range(n_mm)]  # noqa: E731
+
+        def both() -> None:
+            work = all_gather(full, shard, group=grp, async_op=True)
+            comp()
+            work.wait()
+
+        # interleaved rounds and medians: the three figures must come from the same conditions
+        samples: dict[str, list[float]] = {"comm": [], "comp": [], "both": []}
+        for _ in range(max(reps, 5)):
+            for key, fn in (("comm", comm), ("comp", comp), ("both", both)):
+                dist.barrier()
+                t0 = time.perf_counter()
+                fn()
+                sync()
+                samples[key].append(time.perf_counter() - t0)
+        t_comm, t_comp, t_both = (statistics.median(samples[k]) for k in ("comm", "comp", "both"))
+        t_comm, t_comp, t_both = slowest([t_comm, t_comp, t_both])
+        overlap = min(1.0, max(0.0, (t_comm + t_comp - t_both) / max(min(t_comm, t_comp), 1e-12)))
+    t_mm, t_block, t_bw = slowest([t_mm, t_block, t_bw])
+    if device == "cuda":
+        mem_gib = torch.cuda.get_device_properties(dev).total_memory / GiB
+    else:
+        try:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            total = 16 * GiB
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", m * g))
+        mem_gib = total / GiB / max(1, local)
+    measured.update(matmul_n=nmm, block_dim=args.dim, block_seq=seq_len, block_micro_batch=micro_batch,
+                    block_seconds=round(t_block, 6), overlap_dim=d_ov or "-")
+    return Cluster(
+        name=name, gpus_per_node=m, memory_gib=round(mem_gib, 3), achieved_tflops=block_flops / t_block / 1e12,
+        memory_bandwidth_gbs=3 * nbw * 4 / t_bw / GB, intra=links["intra"], inter=links["inter"],
+        overlap=round(overlap, 3), usable_memory_fraction=0.9,
+        description=f"measured by tools.calibrate on {m * g} ranks ({g} groups x {m}), {dist.get_backend()} on {device}",
+        source="tools.calibrate", measured={**measured, "matmul_tflops": 2 * nmm**3 / t_mm / 1e12},
+    )
+
+
+# ---- the command line: python -m tools.calibrate ---------------------------------------------
+PROBE = dict(dim=256, n_layers=1, n_heads=4, ffn_dim=704, vocab_size=1024)
+
+
+def _summary(c: Cluster) -> str:
+    rows = [f"{c.description}",
+            f"  achieved {c.achieved_tflops:.3g} TFLOP/s (transformer block fwd+bwd), matmul "
+            f"{c.measured.get('matmul_tflops', float('nan')):.3g} TFLOP/s, memory {c.memory_bandwidth_gbs:.3g} GB/s, "
+            f"overlap {c.overlap:.2f}, {c.memory_gib:.1f} GiB per rank"]
+    for name, link in (("intra", c.intra), ("inter", c.inter)):
+        kinds = ", ".join(f"{k} {bw:.3g} GB/s {lat:.3g} us" for k, (bw, lat) in sorted(link.per_kind.items()))
+        how = c.measured.get(f"{name}_link", "measured")
+        if how != "measured":
+            rows.append(f"  {name}: {how}")
+            continue
+        rows.append(f"  {name}: all_gather {link.bandwidth_gbs:.3g} GB/s, {link.latency_us:.3g} us/step"
+                    + (f"; {kinds}" if kinds else ""))
+    return "\n".join(rows)
+
+
+def run(args: argparse.Namespace) -> Optional[Cluster]:
+    """Calibrate inside an initialised (or to be initialised) process group; rank 0 writes."""
+    import torch
+    import torch.distributed as dist
+
+    from ..mesh import init_paro_mesh
+
+    if not dist.is_initialized():
+        backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if backend == "nccl":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+            dist.init_process_group(backend, device_id=device)
+        else:
+            dist.init_process_group(backend)
+    world = dist.get_world_size()
+    m = args.group_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if world % m:
+        raise SystemExit(f"calibrate: group size {m} does not divide the world size {world}")
+    mesh = init_paro_mesh(m)
+    if args.model:
+        model_args = flavor(args.model)
+    elif mesh.device_type == "cuda":
+        model_args = flavor("llama7b")
+    else:
+        model_args = LlamaArgs(**PROBE, max_seq_len=args.seq_len)
+    sizes = [float(x) for x in args.sizes_mib.split(",")] if args.sizes_mib else None
+    cluster = calibrate_in_process(mesh, model_args, args.micro_batch, args.seq_len, args.dtype, sizes, args.reps,
+                                   name=Path(args.out).stem if args.out else "calibrated")
+    if dist.get_rank() == 0:
+        text = cluster_to_toml(cluster, [
+            "Measured by python -m tools.calibrate; read by python -m tools.advisor --cluster THIS_FILE.",
+            "bandwidth_gbs: ring bus bandwidth per rank (GB/s = 1e9 B/s) while every rank communicates;",
+            "latency_us: per ring step; achieved_tflops: a transformer block's forward + backward at",
+            f"dim {model_args.dim}, ffn {model_args.ffn_dim}, micro-batch {args.micro_batch} x seq {args.seq_len}, {args.dtype}.",
+        ])
+        if args.out:
+            Path(args.out).write_text(text)
+        print(_summary(cluster))
+        print(f"wrote {args.out}" if args.out else text)
+    return cluster
+
+
+def _local_entry(argv: list[str]) -> Optional[Cluster]:
+    return run(build_parser().parse_args(argv))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m tools.calibrate", description=CLI_DOC.split("\n\n")[0])
+    ap.add_argument("--out", default="calibrated_cluster.toml", help="cluster TOML to write ('' prints it)")
+    ap.add_argument("--group-size", type=int, default=None,
+                    help="ranks per group m (default: LOCAL_WORLD_SIZE under torchrun, nproc/2 when spawning)")
+    ap.add_argument("--nproc", type=int, default=4, help="without torchrun: local gloo ranks to spawn")
+    ap.add_argument("--backend", default=None, help="nccl / gloo (default: nccl when GPUs are visible)")
+    ap.add_argument("--model", default=None, help="flavor whose block shape sets achieved_tflops (default: llama7b on GPU, a small probe on CPU)")
+    ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    ap.add_argument("--sizes-mib", default=None, help="buffer sizes, comma-separated MiB (default 0.0625,0.5,2,8 on CPU; up to 64 on GPU)")
+    ap.add_argument("--reps", type=int, default=3, help="timed repetitions per size (median)")
+    return ap
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    if "RANK" in os.environ:  # under torchrun
+        run(args)
+        return 0
+    if args.nproc < 1:
+        raise SystemExit("calibrate: --nproc must be >= 1")
+    if args.group_size is None and args.nproc >= 2 and args.nproc % 2 == 0:
+        argv += ["--group-size", str(args.nproc // 2)]  # two groups: both mesh dimensions get measured
+    run_local_world(args.nproc, f"{__name__}:_local_entry", argv)
+    return 0

@@ -1,0 +1,342 @@
+"""Per-rank memory and per-step communication of every PaRO strategy, counted by the engine.
+
+    python -m tools.estimate --model llama7b --world 64 --group 8 [--strategies IIG,GGG]
+        [--micro-batch 1 --seq-len 16 --grad-accum 4] [--trainable-fraction 1.0] [--dtype bf16]
+        [--full] [--json]
+
+Why this exists: the ledger of PARO_SPEC.md section 3 says what each strategy *should* cost;
+this tool measures what the engine *does*. In one process it starts torch's fake process group
+(``world`` simulated ranks, this process is rank 0) and, under ``FakeTensorMode`` (tensors carry
+shapes only, so a 7B model costs no memory and no FLOPs), for each strategy it builds the Llama
+model, ``paro_shard``s it on the (world/group, group) ("inter", "intra") mesh, wraps AdamW in
+``ParoOptimizer`` and runs one real optimizer step of A micro-steps (forward, backward,
+``clip_grad_norm_``, ``step``) through the engine. ``model.comm_stats()`` then holds the
+collectives the engine actually issued and ``model.memory_report(opt)`` the model states it
+holds; both are printed next to the spec's formulas (``paro_fsdp.ledger``) with their ratio.
+
+Defaults and shortcuts, and why they do not change the answer:
+- ``--seq-len 16 --micro-batch 1``: activations do not enter model-state memory or collective
+  bytes, and a short sequence keeps the fake compute cheap.
+- AdamW runs with ``fused=True``: its other implementations call ``.item()`` on the step
+  counter, which fake tensors cannot answer. Same states (fp32 exp_avg, exp_avg_sq: 8 bytes per
+  trainable element, + 4 for the fp32 master = the spec's K = 12).
+- Depth: by default each strategy runs on the flavor's exact shapes with 1 and 2 transformer
+  layers (and a third model with one frozen layer when part of the model is frozen), and the
+  counts are extended to the full depth linearly. That is exact, not an approximation: every
+  layer is a separate engine block with identical shapes and identical collectives, and the root
+  block (embeddings, final norm, output) is the same at any depth, so each measured quantity is
+  root + (#trainable layers) x per-trainable-layer + (#frozen layers) x per-frozen-layer.
+  Running all 32 layers of LLaMA-7B through fake tensors costs ~15 s CPU per strategy on this
+  2-core machine, too slow for 27 strategies; ``--full`` does it anyway (and the test checks
+  that both agree on a 4-layer model).
+- World size: the layout's work is per tensor, not per rank (indices of uneven shards are built
+  once per size and mesh), so ``--world 1024`` costs about what ``--world 64`` does (~1 min for
+  all 27 strategies of LLaMA-7B on 2 idle cores); tests/test_estimate.py guards that.
+- ``--trainable-fraction f``: trainable parameters are whole transformer layers, the first t of
+  them (t >= 1 chosen so that t x layer size is closest to f x Psi); with f < 1 every other
+  parameter, the root's included, is frozen (requires_grad=False). Frozen layers after the
+  trainable ones still run backward (gradients flow to the earlier trainable layers), so they
+  are gathered twice per micro-step, like the spec assumes. The realised fraction is printed.
+  With f = 1 everything is trainable.
+
+Other code calls ``estimate(...)`` (the trainer's ``--estimate``, the advisor's tests); it
+needs a process without a real process group (it starts, or reuses, the fake one). The command
+line is ``python -m tools.estimate`` (:func:`main`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import replace
+from typing import Any, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from ..api import paro_shard
+from ..ledger import formula_bytes, formula_memory
+from ..mesh import init_paro_mesh
+from ..mixed_precision import MixedPrecision
+from ..models.llama import FLAVORS, Llama, LlamaArgs, flavor
+from ..optim import ParoOptimizer
+from ..strategy import ALL_STRATEGIES, Strategy
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+GiB, GB = 2**30, 1e9
+
+_meshes: dict[tuple[int, int], Any] = {}
+
+
+def ensure_fake_world(world: int) -> None:
+    """Make this process rank 0 of a fake process group of ``world`` ranks.
+
+    A fake group of another size is replaced (it has no state worth keeping); a real one is an
+    error, since the estimate would otherwise issue real collectives.
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        if dist.get_backend() != "fake":
+            raise RuntimeError(
+                f"estimate() needs a process without a real process group (found backend "
+                f"{dist.get_backend()!r}); run it before init_process_group or in its own process"
+            )
+        if dist.get_world_size() == world:
+            return
+        dist.destroy_process_group()
+        _meshes.clear()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+
+
+def release_fake_world() -> None:
+    """Tear down the fake process group (and cached meshes), e.g. when a test module is done."""
+    _meshes.clear()
+    if dist.is_initialized() and dist.get_backend() == "fake":
+        dist.destroy_process_group()
+
+
+def fake_mesh(world: int, group: int):
+    """The (world // group, group) PaRO mesh on the fake process group, built once per shape
+    (outside FakeTensorMode: DeviceMesh keeps real rank tensors)."""
+    ensure_fake_world(world)
+    key = (world, group)
+    if key not in _meshes:
+        _meshes[key] = init_paro_mesh(group)
+    return _meshes[key]
+
+
+def _param_counts(args: LlamaArgs) -> tuple[int, int]:
+    """(root parameters, parameters of one layer) of a flavor, from a fake one-layer model."""
+    with FakeTensorMode():
+        model = Llama(replace(args, n_layers=1))
+    layer = sum(p.numel() for p in model.layers[0].parameters())
+    root = sum(p.numel() for p in model.parameters()) - layer
+    return root, layer
+
+
+def trainable_layers(args: LlamaArgs, fraction: float) -> int:
+    """How many leading layers are trainable for ``fraction`` (all of them, root too, at 1)."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"trainable fraction must be in (0, 1], got {fraction}")
+    if fraction == 1:
+        return args.n_layers
+    root, layer = _param_counts(args)
+    target = fraction * (root + args.n_layers * layer)
+    return min(range(1, args.n_layers + 1), key=lambda t: abs(t * layer - target))
+
+
+def _measure(
+    args: LlamaArgs,
+    pattern: Sequence[bool],
+    root_trainable: bool,
+    mesh: Any,
+    strategy: str,
+    mp: MixedPrecision,
+    grad_accum: int,
+    micro_batch: int,
+    seq_len: int,
+    max_norm: float,
+) -> dict[str, float]:
+    """One optimizer step of a fake model with ``len(pattern)`` layers (``pattern[i]``: layer i
+    trainable) through the engine; the counted collectives and held bytes as a flat vector."""
+    with FakeTensorMode():
+        model = Llama(replace(args, n_layers=len(pattern)))
+        for name, p in model.named_parameters():
+            if name.startswith("layers."):
+                p.requires_grad_(pattern[int(name.split(".")[1])])
+            else:
+                p.requires_grad_(root_trainable)
+        model = paro_shard(model, mesh, strategy, mp=mp)
+        opt = ParoOptimizer(model, torch.optim.AdamW, lr=1e-4, weight_decay=0.1, fused=True)
+        stats = model.comm_stats()
+        stats.reset()
+        for _ in range(grad_accum):
+            tokens = torch.randint(0, args.vocab_size, (micro_batch, seq_len + 1))
+            (model(tokens).loss / grad_accum).backward()
+        opt.clip_grad_norm_(max_norm)
+        opt.step()
+        memory = model.memory_report(opt)
+        opt.zero_grad()
+    out = {f"mem:{k}": float(v) for k, v in memory.items()}
+    for key, entry in stats.as_dict().items():
+        out[f"count:{key}"] = float(entry["count"])
+        out[f"bytes:{key}"] = float(entry["bytes"])
+    return out
+
+
+def _combine(terms: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for coef, vec in terms:
+        for k, v in vec.items():
+            out[k] = out.get(k, 0.0) + coef * v
+    return {k: v for k, v in out.items() if abs(v) > 1e-9 or k.startswith("mem:")}
+
+
+def _measure_extrapolated(args: LlamaArgs, t: int, full: bool, **kw: Any) -> tuple[dict[str, float], str]:
+    """Measured vector of the full-depth model: run directly (``full``) or from 1-2 layer runs."""
+    L = args.n_layers
+    root_trainable = t == L
+    if full or L <= 2:
+        return _measure(args, [True] * t + [False] * (L - t), root_trainable, **kw), f"{L}"
+    one = _measure(args, [True], root_trainable, **kw)
+    two = _measure(args, [True, True], root_trainable, **kw)
+    per_trainable = _combine([(1, two), (-1, one)])
+    root = _combine([(1, one), (-1, per_trainable)])
+    terms = [(1, root), (t, per_trainable)]
+    runs = "1,2"
+    if t < L:
+        frozen = _measure(args, [True, False], root_trainable, **kw)
+        terms.append((L - t, _combine([(1, frozen), (-1, one)])))
+        runs = "1,2,2(1 frozen)"
+    return _combine(terms), f"{runs} -> {L}"
+
+
+def estimate(
+    model: Union[str, LlamaArgs] = "llama7b",
+    world: int = 64,
+    group: int = 8,
+    strategies: Optional[Sequence[str]] = None,
+    grad_accum: int = 4,
+    trainable_fraction: float = 1.0,
+    dtype: str = "bf16",
+    reduce_dtype: Optional[str] = None,
+    micro_batch: int = 1,
+    seq_len: int = 16,
+    full: bool = False,
+    max_norm: float = 1.0,
+    accumulate_dtype: Optional[str] = "fp32",
+) -> list[dict[str, Any]]:
+    """Measure each strategy on a fake ``world``-rank mesh and put the spec's formulas beside it.
+
+    ``model``: a flavor name of ``paro_fsdp.models.llama.FLAVORS`` or ``LlamaArgs``. One dict per
+    strategy, all sizes per rank in bytes: ``mem_{P,G,OS,total}`` (engine's memory_report after
+    the step) and ``formula_mem_*``; ``{intra,inter,global}_bytes`` (engine's comm_stats for one
+    optimizer step of ``grad_accum`` micro-steps; "global" is the clip-norm scalar all-reduce)
+    and ``formula_*_bytes``; ``collectives`` (``{"kind/dim": {"count", "bytes"}}``); the
+    parameter counts ``psi``, ``psi_trainable``, ``psi_kept`` (root, gathered once per
+    micro-step); ``layers_run``. A strategy the engine refuses (e.g. level G on a tensor whose
+    rows do not nest on this mesh) gets an ``error`` entry instead of numbers.
+    """
+    args = flavor(model) if isinstance(model, str) else model
+    if seq_len > args.max_seq_len:
+        raise ValueError(f"seq_len {seq_len} exceeds the model's max_seq_len {args.max_seq_len}")
+    if any(d is not None and d not in DTYPES for d in (dtype, reduce_dtype, accumulate_dtype)) or dtype is None:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r} / {reduce_dtype!r} / {accumulate_dtype!r}")
+    names = [Strategy.parse(s).name for s in (strategies or ALL_STRATEGIES)]
+    mp = MixedPrecision(DTYPES[dtype], DTYPES[reduce_dtype] if reduce_dtype else None,
+                        DTYPES[accumulate_dtype] if accumulate_dtype else None)
+    pb = torch.empty((), dtype=mp.param_dtype).element_size()
+    gb = torch.empty((), dtype=mp.grad_dtype).element_size()
+    ab = torch.empty((), dtype=mp.acc_dtype).element_size()  # the G accumulator's bytes (memory)
+    mesh = fake_mesh(world, group)
+
+    t = trainable_layers(args, trainable_fraction)
+    root, layer = _param_counts(args)
+    psi = root + args.n_layers * layer
+    psi_t = psi if t == args.n_layers else t * layer
+    kw = dict(mesh=mesh, mp=mp, grad_accum=grad_accum, micro_batch=micro_batch, seq_len=seq_len, max_norm=max_norm)
+
+    rows = []
+    for name in names:
+        row: dict[str, Any] = {
+            "strategy": name, "known_as": Strategy.parse(name).known_as, "psi": psi, "psi_trainable": psi_t,
+            "psi_kept": root, "n": world, "m": group, "grad_accum": grad_accum,
+            "param_bytes": pb, "grad_bytes": gb,
+        }
+        try:
+            vec, runs = _measure_extrapolated(args, t, full, strategy=name, **kw)
+        except ValueError as e:
+            row["error"] = str(e)
+            rows.append(row)
+            continue
+        row["layers_run"] = runs
+        for k in ("P", "G", "OS", "total"):
+            row[f"mem_{k}"] = vec.get(f"mem:{k}", 0.0)
+        fm = formula_memory(name, psi, psi_t, world, group, pb, ab)
+        for k in ("P", "G", "OS", "total"):
+            row[f"formula_mem_{k}"] = fm[k]
+        collectives: dict[str, dict[str, float]] = {}
+        for key, v in vec.items():
+            if key.startswith(("count:", "bytes:")):
+                what, kd = key.split(":", 1)
+                collectives.setdefault(kd, {})[what] = v
+        row["collectives"] = collectives
+        for dim in ("intra", "inter", "global"):
+            row[f"{dim}_bytes"] = sum(e.get("bytes", 0.0) for kd, e in collectives.items() if kd.endswith("/" + dim))
+        fb = formula_bytes(name, psi, psi_t, world, group, grad_accum, psi_kept=root, param_bytes=pb, grad_bytes=gb)
+        for dim in ("intra", "inter", "global"):
+            row[f"formula_{dim}_bytes"] = fb[dim]
+        rows.append(row)
+    return rows
+
+
+def _ratio(a: float, b: float) -> str:
+    if b == 0:
+        return "  -   " if a == 0 else "  inf "
+    return f"{a / b:6.4f}"
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """The rows of ``estimate`` as a fixed-width table: memory in GiB, traffic in GB (1e9 bytes)
+    per rank per optimizer step (MiB / MB for models too small to read in those), each measured
+    value next to its formula and their ratio (1.0000: the engine does what the spec says; above
+    1 only where the layout pads tensors whose dim 0 the world size does not divide)."""
+    ok = [r for r in rows if "error" not in r]
+    big_mem = max((r["mem_total"] for r in ok), default=0) >= GiB / 8
+    big_comm = max((r["intra_bytes"] + r["inter_bytes"] for r in ok), default=0) >= GB / 8
+    mu, ms = ("GiB", GiB) if big_mem else ("MiB", 2**20)
+    cu, cs = ("GB", GB) if big_comm else ("MB", 1e6)
+    head = (f"{'strat':5} {'known as':24} | {'P':>7} {'G':>7} {'OS':>7} {'total':>8} {'formula':>8} {'ratio':>6} |"
+            f" {'intra':>8} {'formula':>8} {'ratio':>6} | {'inter':>8} {'formula':>8} {'ratio':>6}")
+    unit = (f"{'':5} {'':24} | {mu:>7} {mu:>7} {mu:>7} {mu:>8} {mu:>8} {'':>6} |"
+            f" {cu:>8} {cu:>8} {'':>6} | {cu:>8} {cu:>8} {'':>6}")
+    lines = [head, unit, "-" * len(head)]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['strategy']:5} {r['known_as'][:24]:24} | error: {r['error'][:100]}")
+            continue
+        lines.append(
+            f"{r['strategy']:5} {r['known_as'][:24]:24} |"
+            f" {r['mem_P'] / ms:7.3f} {r['mem_G'] / ms:7.3f} {r['mem_OS'] / ms:7.3f} {r['mem_total'] / ms:8.3f}"
+            f" {r['formula_mem_total'] / ms:8.3f} {_ratio(r['mem_total'], r['formula_mem_total'])} |"
+            f" {r['intra_bytes'] / cs:8.2f} {r['formula_intra_bytes'] / cs:8.2f} {_ratio(r['intra_bytes'], r['formula_intra_bytes'])} |"
+            f" {r['inter_bytes'] / cs:8.3f} {r['formula_inter_bytes'] / cs:8.3f} {_ratio(r['inter_bytes'], r['formula_inter_bytes'])}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tools.estimate", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="llama7b", choices=sorted(FLAVORS))
+    ap.add_argument("--world", type=int, default=64, help="simulated ranks n")
+    ap.add_argument("--group", type=int, default=8, help="ranks per group m (e.g. GPUs per node)")
+    ap.add_argument("--strategies", default=None, help="comma-separated, e.g. IIG,GGG (default: all 27)")
+    ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument("--seq-len", type=int, default=16, help="short by default: activations do not affect the result")
+    ap.add_argument("--grad-accum", type=int, default=4, help="micro-steps A per optimizer step")
+    ap.add_argument("--trainable-fraction", type=float, default=1.0)
+    ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="parameter (and default gradient) dtype")
+    ap.add_argument("--reduce-dtype", default=None, choices=sorted(DTYPES), help="gradient dtype (default: --dtype)")
+    ap.add_argument("--full", action="store_true", help="run every layer instead of extending 1-2 layer runs (slow)")
+    ap.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+    a = ap.parse_args(argv)
+    wall, cpu = time.perf_counter(), time.process_time()
+    rows = estimate(a.model, a.world, a.group, a.strategies.split(",") if a.strategies else None, a.grad_accum,
+                    a.trainable_fraction, a.dtype, a.reduce_dtype, a.micro_batch, a.seq_len, a.full)
+    if a.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    r0 = rows[0]
+    print(f"{a.model}: Psi = {r0['psi'] / 1e9:.3f} B params, Psi' = {r0['psi_trainable'] / 1e9:.3f} B "
+          f"({r0['psi_trainable'] / r0['psi']:.1%} trainable), kept gathered fwd->bwd (root) = {r0['psi_kept'] / 1e6:.1f} M; "
+          f"n = {a.world}, m = {a.group}, A = {a.grad_accum}, P {a.dtype}, G {a.reduce_dtype or a.dtype}, OS fp32 AdamW; "
+          f"layers run: {r0.get('layers_run', '-')}")
+    print("per rank: model-state memory after the step (memory_report); bytes sent per optimizer step (comm_stats, ring cost)")
+    print(format_table(rows))
+    print(f"(plus one clip-norm all-reduce of an fp32 scalar over all ranks: {r0.get('global_bytes', 0):.3f} bytes, "
+          f"formula {r0.get('formula_global_bytes', 0):.3f})")
+    print(f"{len(rows)} strategies in {time.perf_counter() - wall:.1f} s wall, {time.process_time() - cpu:.1f} s CPU")
+    return 0
+

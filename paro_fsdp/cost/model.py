@@ -1,0 +1,189 @@
+"""The model the cost model prices: a Llama's shapes and parameter counts, its activation memory,
+its FLOPs, and the buckets the engine makes of it.
+
+Why separate from the cluster and the time model: these are facts about the model alone
+(checked against the engine's buckets and against what autograd saves, tests/test_advisor.py);
+``tools.estimate`` and the benchmarks use the same trainable-layer rule.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional, Union
+
+from ..ledger import Bucket
+from ..models.llama import FLAVORS, LlamaArgs, flavor
+from ..strategy import Level, Strategy, StrategyLike
+from .cluster import AdvisorError
+
+__all__ = [
+    "ModelSpec",
+    "activation_bytes",
+    "buckets",
+    "custom_model",
+    "flops_per_token",
+    "model_spec",
+    "trainable_layers",
+]
+
+_N = Level.N
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shapes and parameter counts the cost model needs, for a Llama-shaped model.
+
+    ``root``: parameters outside the layers (embeddings, final norm, output), one engine block
+    gathered once per micro-step; ``layer``: parameters of one layer. The first
+    ``trainable_layers`` layers are trainable; the root is trainable only when all layers are
+    (the convention of ``cost.estimate``)."""
+
+    name: str
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    vocab_size: int
+    trainable_layers: int
+
+    @property
+    def layer(self) -> int:
+        hd = self.dim // self.n_heads
+        return 2 * self.dim * self.dim + 2 * self.dim * self.n_kv_heads * hd + 3 * self.dim * self.ffn_dim + 2 * self.dim
+
+    @property
+    def root(self) -> int:
+        return 2 * self.vocab_size * self.dim + self.dim
+
+    @property
+    def root_trainable(self) -> bool:
+        return self.trainable_layers == self.n_layers
+
+    @property
+    def psi(self) -> int:
+        return self.root + self.n_layers * self.layer
+
+    @property
+    def psi_trainable(self) -> int:
+        return self.trainable_layers * self.layer + (self.root if self.root_trainable else 0)
+
+    @property
+    def layer_matmul(self) -> int:
+        return self.layer - 2 * self.dim
+
+    @property
+    def root_matmul(self) -> int:
+        return self.vocab_size * self.dim  # the output layer; the embedding is a lookup
+
+
+def trainable_layers(root: int, layer: int, n_layers: int, fraction: float) -> int:
+    """The first t layers are trainable, t >= 1 closest to ``fraction`` x Psi (all at 1);
+    the same rule as ``cost.estimate.trainable_layers``."""
+    if not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+        raise AdvisorError(f"trainable fraction must be in (0, 1], got {fraction!r}")
+    if fraction == 1:
+        return n_layers
+    target = fraction * (root + n_layers * layer)
+    return min(range(1, n_layers + 1), key=lambda t: abs(t * layer - target))
+
+
+def _flavor_name(args: LlamaArgs) -> str:
+    """The flavor whose shapes ``args`` has (a trainer may widen the vocabulary), else "custom"."""
+    shape = lambda a: (a.dim, a.n_layers, a.n_heads, a.n_kv_heads or a.n_heads, a.ffn_dim)  # noqa: E731
+    for name, f in FLAVORS.items():
+        if shape(f) == shape(args):
+            return name if f.vocab_size == args.vocab_size else f"{name} (vocab {args.vocab_size})"
+    return "custom"
+
+
+def model_spec(model: Union[str, LlamaArgs, ModelSpec], trainable_fraction: float = 1.0) -> ModelSpec:
+    """A :class:`ModelSpec` from a flavor name (``llama7b``), ``LlamaArgs`` or a spec."""
+    if isinstance(model, ModelSpec):
+        spec = model
+        name, args = spec.name, LlamaArgs(dim=spec.dim, n_layers=spec.n_layers, n_heads=spec.n_heads,
+                                          n_kv_heads=spec.n_kv_heads, ffn_dim=spec.ffn_dim, vocab_size=spec.vocab_size)
+    elif isinstance(model, str):
+        if model not in FLAVORS:
+            raise AdvisorError(f"unknown model flavor {model!r}; valid: {', '.join(sorted(FLAVORS))}")
+        name, args = model, flavor(model)
+    elif isinstance(model, LlamaArgs):
+        name, args = _flavor_name(model), model
+    else:
+        raise AdvisorError(f"model must be a flavor name, LlamaArgs or ModelSpec, got {type(model).__name__}")
+    if args.dim % args.n_heads:
+        raise AdvisorError(f"dim {args.dim} is not divisible by n_heads {args.n_heads}")
+    spec = ModelSpec(name, args.dim, args.n_layers, args.n_heads, args.n_kv_heads or args.n_heads, args.ffn_dim,
+                     args.vocab_size, args.n_layers)
+    t = trainable_layers(spec.root, spec.layer, spec.n_layers, trainable_fraction)
+    return replace(spec, trainable_layers=t)
+
+
+def custom_model(params: float, layers: int, hidden: int, vocab_size: int = 32000, heads: Optional[int] = None,
+                 trainable_fraction: float = 1.0) -> ModelSpec:
+    """A Llama-shaped model from Psi, depth and width (LLaMA-style: head dim 128, SwiGLU FFN
+    sized so the total is ``params``)."""
+    if layers < 1 or hidden < 1 or params <= 0:
+        raise AdvisorError(f"--params, --layers, --hidden must be positive, got {params}, {layers}, {hidden}")
+    heads = heads or max(1, hidden // 128)
+    root = 2 * vocab_size * hidden + hidden
+    per_layer = (params - root) / layers
+    ffn = round((per_layer - 4 * hidden * hidden - 2 * hidden) / (3 * hidden))
+    if ffn < 1:
+        raise AdvisorError(f"{params:.3g} parameters are too few for {layers} layers of width {hidden} "
+                           f"(attention and embeddings alone need {root + layers * 4 * hidden * hidden:.3g})")
+    args = LlamaArgs(dim=hidden, n_layers=layers, n_heads=heads, ffn_dim=ffn, vocab_size=vocab_size)
+    return replace(model_spec(args, trainable_fraction), name=f"{params / 1e9:.3g}B")
+
+
+def activation_bytes(spec: ModelSpec, micro_batch: int, seq_len: int, act_bytes: int = 2,
+                     checkpoint: bool = False) -> dict[str, float]:
+    """Activation memory of one micro-step, per GPU, in bytes.
+
+    ``saved``: the tensors autograd keeps from forward to backward for this Llama, counted from
+    its code and checked against saved-tensor hooks on CPU (tests/test_advisor.py) for 2- and
+    4-byte activations; ``peak``: saved + the largest transient (one layer's worth of gradients
+    in backward, the recomputed layer with checkpointing, or the logits at the loss)."""
+    h, f, nh, V, L = spec.dim, spec.ffn_dim, spec.n_heads, spec.vocab_size, spec.n_layers
+    tokens = micro_batch * seq_len
+    a = act_bytes
+    norm = 4 * h + 4 + 2 * a * h  # RMSNorm: x.float() (x itself when fp32), rsqrt, cast, x * weight
+    # per token: 2 norms, q, k, v (k and v after the GQA repeat), SDPA's log-sum-exp (4 bytes per
+    # head), the attention output (wo's input), SwiGLU: w1 out, silu out, w3 out, their product
+    per_layer = 2 * norm + 3 * a * h + 4 * nh + a * h + 4 * a * f
+    root = norm + 4 * V + 8 + 8  # final norm, fp32 log-softmax, tokens, targets (int64)
+    logits = a * V + (4 * V if a < 4 else 0)  # at the loss: the logits and their fp32 copy
+    if checkpoint:
+        saved = L * a * h * tokens + root * tokens + 8 * micro_batch + 4  # each block's input
+        transient = per_layer * tokens + max(per_layer, logits) * tokens  # + the recomputed layer
+    else:
+        saved = (L * per_layer + root) * tokens + 8 * micro_batch + 4  # + tokens column, loss weight
+        transient = max(per_layer, logits) * tokens
+    return {"saved": float(saved), "peak": float(saved + transient), "per_layer_token": float(per_layer),
+            "root_token": float(root)}
+
+
+def buckets(spec: ModelSpec, strategy: StrategyLike, reshard_after_forward: bool = True) -> list[Bucket]:
+    """The engine's buckets for a whole-model strategy: root, trainable layers, frozen layers
+    (one ``ParoParamGroup`` each; the ledger sums over them)."""
+    s = Strategy.parse(strategy)
+    once = 0 if s.p == _N else 1
+    twice = 0 if s.p == _N else (2 if reshard_after_forward else 1)
+    out = [Bucket(s, spec.root, spec.root if spec.root_trainable else 0, once)]
+    out += [Bucket(s, spec.layer, spec.layer, twice)] * spec.trainable_layers
+    out += [Bucket(s, spec.layer, 0, twice)] * (spec.n_layers - spec.trainable_layers)
+    return out
+
+
+
+def flops_per_token(spec: ModelSpec, seq_len: int, checkpoint: bool) -> tuple[float, float]:
+    """(forward, backward) FLOPs per token; see ``cost/predict.py``'s docstring."""
+    L, h = spec.n_layers, spec.dim
+    mm = L * spec.layer_matmul + spec.root_matmul
+    mm_t = spec.trainable_layers * spec.layer_matmul + (spec.root_matmul if spec.root_trainable else 0)
+    attn = 4 * L * seq_len * h
+    fwd = 2 * mm + attn
+    bwd = 2 * mm + 2 * mm_t + 2 * attn
+    if checkpoint:
+        bwd += 2 * L * spec.layer_matmul + attn
+    return float(fwd), float(bwd)
+

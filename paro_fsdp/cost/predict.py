@@ -1,0 +1,353 @@
+"""The strategy advisor's time model: PARO_SPEC.md section 5's guideline as a calibrated cost model.
+
+Why: PaRO's benefit depends on the model, the cluster and the batch, so the user needs to know
+*which* of the 27 strategies to run before renting GPUs, and the trainer's
+``paro_strategy = "auto"`` needs the same answer at start-up. This module predicts, for every
+strategy, the per-GPU memory and the step time, and picks the fastest strategy that fits.
+It is plain arithmetic (no process group, no tensors); ``cost/calibrate.py`` measures a real
+mesh and returns the :class:`Cluster` the model reads.
+
+Model states and bytes are exact, not modelled: both come from ``paro_fsdp.ledger``
+(``memory_of`` / ``traffic_of`` over the engine's buckets: the root block, gathered once per
+micro-step, and one bucket per transformer layer, gathered twice), which tests check against
+the engine's ``memory_report`` / ``comm_stats`` on real ranks and on a fake 64-rank mesh.
+
+Memory per GPU = model states (ledger, exact)
+  + gathered-parameter working set: P != N: the current and the prefetched block's whole
+    parameters (2 x layer x param bytes) + the root's (kept from forward to backward);
+    with ``reshard_after_forward=False`` every block stays gathered until its backward (Psi);
+  + gradient working set: one block's whole gradient before its reduction and the one in
+    flight (2 x layer x max(param, grad bytes));
+  + activations (:func:`activation_bytes`): the tensors autograd saves for this Llama, per token
+    per layer 24h + 8f + 4 heads + 8 bytes with 2-byte activations, root 8h + 4V + 20 (equal to
+    what saved-tensor hooks count: on CPU in tests/test_advisor.py, and on an H200 with CUDA's
+    SDPA for the LLaMA-7B shape, 3.459 GiB for 4 layers x 2 x 2048 tokens); with activation
+    checkpointing only each block's input (2h per token) + one recomputed layer; plus a transient
+    of max(one layer, 6V per token: the logits, their fp32 copy and log-softmax at the loss).
+  It fits when it is at most ``memory_gib x usable_memory_fraction`` of the cluster's GPU.
+
+Step time = A x (compute_fwd + compute_bwd + exposed_fwd + exposed_bwd) + boundary + optimizer.
+  Compute. FLOPs per token (Psi_mm = weights used in matmuls: all but norms and the embedding
+  table, Psi'_mm their trainable part, L layers, h hidden, s seq_len):
+    forward  2 Psi_mm + 4 L s h                  (attention scores and values counted in full)
+    backward 2 Psi_mm + 2 Psi'_mm + 8 L s h      (activation grads always: gradients flow back
+                                                  to the earliest trainable layer; weight grads
+                                                  only for trainable weights)
+    + one more forward of the layers with activation checkpointing.
+  Full training: 6 Psi_mm + 12 L s h per token (the usual 6 Psi). Divided by the cluster's
+  ``achieved_tflops``: an end-to-end figure for this model's kernels (``tools.calibrate``
+  measures it by timing a transformer block's forward + backward at the model's shape).
+  Communication. A collective on k ranks over a mesh dimension takes
+    hops x latency + ring bytes / bandwidth,     hops = k - 1 (AG, RS) or 2(k - 1) (AR),
+  ring bytes from the ledger (S(k-1)/k, 2S(k-1)/k), bandwidth = bus bandwidth per GPU of the
+  links that dimension's rings use: the ``intra`` link (NVLink) when its rings stay inside a
+  node, else the node's network shared by the rings that leave the node at once (with groups
+  = nodes: the m inter rings of a node each get 1/m of its NICs, ``inter.bandwidth_gbs``;
+  see ``cost.cluster.link_for`` for other layouts). Intra and inter parts of a hierarchical collective add
+  up (one communication stream; each bucket's inter phase waits for / feeds its intra phase).
+  Overlap. Per micro-step collectives overlap that micro-step's compute up to a fraction
+  ``overlap`` of it (prefetched all-gathers in forward and backward, reduce-scatters behind the
+  next block's backward), except what cannot be prefetched: in forward the root's and the first
+  layer's gathers, in backward the first re-gathered layer and the last reduction (the root's,
+  or the earliest trainable layer's). So
+    exposed_fwd = first + max(0, rest - overlap x compute_fwd)   (and the same for backward).
+  Boundary collectives (grads to the OS level, updated params to the P level, the clip-norm
+  all-reduce) are fully exposed, and so is the optimizer: AdamW on the OS shard, memory bound,
+  (28 + grad bytes) bytes per element / ``memory_bandwidth_gbs``.
+Not modelled: per-call framework overhead, gradient accumulation adds, stragglers, network
+congestion beyond the per-node NIC share, and PaRO-CC's chunked overlap of the intra and inter
+phases of one collective (the model adds them, which is what unchunked collectives do).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence, Union
+
+from ..ledger import Bucket, Traffic, memory_of, traffic_of
+from ..models.llama import LlamaArgs
+from ..strategy import ALL_STRATEGIES, Level, Strategy, StrategyLike
+from .cluster import GB, AdvisorError, Cluster, GiB, link_for, load_cluster
+from .collectives import hops, link_seconds
+from .model import ModelSpec, activation_bytes, buckets, flops_per_token, model_spec
+
+__all__ = [
+    "ACTIVATION_CHECKPOINT_MODES",
+    "DTYPE_BYTES",
+    "NAMED_STRATEGIES",
+    "Prediction",
+    "choose_strategy",
+    "format_table",
+    "predict",
+    "rank_strategies",
+    "traffic_time",
+]
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "bfloat16": 2, "float16": 2, "float32": 4}
+ACTIVATION_CHECKPOINT_MODES = ("none", "full", "auto")
+NAMED_STRATEGIES = ("NNN", "NNG", "NGG", "GGG", "III", "NIG", "IIG", "IGG", "ING")
+OS_BYTES = 12  # fp32 master + AdamW's two fp32 moments: the spec's K
+_N, _I, _G = Level.N, Level.I, Level.G
+
+
+@dataclass
+class Prediction:
+    """One strategy's predicted cost; times in seconds, memory and traffic in bytes, per GPU."""
+
+    strategy: str
+    known_as: str
+    step_time: float
+    tokens_per_step: int
+    compute: float
+    exposed_comm: float  # per step: A x exposed per micro-step + boundary collectives
+    optimizer: float
+    comm_total: float  # all collective time per step, hidden or not
+    memory: dict[str, float]  # P, G, OS, states, gathered, grad_work, activations, total
+    fits: bool
+    activation_checkpoint: bool
+    traffic: Traffic
+    breakdown: dict[str, float]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_time
+
+    @property
+    def intra_bytes(self) -> float:
+        return self.traffic.bytes(dim="intra")
+
+    @property
+    def inter_bytes(self) -> float:
+        return self.traffic.bytes(dim="inter")
+
+    @property
+    def global_bytes(self) -> float:
+        return self.traffic.bytes(dim="global")
+
+
+def _check_sizes(n: int, m: int, micro_batch: int, grad_accum: int, seq_len: int) -> None:
+    for name, v in (("number of GPUs", n), ("group size", m), ("micro-batch", micro_batch),
+                    ("gradient accumulation", grad_accum), ("seq_len", seq_len)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise AdvisorError(f"{name} must be a positive integer, got {v!r}")
+    if n % m:
+        divisors = [d for d in range(1, n + 1) if n % d == 0]
+        raise AdvisorError(f"group size {m} does not divide the number of GPUs {n}; valid group sizes: {divisors}")
+
+
+def traffic_time(t: Traffic, cluster: Cluster) -> dict[str, float]:
+    """Seconds per mesh dimension for the collectives in ``t`` (alpha-beta ring model), each
+    dimension on the links its rings use on this mesh (``link_for`` with the mesh shape)."""
+    n, m, g = t.n, t.m, t.g
+    out = {"intra": 0.0, "inter": 0.0, "global": 0.0}
+    for key, e in t.as_dict().items():
+        kind, dim = key.split("/")
+        if dim == "global":  # the clip-norm scalar: latency of a hierarchical all-reduce
+            lat = 0.0
+            for d, k in (("intra", m), ("inter", g)):
+                lat += hops("all_reduce", k) * link_for(d, cluster, n, m).cost("all_reduce")[1]
+            bw = link_for("inter", cluster, n, m).cost("all_reduce")[0]
+            out[dim] += e["count"] * lat + e["bytes"] / bw
+            continue
+        k = m if dim == "intra" else g
+        out[dim] += link_seconds(link_for(dim, cluster, n, m), kind, k, e["bytes"], e["count"])
+    return out
+
+def _ttime(t: Traffic, cluster: Cluster) -> float:
+    return sum(traffic_time(t, cluster).values())
+
+
+def predict(
+    model: Union[str, LlamaArgs, ModelSpec],
+    strategy: StrategyLike,
+    n: int,
+    m: int,
+    micro_batch: int,
+    grad_accum: int,
+    seq_len: int,
+    cluster: Cluster,
+    trainable_fraction: float = 1.0,
+    dtype: str = "bf16",
+    reduce_dtype: Optional[str] = None,
+    activation_checkpoint: str = "none",
+    reshard_after_forward: bool = True,
+    accumulate_dtype: Optional[str] = "fp32",
+) -> Prediction:
+    """Predicted memory and step time of one strategy (see the module docstring for the model).
+
+    ``activation_checkpoint``: "none", "full" or "auto" (full only if needed to fit).
+    ``dtype`` / ``reduce_dtype``: parameter / gradient dtype (bf16, fp16, fp32);
+    ``accumulate_dtype``: the G-level accumulator's (None: the reduce dtype)."""
+    spec = model_spec(model, trainable_fraction) if not isinstance(model, ModelSpec) else model
+    _check_sizes(n, m, micro_batch, grad_accum, seq_len)
+    if activation_checkpoint not in ACTIVATION_CHECKPOINT_MODES:
+        raise AdvisorError(f"activation_checkpoint must be one of {ACTIVATION_CHECKPOINT_MODES}, got {activation_checkpoint!r}")
+    for d in (dtype, reduce_dtype or dtype, accumulate_dtype or reduce_dtype or dtype):
+        if d not in DTYPE_BYTES:
+            raise AdvisorError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {d!r}")
+    if activation_checkpoint == "auto":
+        plain = predict(spec, strategy, n, m, micro_batch, grad_accum, seq_len, cluster, dtype=dtype,
+                        reduce_dtype=reduce_dtype, activation_checkpoint="none",
+                        reshard_after_forward=reshard_after_forward, accumulate_dtype=accumulate_dtype)
+        if plain.fits:
+            return plain
+        return predict(spec, strategy, n, m, micro_batch, grad_accum, seq_len, cluster, dtype=dtype,
+                       reduce_dtype=reduce_dtype, activation_checkpoint="full",
+                       reshard_after_forward=reshard_after_forward, accumulate_dtype=accumulate_dtype)
+    ckpt = activation_checkpoint == "full"
+    s = Strategy.parse(strategy)
+    pb, gb = DTYPE_BYTES[dtype], DTYPE_BYTES[reduce_dtype or dtype]
+    A = grad_accum
+    bks = buckets(spec, s, reshard_after_forward)
+
+    # ---- memory ---------------------------------------------------------------------------
+    ab = DTYPE_BYTES[accumulate_dtype or reduce_dtype or dtype]
+    mem = memory_of(bks, n, m, pb, ab, OS_BYTES)
+    states = mem.pop("total")
+    if s.p == _N:
+        gathered = 0.0
+    elif reshard_after_forward:
+        gathered = pb * (spec.root + min(2, spec.n_layers) * spec.layer)
+    else:
+        gathered = pb * spec.psi
+    grad_work = 2 * spec.layer * max(pb, gb) if spec.psi_trainable else 0.0
+    acts = activation_bytes(spec, micro_batch, seq_len, pb, ckpt)["peak"]
+    memory = {**mem, "states": states, "gathered": gathered, "grad_work": grad_work, "activations": acts,
+              "total": states + mem["master_grads"] + gathered + grad_work + acts}
+
+    # ---- traffic (exact, from the ledger) ----------------------------------------------------
+    traffic = traffic_of(bks, n, m, A, pb, gb)
+    boundary = traffic_of(bks, n, m, 0, pb, gb)  # A = 0: only the once-per-step collectives
+
+    def gather_time(b: Bucket) -> float:
+        t = Traffic(n, m)
+        if s.p != _N:
+            t.all_gather(s.p, b.numel, pb)
+        return _ttime(t, cluster)
+
+    def reduce_time(b: Bucket) -> float:
+        t = Traffic(n, m)
+        if b.trainable:
+            t.reduce_scatter(s.g, b.trainable, gb)
+        return _ttime(t, cluster)
+
+    root_b, layers_b = bks[0], bks[1:]
+    g_root, g_layer = gather_time(root_b), gather_time(layers_b[0]) if layers_b else 0.0
+    regather = layers_b[0].gathers == 2 if layers_b else False
+    fwd_all = sum(gather_time(b) for b in bks)
+    fwd_first = g_root + g_layer
+    bwd_gathers = (len(layers_b) * g_layer) if regather else 0.0
+    bwd_first = g_layer if regather else 0.0
+    reductions = [reduce_time(b) for b in bks]
+    # backward finishes with the root's reduction (its embedding gradient comes last), or, when
+    # the root is frozen, with the earliest trainable layer's
+    last_red = reductions[0] if root_b.trainable else (reductions[1] if len(reductions) > 1 else 0.0)
+    bwd_all = bwd_gathers + sum(reductions)
+
+    fwd_flops, bwd_flops = flops_per_token(spec, seq_len, ckpt)
+    tokens = micro_batch * seq_len
+    rate = cluster.achieved_tflops * 1e12
+    c_fwd, c_bwd = fwd_flops * tokens / rate, bwd_flops * tokens / rate
+    phi = cluster.overlap
+    exp_fwd = fwd_first + max(0.0, fwd_all - fwd_first - phi * c_fwd)
+    exp_bwd = bwd_first + last_red + max(0.0, bwd_all - bwd_first - last_red - phi * c_bwd)
+    t_boundary = _ttime(boundary, cluster)
+    os_shard = spec.psi_trainable / s.os.divisor(n, m)
+    t_opt = os_shard * (28 + gb) / (cluster.memory_bandwidth_gbs * GB)
+    step = A * (c_fwd + c_bwd + exp_fwd + exp_bwd) + t_boundary + t_opt
+    return Prediction(
+        strategy=s.name, known_as=s.known_as, step_time=step, tokens_per_step=n * A * tokens,
+        compute=A * (c_fwd + c_bwd), exposed_comm=A * (exp_fwd + exp_bwd) + t_boundary, optimizer=t_opt,
+        comm_total=A * (fwd_all + bwd_all) + t_boundary, memory=memory,
+        fits=memory["total"] <= cluster.usable_bytes, activation_checkpoint=ckpt, traffic=traffic,
+        breakdown={"compute_fwd": c_fwd, "compute_bwd": c_bwd, "exposed_fwd": exp_fwd, "exposed_bwd": exp_bwd,
+                   "comm_fwd": fwd_all, "comm_bwd": bwd_all, "boundary": t_boundary, "optimizer": t_opt},
+    )
+
+
+def rank_strategies(
+    model: Union[str, LlamaArgs, ModelSpec],
+    n: int,
+    m: int,
+    micro_batch: int,
+    grad_accum: int,
+    seq_len: int,
+    cluster: Cluster,
+    trainable_fraction: float = 1.0,
+    dtype: str = "bf16",
+    reduce_dtype: Optional[str] = None,
+    activation_checkpoint: str = "auto",
+    reshard_after_forward: bool = True,
+    strategies: Optional[Iterable[StrategyLike]] = None,
+) -> list[Prediction]:
+    """Every strategy's prediction, ranked: those that fit by step time, then the OOM ones."""
+    spec = model_spec(model, trainable_fraction) if not isinstance(model, ModelSpec) else model
+    names = [Strategy.parse(x).name for x in (strategies or ALL_STRATEGIES)]
+    preds = [predict(spec, x, n, m, micro_batch, grad_accum, seq_len, cluster, dtype=dtype,
+                     reduce_dtype=reduce_dtype, activation_checkpoint=activation_checkpoint,
+                     reshard_after_forward=reshard_after_forward) for x in names]
+    return sorted(preds, key=lambda p: (not p.fits, p.step_time, p.memory["total"]))
+
+
+def format_table(preds: Sequence[Prediction], cluster: Optional[Cluster] = None, header: str = "") -> str:
+    """The ranked predictions as a fixed-width table (the advisor's output). Memory in GiB and
+    traffic in GB per GPU per step, or MiB / MB when the model is too small to read in those."""
+    base = next((p for p in preds if p.strategy == "GGG"), None)
+    big_mem = max((p.memory["total"] for p in preds), default=0) >= GiB / 8
+    big_comm = max((p.intra_bytes + p.inter_bytes for p in preds), default=0) >= GB / 8
+    mu, ms = ("GiB", GiB) if big_mem else ("MiB", 2**20)
+    cu, cs = ("GB", GB) if big_comm else ("MB", 1e6)
+    lines = [header] if header else []
+    head = (f"{'#':>2} {'strat':5} {'known as':16} {'step s':>8} {'tokens/s':>10} {'vs GGG':>7} {'mem ' + mu:>8} "
+            f"{'fits':>4} {'AC':>2} {'intra ' + cu:>9} {'inter ' + cu:>9} {'exposed':>8} {'compute':>8}")
+    lines += [head, "-" * len(head)]
+    for i, p in enumerate(preds, 1):
+        vs = f"{base.step_time / p.step_time:6.2f}x" if base else "   -   "
+        lines.append(
+            f"{i:>2} {p.strategy:5} {p.known_as[:16]:16} {p.step_time:8.3f} {p.tokens_per_s:10.0f} {vs:>7} "
+            f"{p.memory['total'] / ms:8.1f} {'yes' if p.fits else 'OOM':>4} {'on' if p.activation_checkpoint else '-':>2} "
+            f"{p.intra_bytes / cs:9.2f} {p.inter_bytes / cs:9.3f} {p.exposed_comm:8.3f} {p.compute:8.3f}")
+    if cluster is not None:
+        lines.append(f"(memory: model states + gathered params + grad working set + activations; fits = at most "
+                     f"{cluster.usable_bytes / GiB:.1f} GiB = {cluster.usable_memory_fraction:.0%} of {cluster.memory_gib:g} GiB; "
+                     f"{cu} sent per GPU per step; exposed = communication not hidden behind compute, s/step; "
+                     f"AC = activation checkpointing)")
+    return "\n".join(lines)
+
+
+def choose_strategy(
+    model_args: Union[str, LlamaArgs, ModelSpec],
+    n: int,
+    m: int,
+    micro_batch: int,
+    grad_accum: int,
+    seq_len: int,
+    dtype: str,
+    cluster: Union[Cluster, str, os.PathLike],
+    trainable_fraction: float = 1.0,
+    reduce_dtype: Optional[str] = None,
+    activation_checkpoint: str = "none",
+    reshard_after_forward: bool = True,
+    strategies: Optional[Iterable[StrategyLike]] = None,
+) -> tuple[Strategy, str]:
+    """The fastest strategy that fits, and the ranked table to log (the trainer's ``auto``).
+
+    ``activation_checkpoint``/``reshard_after_forward``: what the run will actually do (the
+    trainer passes its config; "auto" is not used there). Raises :class:`AdvisorError` when no
+    candidate fits, naming the smallest memory need."""
+    c = load_cluster(cluster) if not isinstance(cluster, Cluster) else cluster
+    spec = model_spec(model_args, trainable_fraction) if not isinstance(model_args, ModelSpec) else model_args
+    preds = rank_strategies(spec, n, m, micro_batch, grad_accum, seq_len, c, trainable_fraction, dtype,
+                            reduce_dtype, activation_checkpoint, reshard_after_forward, strategies)
+    size = f"{spec.psi / 1e9:.3f} B" if spec.psi >= 1e8 else f"{spec.psi / 1e6:.3f} M"
+    header = (f"advisor: {spec.name} ({size} params, {spec.psi_trainable / spec.psi:.1%} trainable), "
+              f"{n} GPUs = {n // m} groups x {m}, micro-batch {micro_batch} x {seq_len} tokens, {grad_accum} micro-steps, "
+              f"{dtype}/{reduce_dtype or dtype}, cluster {c.name}")
+    table = format_table(preds, c, header)
+    best = preds[0]
+    if not best.fits:
+        small = min(preds, key=lambda p: p.memory["total"])
+        raise AdvisorError(f"no strategy fits in {c.usable_bytes / GiB:.1f} GiB per GPU: the smallest, {small.strategy}, "
+                           f"needs {small.memory['total'] / GiB:.1f} GiB (try activation checkpointing, a smaller "
+                           f"micro-batch or more GPUs)\n{table}")
+    return Strategy.parse(best.strategy), table
