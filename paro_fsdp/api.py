@@ -11,11 +11,13 @@ from torch.distributed.tensor import DTensor
 
 from .comm import CommStats, MeshComm
 from .mesh import MeshInfo, mesh_device
+from .paro_cc import ParoCC
 from .mixed_precision import MixedPrecision
 from .param_group import ParamRef, ParoParamGroup
 from .state import ParoBlock, ParoState
 from .traced import make_sinks
 from .strategy import Level, PolicyLike, Strategy, resolve_policy
+from .streams import streams_for
 
 
 class ParoModule:
@@ -180,7 +182,8 @@ def paro_shard(
     if any(p.is_meta for p in model.parameters()) and param_init_fn is None:
         raise ValueError("the model has parameters on the meta device: pass param_init_fn=(name, tensor) -> None "
                          "to paro_shard so it can materialise them shard by shard")
-    comm = MeshComm(info)
+    comm = MeshComm(info.groups, streams_for(mesh_device(info)))
+    cc = ParoCC(comm)  # the model's one PaRO-CC: global collectives, counted in comm.stats
 
     owners: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
     for module in model.modules():
@@ -200,14 +203,14 @@ def paro_shard(
         for p in b.parameters():
             block_of[p] = b
 
-    state = ParoState(info, comm, [])
+    state = ParoState(info, comm, cc, [])
     for module, name in [(model, "<root>")] + [(b, _name_of(model, b)) for b in block_modules]:
         by_strategy: dict[Strategy, list[ParamRef]] = {}
         for fqn, p in named:
             if block_of.get(p, model) is module:
                 by_strategy.setdefault(strategies[fqn], []).append(ParamRef.of(fqn, p, owners[p]))
         groups = [
-            ParoParamGroup(f"{name}:{s}", s, refs, info, comm, mp, reshard_after_forward, param_init_fn)
+            ParoParamGroup(f"{name}:{s}", s, refs, info, comm, cc, mp, reshard_after_forward, param_init_fn)
             for s, refs in by_strategy.items()
         ]
         for g in groups:

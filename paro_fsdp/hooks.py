@@ -4,28 +4,30 @@
 receives their gradients in one call: the natural place to reduce a block's gradients as one
 bucket. ``OnBackward`` is an identity whose backward calls back into the engine: on a block's
 outputs it fires just before the block's backward, on its inputs just after.
-Both are plain autograd Functions, which dynamo/AOTAutograd can trace.
+Both are plain autograd Functions, which dynamo/AOTAutograd can trace. They know nothing of
+blocks: the engine (state.py) hands them the tensors and the callbacks.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-if TYPE_CHECKING:
-    from .state import ParoBlock
-
 
 class Unshard(torch.autograd.Function):
+    """Hands out a group's whole tensors (``full``, already gathered) in place of its sharded
+    parameters; in backward, ``on_grads`` receives their gradients as one list."""
+
     @staticmethod
-    def forward(ctx, block: "ParoBlock", group_index: int, *sharded: torch.Tensor):  # type: ignore[override]
-        ctx.block, ctx.group_index = block, group_index
-        return tuple(p.view_as(p) for p in block.groups[group_index].full_params)
+    def forward(ctx, full: list[torch.Tensor], on_grads: Callable[[list], None],  # type: ignore[override]
+                *sharded: torch.Tensor):
+        ctx.on_grads = on_grads
+        return tuple(p.view_as(p) for p in full)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
-        ctx.block.post_backward(ctx.group_index, list(grads))
+        ctx.on_grads(list(grads))
         return (None, None) + (None,) * len(grads)
 
 
@@ -58,9 +60,11 @@ def _route(callback: Callable[[], None], tree: Any) -> Any:
     return tree_unflatten(leaves, spec)
 
 
-def register_post_backward(block: "ParoBlock", args: Any, kwargs: Any) -> tuple[Any, Any]:
-    return _route(block.post_backward_frozen, (args, kwargs))
+def register_post_backward(callback: Callable[[], None], args: Any, kwargs: Any) -> tuple[Any, Any]:
+    """``callback`` once the gradients of a block's inputs are ready (its backward is done)."""
+    return _route(callback, (args, kwargs))
 
 
-def register_pre_backward(block: "ParoBlock", output: Any) -> Any:
-    return _route(block.pre_backward, output)
+def register_pre_backward(callback: Callable[[], None], output: Any) -> Any:
+    """``callback`` just before a block's backward (the gradients of its outputs are ready)."""
+    return _route(callback, output)

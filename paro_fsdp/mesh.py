@@ -89,25 +89,41 @@ def mesh_device(info_or_mesh: "MeshInfo | DeviceMesh") -> torch.device:
 _MESHES: dict[tuple[int, int], tuple[object, DeviceMesh]] = {}
 
 
-#: c10d group name -> (mesh dimension, the MeshInfo it belongs to): how the graph passes tell an
+#: c10d group name -> (mesh dimension, the MeshGroups it belongs to): how the graph passes tell an
 #: intra collective from an inter or global one, given only the group name in the graph
-GROUPS: dict[str, tuple[str, "MeshInfo"]] = {}
+GROUPS: dict[str, tuple[str, "MeshGroups"]] = {}
 
 
 @dataclass
-class MeshInfo:
-    """Sizes, coordinates and process-group names the engine needs, read once from the mesh."""
+class MeshGroups:
+    """The mesh's sizes and c10d group names: all a collective needs. Plain data (no DeviceMesh,
+    no coordinates), so code that only sees group names (the graph passes) can hold one without
+    keeping process groups alive past ``destroy_process_group``."""
 
-    mesh: DeviceMesh
     g: int  # number of groups (size of "inter")
     m: int  # ranks per group (size of "intra")
-    k: int  # this rank's group index
-    l: int  # this rank's index inside its group  # noqa: E741
     group_names: dict[str, str]  # "intra" / "inter" / "global" -> c10d group name
 
     @property
     def n(self) -> int:
         return self.g * self.m
+
+    def size(self, dim: str) -> int:
+        return {"intra": self.m, "inter": self.g, "global": self.n}[dim]
+
+
+@dataclass
+class MeshInfo(MeshGroups):
+    """Sizes, this rank's coordinates, process-group names and the mesh, read once from the
+    mesh (``from_mesh``)."""
+
+    k: int  # this rank's group index
+    l: int  # this rank's index inside its group  # noqa: E741
+    mesh: DeviceMesh
+
+    @property
+    def groups(self) -> MeshGroups:
+        return MeshGroups(self.g, self.m, dict(self.group_names))
 
     @classmethod
     def from_mesh(cls, mesh: DeviceMesh) -> "MeshInfo":
@@ -120,13 +136,8 @@ class MeshInfo:
             k, l = mesh.get_coordinate()
             names = {dim: mesh.get_group(dim).group_name for dim in MESH_DIMS}
             names["global"] = mesh[MESH_DIMS]._flatten().get_group().group_name
-        info = cls(mesh, mesh.size(0), mesh.size(1), k, l, names)
-        # plain data only: the registry must not keep a DeviceMesh (and its process groups)
-        # alive past destroy_process_group
-        plain = cls(None, info.g, info.m, k, l, dict(names))  # type: ignore[arg-type]
+        info = cls(mesh.size(0), mesh.size(1), names, k, l, mesh)
+        plain = info.groups  # the registry must not keep a DeviceMesh alive past destroy_process_group
         for dim, name in names.items():
             GROUPS[name] = (dim, plain)
         return info
-
-    def size(self, dim: str) -> int:
-        return {"intra": self.m, "inter": self.g, "global": self.n}[dim]

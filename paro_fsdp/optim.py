@@ -75,7 +75,7 @@ class ParoOptimizer:
             norms = torch.stack(torch._foreach_norm(owned, norm_type))
             local = norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
         op = "max" if math.isinf(norm_type) else "sum"
-        total = self.state.comm.all_reduce(local, "global", op).wait()
+        total = self.state.comm.all_reduce(local, "global", op=op).wait()
         total = total if math.isinf(norm_type) else total.pow(1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         torch._foreach_mul_([m.grad for g in self.groups for m in g.master], coef)

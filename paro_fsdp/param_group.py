@@ -9,7 +9,7 @@ Trainable tensors come first in the P buffer so its I and G prefixes line up wit
 trainable-only buffers of G and OS, and master -> P is one flat copy when levels agree.
 
 Collectives over one mesh dimension go through ``MeshComm``; every *global* one (P=G gather,
-G=G reduction, G=N -> OS=G / OS=N, G -> N) is one PaRO-CC call (``comm.cc``, chunked intra +
+G=G reduction, G=N -> OS=G / OS=N, G -> N) is one PaRO-CC call (``cc``, chunked intra +
 inter phases), on NESTED buffers (layout.py) so no rank order has to be fixed up afterwards.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from .comm import MeshComm, Pending
-from .paro_cc import HierPending
+from .paro_cc import HierPending, ParoCC
 from .layout import FlatLayout, TensorLayout, placements, tensor_layout
 from .mesh import MeshInfo, mesh_device
 from .mixed_precision import MixedPrecision
@@ -106,11 +106,13 @@ class ParoParamGroup:
         refs: list[ParamRef],
         info: MeshInfo,
         comm: MeshComm,
+        cc: ParoCC,
         mp: MixedPrecision,
         reshard_after_forward: bool,
         param_init_fn: Callable[[str, torch.Tensor], None] | None = None,
     ) -> None:
-        self.name, self.strategy, self.info, self.comm, self.mp = name, strategy, info, comm, mp
+        self.name, self.strategy, self.info, self.mp = name, strategy, info, mp
+        self.comm, self.cc = comm, cc  # one-dimension collectives; global ones (PaRO-CC), both the model's
         self.refs = sorted(refs, key=lambda r: not r.requires_grad)  # trainable first
         self.trainable = [r for r in self.refs if r.requires_grad]
         self.reshard_after_forward = reshard_after_forward and strategy.p != Level.N
@@ -193,7 +195,7 @@ class ParoParamGroup:
         if self.state != ShardState.SHARDED:
             return
         if self.strategy.p == Level.G:
-            self._pending = self.comm.cc.all_gather(self.p_flat, order="nested")
+            self._pending = self.cc.all_gather(self.p_flat, order="nested")
         else:
             self._pending = self.comm.all_gather(self.p_flat, "intra")
         self.state = ShardState.GATHERING
@@ -244,7 +246,7 @@ class ParoParamGroup:
             for t, grad in zip(layout.tensors, grads):
                 if grad is not None:
                     layout.copy_in_nested(buf, t, grad.to(dt))
-            self._pending_rs = self.comm.cc.reduce_scatter(buf, order="nested")
+            self._pending_rs = self.cc.reduce_scatter(buf, order="nested")
             return
         dense = present and all(t.d0 == self.info.m * t.c for t in layout.tensors)
         full = (torch.empty if dense else torch.zeros)(layout.numel(Level.N), dtype=dt, device=self.device)
@@ -287,12 +289,12 @@ class ParoParamGroup:
         reduced, level = acc, G
         if G == Level.N and OS == Level.G:  # global reduce-scatter (PaRO-CC)
             empty = torch.empty if layout.nested_uniform else torch.zeros
-            pending = self.comm.cc.reduce_scatter(layout.full_to_nested(acc, empty(layout.numel_nested(), dtype=dt, device=self.device)),
+            pending = self.cc.reduce_scatter(layout.full_to_nested(acc, empty(layout.numel_nested(), dtype=dt, device=self.device)),
                                                   order="nested")
             yield pending
             reduced, level = pending.wait(), Level.G
         elif G == Level.N and OS == Level.N:  # global all-reduce (PaRO-CC), elementwise on FULL
-            pending = self.comm.cc.all_reduce(acc)
+            pending = self.cc.all_reduce(acc)
             yield pending
             reduced = pending.wait()
         elif G != Level.G:  # to I, still partial over inter
@@ -332,7 +334,7 @@ class ParoParamGroup:
         """All-gather a flat buffer from ``level`` to the coarser ``target`` (G -> I -> N);
         appends the result to ``out``."""
         if level == Level.G and target == Level.N:  # global all-gather (PaRO-CC) -> NESTED -> FULL
-            pending = self.comm.cc.all_gather(flat, order="nested")
+            pending = self.cc.all_gather(flat, order="nested")
             yield pending
             flat, level = layout.nested_to_full(pending.wait(), torch.empty(layout.numel(Level.N), dtype=flat.dtype, device=self.device)), Level.N
         if level == Level.G and target != Level.G:

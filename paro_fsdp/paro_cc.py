@@ -30,12 +30,12 @@ Semantics ("order"):
 all_reduce is elementwise, so it has no order. Sizes need not divide the chunk count (chunks
 are uneven) and all_reduce takes any numel (only a last partial row of m elements is padded).
 
-Every collective issued is recorded in an optional ``CommStats`` under "intra" / "inter", with
-the same ring formula as ``MeshComm``, so the engine's ledger stays truthful when it switches
-(bytes are exactly those of the unchunked hierarchy; counts grow with the chunks).
+Every phase is one of ``MeshComm``'s per-dimension collectives, so it is recorded in the
+model's ``CommStats`` under "intra" / "inter" like any other (bytes are exactly those of the
+unchunked hierarchy; counts grow with the chunks).
 
-How the engine uses it (param_group.py; one ``ParoCC`` per model, ``MeshComm.cc``, counting into
-the model's ``CommStats``): every global collective of model states is one call, on the NESTED
+How the engine uses it (param_group.py; one ``ParoCC`` per model, built on the model's
+``MeshComm`` by ``paro_shard``, handed to every group as ``group.cc``): every global collective of model states is one call, on the NESTED
 buffers of ``layout.FlatLayout`` ([m][g][sum_g], block (l, k) = rank (k, l)'s G buffer, one size
 on every rank):
   * global all-gather of a G buffer (unshard with P=G; G -> N at the boundary):
@@ -65,10 +65,8 @@ from typing import Callable
 
 import torch
 
-from .comm import CommStats, use_safe_gloo_all_gather
-from .cost.collectives import ring_bytes
-from .mesh import MeshInfo
-from .streams import CommStreams, active
+from .comm import MeshComm
+from .streams import active
 
 _ops = torch.ops._c10d_functional
 
@@ -127,31 +125,30 @@ def _bounds(total: int, chunks: int) -> list[tuple[int, int]]:
 
 
 class ParoCC:
-    """Hierarchical collectives over the 2D ("inter", "intra") mesh described by ``info``.
+    """Hierarchical collectives over the 2D ("inter", "intra") mesh of ``comm``, built from its
+    per-dimension collectives (so they are counted in ``comm.stats`` and run on its streams).
 
     ``chunk_bytes``: target bytes of the *whole* message per chunk (all-gather output,
     reduce-scatter input, all-reduce tensor); ``max_chunks`` caps the count, since every chunk
     adds a latency term per phase. ``chunks`` forces a count (benchmarks, tests).
     """
 
-    def __init__(self, info: MeshInfo, chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_chunks: int = DEFAULT_MAX_CHUNKS,
-                 stats: CommStats | None = None, streams: CommStreams | None = None) -> None:
+    def __init__(self, comm: MeshComm, chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_chunks: int = DEFAULT_MAX_CHUNKS) -> None:
         if chunk_bytes <= 0 or max_chunks <= 0:
             raise ValueError(f"chunk_bytes and max_chunks must be positive, got {chunk_bytes}, {max_chunks}")
-        self.info = info
+        self.comm = comm
+        self.info = comm.info
         self.chunk_bytes = chunk_bytes
         self.max_chunks = max_chunks
-        self.stats = stats
-        self.streams = streams  # side streams on a GPU (streams.py); None: later phases issued in wait()
-        self._intra = info.group_names["intra"]
-        self._inter = info.group_names["inter"]
-        use_safe_gloo_all_gather()
 
-    @classmethod
-    def from_groups(cls, g: int, m: int, intra: str, inter: str, **kw) -> "ParoCC":
-        """For callers with process-group names but no mesh (the graph pass, benchmarks)."""
-        info = MeshInfo(None, g, m, -1, -1, {"intra": intra, "inter": inter})  # type: ignore[arg-type]
-        return cls(info, **kw)
+    @property
+    def stats(self):
+        return self.comm.stats
+
+    @property
+    def streams(self):
+        """Side streams on a GPU (streams.py); None: later phases are issued in ``wait()``."""
+        return self.comm.streams
 
     # ---- helpers ---------------------------------------------------------------------------
     def _nchunks(self, nbytes: int, limit: int, chunks: int | None) -> int:
@@ -159,25 +156,14 @@ class ParoCC:
             chunks = min(self.max_chunks, max(1, math.ceil(nbytes / self.chunk_bytes)))
         return max(1, min(chunks, max(limit, 1)))
 
-    def _record(self, kind: str, dim: str, full_numel: int, t: torch.Tensor) -> None:
-        if self.stats is None:
-            return
-        k = self.info.g if dim == "inter" else self.info.m
-        self.stats.record(kind, dim, ring_bytes(kind, full_numel * t.element_size(), k))
-
     def _ag(self, x: torch.Tensor, dim: str) -> torch.Tensor:
-        k = self.info.g if dim == "inter" else self.info.m
-        self._record("all_gather", dim, x.numel() * k, x)
-        return _ops.all_gather_into_tensor(x, k, self._inter if dim == "inter" else self._intra)
+        return self.comm.functional_all_gather(x, dim)
 
     def _rs(self, x: torch.Tensor, dim: str, op: str) -> torch.Tensor:
-        k = self.info.g if dim == "inter" else self.info.m
-        self._record("reduce_scatter", dim, x.numel(), x)
-        return _ops.reduce_scatter_tensor(x, op, k, self._inter if dim == "inter" else self._intra)
+        return self.comm.functional_reduce_scatter(x, dim, op=op)
 
     def _ar(self, x: torch.Tensor, dim: str, op: str) -> torch.Tensor:
-        self._record("all_reduce", dim, x.numel(), x)
-        return _ops.all_reduce(x, op, self._inter if dim == "inter" else self._intra)
+        return self.comm.functional_all_reduce(x, dim, op=op)
 
     @staticmethod
     def _check(order: str, op: str | None = None) -> None:
@@ -208,7 +194,7 @@ class ParoCC:
 
         return HierPending(finish, _keep=keep)
 
-    def all_gather(self, shard: torch.Tensor, order: str = "flat", chunks: int | None = None) -> HierPending:
+    def all_gather(self, shard: torch.Tensor, *, order: str = "flat", chunks: int | None = None) -> HierPending:
         """Concatenate every rank's ``shard`` along dim 0 (rank order per ``order``):
         inter all-gather, then intra all-gather, per chunk."""
         return self._issue("gather", shard, lambda: self._all_gather(shard, order, chunks))
@@ -247,7 +233,7 @@ class ParoCC:
         return HierPending(finish)
 
     # ---- reduce-scatter ----------------------------------------------------------------------
-    def reduce_scatter(self, full: torch.Tensor, op: str = "sum", order: str = "flat",
+    def reduce_scatter(self, full: torch.Tensor, *, op: str = "sum", order: str = "flat",
                        chunks: int | None = None) -> HierPending:
         """Reduce ``full`` (dim 0 = n blocks) over all ranks and keep this rank's block:
         intra reduce-scatter, then inter reduce-scatter, per chunk."""
@@ -290,7 +276,7 @@ class ParoCC:
         return HierPending(finish)
 
     # ---- all-reduce --------------------------------------------------------------------------
-    def all_reduce(self, t: torch.Tensor, op: str = "sum", chunks: int | None = None) -> HierPending:
+    def all_reduce(self, t: torch.Tensor, *, op: str = "sum", chunks: int | None = None) -> HierPending:
         """Reduce ``t`` over all ranks (any shape and size): intra reduce-scatter, inter
         all-reduce of the 1/m piece, intra all-gather, per chunk, three phases pipelined."""
         return self._issue("reduce", t, lambda: self._all_reduce(t, op, chunks))

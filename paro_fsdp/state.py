@@ -11,6 +11,7 @@ Flow of one micro-step:
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ from .comm import MeshComm
 from .hooks import Unshard, register_post_backward, register_pre_backward
 from .mesh import MeshInfo
 from .param_group import ParoParamGroup
+from .paro_cc import ParoCC
 from .traced import unshard as traced_unshard
 
 
@@ -69,9 +71,10 @@ class ParoBlock:
             self.gather()
         grad_enabled = torch.is_grad_enabled()
         for i, g in enumerate(self.groups):
-            self._swap(g, Unshard.apply(self, i, *g.sharded_params) if grad_enabled else g.full_params)
+            self._swap(g, Unshard.apply(g.full_params, partial(self.post_backward, i), *g.sharded_params)
+                       if grad_enabled else g.full_params)
         if grad_enabled and any(not g.trainable for g in self.groups):
-            args, kwargs = register_post_backward(self, args, kwargs)
+            args, kwargs = register_post_backward(self.post_backward_frozen, args, kwargs)
         return args, kwargs
 
     def post_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any):
@@ -85,7 +88,7 @@ class ParoBlock:
                 if (g.reshard_after_forward and not self.is_root) or not torch.is_grad_enabled():
                     g.reshard()
         if torch.is_grad_enabled():
-            output = register_pre_backward(self, output)
+            output = register_pre_backward(self.pre_backward, output)
         return output
 
     def pre_backward(self) -> None:
@@ -118,8 +121,8 @@ def _in_backward() -> bool:
 class ParoState:
     """The model-wide view: blocks in execution order, the ledger, the end-of-backward work."""
 
-    def __init__(self, info: MeshInfo, comm: MeshComm, blocks: list[ParoBlock]) -> None:
-        self.info, self.comm, self.blocks = info, comm, blocks
+    def __init__(self, info: MeshInfo, comm: MeshComm, cc: ParoCC, blocks: list[ParoBlock]) -> None:
+        self.info, self.comm, self.cc, self.blocks = info, comm, cc, blocks
         self.forward_order: list[ParoBlock] = []
         self._backward_queued = False
         self.in_flight: list[ParoParamGroup] = []  # groups with a gradient reduction in flight

@@ -32,6 +32,7 @@ from functools import partial
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from ._compat import isolate_compile_cache  # noqa: F401 - callers compiling the engine import it from here
 from .param_group import run
 from .strategy import Level
 
@@ -136,25 +137,6 @@ def unshard(group: "ParoParamGroup") -> list[torch.Tensor]:
         return checkpoint(_gather, *args, *p, use_reentrant=False,
                           context_fn=partial(create_selective_checkpoint_contexts, _recompute_gathers))
     return _gather(*args, *p)
-
-
-def isolate_compile_cache(rank: int) -> None:
-    """Give this rank its own inductor / AOTAutograd cache folder (a subfolder of the usual one).
-
-    Why: a rank's graphs name its own process groups, which differ between ranks (each intra
-    group has its own name). With the selective-checkpoint region around the gathers, torch 2.13
-    replayed a cache entry compiled by one rank on another, which then failed with "Could not
-    resolve the process group registered under the name 1". Per-rank folders cost only cross-rank
-    cache sharing. Call it before compiling (the trainer, the tests and tools/bench_compile.py
-    do); idempotent."""
-    import os
-
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    tag = f"paro-rank{rank}"
-    base = cache_dir()
-    if os.path.basename(base) != tag:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, tag)
 
 
 def _leaf(group: "ParoParamGroup", level: Level) -> torch.Tensor:

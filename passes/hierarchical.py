@@ -13,15 +13,14 @@ from __future__ import annotations
 import torch.fx as fx
 from torch._inductor.pattern_matcher import stable_topological_sort
 
+from paro_fsdp.comm import MeshComm
 from paro_fsdp.paro_cc import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_CHUNKS, ParoCC
 
 from .graph import collectives, splice
 
 
 def _replacement(c, chunk_bytes: int, max_chunks: int):
-    info = c.info
-    cc = ParoCC.from_groups(info.g, info.m, info.group_names["intra"], info.group_names["inter"],
-                            chunk_bytes=chunk_bytes, max_chunks=max_chunks)
+    cc = ParoCC(MeshComm(c.info), chunk_bytes=chunk_bytes, max_chunks=max_chunks)  # c.info: the MeshGroups
     if c.kind == "all_gather":
         return lambda x: [cc.all_gather(x, order="flat").wait()]
     if c.kind == "reduce_scatter":

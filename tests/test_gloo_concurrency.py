@@ -1,7 +1,7 @@
 """Collectives in flight on both mesh dimensions at once, as PaRO-CC and prefetching issue them.
 
 torch 2.13's gloo kernel for the functional all-gather corrupts the heap when it overlaps work
-on another process group (see ``paro_fsdp.comm.use_safe_gloo_all_gather``): this loop killed a
+on another process group (see ``paro_fsdp._compat.use_safe_gloo_all_gather``): this loop killed a
 rank within a few hundred iterations in 5 of 6 runs before the engine replaced that kernel."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ ITERS = 1000
 def stress(payload: dict) -> int:
     """Issue all-gathers, reduce-scatters and all-reduces on "intra" and "inter" together, of
     changing sizes, then wait and check every result; return the number of checks."""
-    from paro_fsdp.comm import use_safe_gloo_all_gather
+    from paro_fsdp._compat import use_safe_gloo_all_gather
     from paro_fsdp.mesh import MeshInfo, init_paro_mesh
 
     if payload["safe"]:

@@ -58,7 +58,7 @@ def suite(payload: dict) -> dict:
     """Runs on every rank: each case through PaRO-CC and through the flat collective."""
     import torch.distributed as dist
 
-    from paro_fsdp.comm import CommStats
+    from paro_fsdp.comm import MeshComm
     from paro_fsdp.mesh import MeshInfo, init_paro_mesh
     from paro_fsdp.paro_cc import ParoCC, flat_to_nested, nested_to_flat
 
@@ -67,8 +67,8 @@ def suite(payload: dict) -> dict:
     info = MeshInfo.from_mesh(init_paro_mesh(m))
     n, rank = info.n, dist.get_rank()
     assert rank == info.k * info.m + info.l  # the flat order the module promises
-    stats = CommStats()
-    cc = ParoCC(info, chunk_bytes=256, max_chunks=5, stats=stats)  # small chunks: default chunking kicks in
+    cc = ParoCC(MeshComm(info.groups), chunk_bytes=256, max_chunks=5)  # small chunks: default chunking kicks in
+    stats = cc.stats
     gname = info.group_names["global"]
     out: dict = {}
     for case in payload["cases"]:
@@ -113,7 +113,7 @@ def suite(payload: dict) -> dict:
         }
     # one-level meshes (1 x n: all intra; n x 1: all inter) reduce to the plain collective
     for m_alt in (n, 1):
-        alt = ParoCC(MeshInfo.from_mesh(init_paro_mesh(m_alt)), chunk_bytes=256)
+        alt = ParoCC(MeshComm(MeshInfo.from_mesh(init_paro_mesh(m_alt)).groups), chunk_bytes=256)
         x = torch.arange(6.0) + rank
         ok = torch.equal(alt.all_gather(x).wait(), ops.wait_tensor(ops.all_gather_into_tensor(x, n, gname)))
         y = torch.arange(6.0 * n) * (rank + 1)
@@ -161,11 +161,12 @@ class RecordingStreams:
 def _side_stream_checks(info, plain, n: int) -> dict:
     """With side streams (a GPU), every phase of a PaRO-CC collective is issued by the call
     itself (none from wait()), on the stream of its kind, and results equal the CPU path's."""
-    from paro_fsdp.comm import CommStats, MeshComm
+    from paro_fsdp.comm import MeshComm
     from paro_fsdp.paro_cc import ParoCC
 
-    rec, stats = RecordingStreams(), CommStats()
-    cc = ParoCC(info, chunk_bytes=256, max_chunks=5, stats=stats, streams=rec)
+    rec = RecordingStreams()
+    cc = ParoCC(MeshComm(info.groups, streams=rec), chunk_bytes=256, max_chunks=5)
+    stats = cc.stats
     x = torch.arange(1000.0) + info.k * info.m + info.l
     out = {}
     for kind, call, phases in (
@@ -182,8 +183,7 @@ def _side_stream_checks(info, plain, n: int) -> dict:
         got = pend.wait()
         out[kind] = {"issued_at_call": issued_at_call, "waited": rec.waited - waited,
                      "equal": torch.equal(got, call(plain).wait())}
-    comm = MeshComm(info)
-    comm.streams = rec
+    comm = MeshComm(info.groups, streams=rec)
     before = len(rec.issued)
     a = comm.all_gather(x, "intra").wait()
     r = comm.reduce_scatter(torch.cat([x] * info.m), "intra").wait()

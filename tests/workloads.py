@@ -103,7 +103,7 @@ def train_paro(strategy, group_size: int, accum: int, mp: MixedPrecision | None 
         checkpoint_blocks(model)
     model = paro_shard(model, mesh, strategy, mp=mp)
     if chunk_bytes is not None:
-        model._paro_state.comm.cc.chunk_bytes = chunk_bytes
+        model._paro_state.cc.chunk_bytes = chunk_bytes
     opt = ParoOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=0.1)
     call = model
     if compile is not None:

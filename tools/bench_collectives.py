@@ -69,6 +69,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
+    from paro_fsdp.comm import MeshComm
     from paro_fsdp.mesh import MeshInfo, init_paro_mesh
     from paro_fsdp.paro_cc import ParoCC
 
@@ -81,8 +82,9 @@ def worker(args: argparse.Namespace) -> None:
     gname = info.group_names["global"]
     dtype = getattr(torch, args.dtype)
     esize = torch.empty((), dtype=dtype).element_size()
-    cc = ParoCC(info, chunk_bytes=int(args.chunk_mb * 2**20), max_chunks=args.max_chunks)
-    cc1 = ParoCC(info, max_chunks=1)
+    comm = MeshComm(info.groups)
+    cc = ParoCC(comm, chunk_bytes=int(args.chunk_mb * 2**20), max_chunks=args.max_chunks)
+    cc1 = ParoCC(comm, max_chunks=1)
     # node 0's links (rank 0 lives there): every distinct interface the emulator gave its ranks
     ifnames = sorted(set(filter(None, os.environ.get("PARO_EMU_IFNAMES", "").split(","))))
 

@@ -1,0 +1,112 @@
+"""Every workaround for a torch bug or gap, in one place.
+
+Each one names the bug, the torch versions it was seen on and the test that fails without it.
+When torch fixes one, the workaround (and its guard) goes, nothing else changes: callers only
+call the functions here.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+# ---- 1. gloo: the functional all-gather through the single-tensor path -----------------------
+_GLOO_LIB: torch.library.Library | None = None
+
+
+def _group(group_name) -> dist.ProcessGroup:
+    return group_name if isinstance(group_name, dist.ProcessGroup) else _resolve_process_group(group_name)
+
+
+def _gather_into(out: torch.Tensor, shard: torch.Tensor, group_name) -> torch.Tensor:
+    work = dist.all_gather_single(out, shard.contiguous(), group=_group(group_name), async_op=True)
+    torch._C._distributed_c10d._register_work(out, work)
+    return out
+
+
+def _all_gather_cpu(shard: torch.Tensor, group_size: int, group_name) -> torch.Tensor:
+    out = shard.new_empty((shard.shape[0] * group_size, *shard.shape[1:]))
+    return _gather_into(out, shard, group_name)
+
+
+def _all_gather_out_cpu(shard: torch.Tensor, group_size: int, group_name, *, out: torch.Tensor) -> torch.Tensor:
+    return _gather_into(out, shard, group_name)
+
+
+def _all_gather_coalesced_cpu(shards: list[torch.Tensor], group_size: int, group_name) -> list[torch.Tensor]:
+    return [_all_gather_cpu(s, group_size, group_name) for s in shards]
+
+
+def use_safe_gloo_all_gather() -> None:
+    """On CPU, run the functional all-gather through gloo's single-tensor all-gather.
+
+    Bug (torch 2.13, gloo): ``_c10d_functional.all_gather_into_tensor``, which c10d routes to
+    ``allgather_into_tensor_coalesced``, runs in a gloo work item that corrupts the heap or hangs
+    when it is in flight while another process group also has work in flight: exactly PaRO-CC's
+    overlap of an inter and an intra phase, and prefetching. A 4-rank loop of concurrent gathers
+    on both mesh dimensions dies with "malloc(): unaligned tcache chunk detected" within a few
+    hundred iterations (5 of 6 runs). The same gather issued through
+    ``dist.all_gather_single(async_op=True)`` survives it.
+
+    The workaround: the op's CPU kernel is that call, with its work registered for
+    ``wait_tensor`` as the C++ kernel does: same op, same graphs, same semantics for eager and
+    compiled code; other devices keep torch's kernel. Once per process (idempotent); every
+    ``MeshComm`` installs it. Test: tests/test_gloo_concurrency.py (the loop above, 1000
+    iterations on 4 ranks)."""
+    global _GLOO_LIB
+    if _GLOO_LIB is not None:
+        return
+    lib = torch.library.Library("_c10d_functional", "IMPL")
+    lib.impl("all_gather_into_tensor", _all_gather_cpu, "CPU")
+    lib.impl("all_gather_into_tensor_out", _all_gather_out_cpu, "CPU")
+    lib.impl("all_gather_into_tensor_coalesced", _all_gather_coalesced_cpu, "CPU")
+    _GLOO_LIB = lib
+
+
+# ---- 2. inductor: one compile cache per rank -------------------------------------------------
+def isolate_compile_cache(rank: int) -> None:
+    """Give this rank its own inductor / AOTAutograd cache folder (a subfolder of the usual one).
+
+    Bug (torch 2.13, inductor FX-graph / AOTAutograd cache): a rank's graphs name its own
+    process groups, which differ between ranks (each intra group has its own name). With the
+    selective-checkpoint region around the traced gathers (traced.py), torch replayed a cache
+    entry compiled by one rank on another, which then failed with "Could not resolve the process
+    group registered under the name 1". Per-rank folders cost only cross-rank cache sharing.
+    Call it before compiling (the trainer, the tests and tools/bench_compile.py do); idempotent.
+    Test: tests/test_compat.py (each rank's folder is its own; the failure itself needs warm
+    inductor caches shared by 4 compiling ranks, minutes on CPU, so it is not replayed)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    tag = f"paro-rank{rank}"
+    base = cache_dir()
+    if os.path.basename(base) != tag:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, tag)
+
+
+# ---- 3. inductor's overlap scheduler: our estimate for its roofline too -----------------------
+def _overlap_module():
+    import torch._inductor.fx_passes.overlap_scheduling as overlap
+
+    return overlap
+
+
+_TORCH_ROOFLINE: Callable | None = None
+
+
+def route_roofline_estimate(estimate: Callable | None) -> None:
+    """Make inductor's overlap scheduler price compute with ``estimate`` (None: torch's own).
+
+    Bug (torch 2.13): the overlap scheduler (``OverlapScheduler``, through
+    ``estimate_roofline_runtime_ms``) prices every compute node with its GPU roofline before
+    consulting ``aten_distributed_optimizations.custom_runtime_estimation``; on a machine
+    without a GPU (or triton) that asks for the GPU's DRAM bandwidth and fails. The workaround
+    replaces the module's roofline function, which the scheduler looks up at call time.
+    Test: tests/test_compat.py (torch's roofline called on a CPU matmul node)."""
+    global _TORCH_ROOFLINE
+    overlap = _overlap_module()
+    if _TORCH_ROOFLINE is None:
+        _TORCH_ROOFLINE = overlap.estimate_roofline_runtime_ms
+    overlap.estimate_roofline_runtime_ms = _TORCH_ROOFLINE if estimate is None else estimate
