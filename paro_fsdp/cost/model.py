@@ -3,7 +3,7 @@ its FLOPs, and the buckets the engine makes of it.
 
 Why separate from the cluster and the time model: these are facts about the model alone
 (checked against the engine's buckets and against what autograd saves, tests/test_advisor.py);
-``tools.estimate`` and the benchmarks use the same trainable-layer rule.
+``cost.estimate`` and the benchmarks use the same trainable-layer rule.
 """
 from __future__ import annotations
 
