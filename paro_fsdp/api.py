@@ -55,8 +55,8 @@ class ParoModule:
         only does what is left (blocks that ran eagerly). The eager engine ignores it."""
         for g in self._paro_state.groups:
             g.last_backward = bool(is_last)
-            if is_last and g.trainable and g.grad_acc is None:  # one graph whatever the step
-                g.grad_acc = g.t_layout.new(g.strategy.g, g.mp.acc_dtype, g.device).zero_()
+            if is_last and g.trainable:  # one graph whatever the step
+                g.grad_acc.ensure()
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide the gradient summed over ranks (and micro-steps) by ``factor`` instead of the

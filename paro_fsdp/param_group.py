@@ -92,6 +92,40 @@ class ParamRef:
         return self.like.numel()
 
 
+class GradAccumulator:
+    """A group's G-level gradient, summed over micro-steps in the accumulate dtype.
+
+    One owner for the three writers: the eager backward (``reduce_grads`` ensures it, the
+    reduced shard is added when the reduction finishes), the traced path's sink (each micro-step's
+    G-level gradient is added) and the boundary (reads the ``sum``; ``zero_grad`` clears it).
+    Allocated at the first backward, or by ``set_is_last_backward`` so the compiled last
+    micro-step's graph is the same whatever the step."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.numel, self.dtype, self.device = numel, dtype, device
+        self.tensor: torch.Tensor | None = None
+
+    def ensure(self) -> torch.Tensor:
+        if self.tensor is None:
+            self.tensor = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        return self.tensor
+
+    def add(self, grad: torch.Tensor) -> None:
+        """Sum ``grad`` in; the first one, before any ``ensure``, is taken as is (cast)."""
+        if self.tensor is None:
+            self.tensor = grad.to(self.dtype)
+        else:
+            self.tensor.add_(grad)
+
+    def sum(self) -> torch.Tensor:
+        """The sum so far: zeros if no backward reached the group."""
+        return self.tensor if self.tensor is not None else torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+
+    def zero(self) -> None:
+        if self.tensor is not None:
+            self.tensor.zero_()
+
+
 class ShardState(enum.Enum):
     SHARDED = 0
     GATHERING = 1  # first collective issued (prefetch), not yet copied out
@@ -174,7 +208,7 @@ class ParoParamGroup:
                 b.untyped_storage().resize_(0)
         self.state = ShardState.UNSHARDED if P == Level.N else ShardState.SHARDED
         self._pending: Pending | HierPending | None = None
-        self.grad_acc: torch.Tensor | None = None  # allocated at the first backward
+        self.grad_acc = GradAccumulator(self.t_layout.numel(strategy.g), mp.acc_dtype, device)
         self._pending_rs: Pending | HierPending | None = None
         self.grads_ready = False  # reduced to the OS level and handed to the master params
         self.has_grads = False  # at least one backward reached this group since the last step
@@ -231,13 +265,12 @@ class ParoParamGroup:
         reduce-scatter stays in flight (overlapping the next block's backward) until
         ``finish_grad_reduction``."""
         layout, G, dt = self.t_layout, self.strategy.g, self.mp.grad_dtype
-        if self.grad_acc is None:
-            self.grad_acc = layout.new(G, self.mp.acc_dtype, self.device)
+        acc = self.grad_acc.ensure()
         self.has_grads = True
         if G == Level.N:  # nothing on the wire: add straight into the accumulator
             for t, grad in zip(layout.tensors, grads):
                 if grad is not None:
-                    layout.copy_in(self.grad_acc, t, grad.to(self.grad_acc.dtype), add=True)
+                    layout.copy_in(acc, t, grad.to(acc.dtype), add=True)
             return
         present = all(g_ is not None for g_ in grads)
         if G == Level.G:  # global PaRO-CC reduce-scatter of a NESTED buffer: its intra phase starts now
@@ -260,7 +293,7 @@ class ParoParamGroup:
             return
         shard = self._pending_rs.wait()  # G=G: issues the inter phase and waits for it
         self._pending_rs = None
-        self.grad_acc.add_(shard)  # reduce dtype on the wire, summed in the accumulate dtype
+        self.grad_acc.add(shard)  # reduce dtype on the wire, summed in the accumulate dtype
 
     # ---- the accumulation boundary ---------------------------------------------------------
     # Both boundary moves are generators that yield each collective they issue and receive its
@@ -271,7 +304,7 @@ class ParoParamGroup:
         fp32 master parameters as the mean over data-parallel ranks (spec step 3)."""
         if self.grads_ready or not self.trainable:
             return
-        acc = self.grad_acc if self.grad_acc is not None else self.t_layout.new(self.strategy.g, self.mp.acc_dtype, self.device)
+        acc = self.grad_acc.sum()
         out: list[torch.Tensor] = []
         for pending in self.reduce_to_os(acc, out):
             yield pending
@@ -409,8 +442,7 @@ class ParoParamGroup:
             self.reshard()
 
     def zero_grad(self) -> None:
-        if self.grad_acc is not None:
-            self.grad_acc.zero_()
+        self.grad_acc.zero()
         for master in self.master:
             master.grad = None
         self.grads_ready = False

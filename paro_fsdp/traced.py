@@ -65,7 +65,7 @@ def reduce_to_g(group: "ParoParamGroup", grads: list[torch.Tensor | None]) -> to
     """Sum the whole-tensor gradients over the ranks that share the G-level shard, laid out as
     the group's G buffer (FULL for G = N). The FULL buffer is one ``cat`` of padded gradients."""
     layout, info, comm, dt = group.t_layout, group.info, group.comm, group.mp.grad_dtype
-    G, m, g = group.strategy.g, info.m, info.g
+    G, m, g = group.strategy.g, info.m, info.g  # g: the number of groups, as in MeshInfo
     nested = G == Level.G and layout.nested_uniform
     parts = []
     for t, grad in zip(layout.tensors, grads):
@@ -102,13 +102,14 @@ class GatherForCompute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
         group = ctx.group
-        g = reduce_to_g(group, list(grads[: len(group.trainable)])) if group.trainable else None
-        if ctx.last and g is not None:
+        # the sink's gradient: this micro-step's at the G level, or (last) the sum at the OS level
+        reduced = reduce_to_g(group, list(grads[: len(group.trainable)])) if group.trainable else None
+        if ctx.last and reduced is not None:
             (acc,) = ctx.saved_tensors
             out: list[torch.Tensor] = []
-            run(group.reduce_to_os(g if acc is None else acc + g, out))
-            g = out[0]
-        return (None, g, None, None) + (None,) * ctx.n
+            run(group.reduce_to_os(reduced if acc is None else acc + reduced, out))
+            reduced = out[0]
+        return (None, reduced, None, None) + (None,) * ctx.n
 
 
 def _recompute_gathers(ctx, func, *args, **kwargs) -> CheckpointPolicy:
@@ -132,7 +133,7 @@ def unshard(group: "ParoParamGroup") -> list[torch.Tensor]:
         with torch.no_grad():
             return _gather(group, None, None, False, *p)
     last = group.last_backward
-    args = (group, group.os_sink, group.grad_acc, True) if last else (group, group.sink, None, False)
+    args = (group, group.os_sink, group.grad_acc.tensor, True) if last else (group, group.sink, None, False)
     if group.reshard_after_forward:
         return checkpoint(_gather, *args, *p, use_reentrant=False,
                           context_fn=partial(create_selective_checkpoint_contexts, _recompute_gathers))
@@ -152,10 +153,7 @@ def make_sinks(group: "ParoParamGroup") -> None:
         return
 
     def hand_over(leaf: torch.Tensor) -> None:
-        if group.grad_acc is None:
-            group.grad_acc = leaf.grad.to(group.mp.acc_dtype)
-        else:
-            group.grad_acc.add_(leaf.grad)
+        group.grad_acc.add(leaf.grad)
         leaf.grad = None
         group.has_grads = True
 

@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 
 from paro_fsdp.cost.collectives import ring_bytes
-from paro_fsdp.mesh import GROUPS, MeshInfo
+from paro_fsdp.mesh import GROUPS, MeshGroups
 
 _ops = torch.ops._c10d_functional
 KIND_OF = {
@@ -40,7 +40,7 @@ class Collective:
     kind: str
     group: str
     dim: str  # "intra" / "inter" / "global" (or "?" for a group paro_shard did not create)
-    info: MeshInfo | None
+    info: MeshGroups | None  # sizes and group names of its mesh (None: a group paro_shard did not create)
     block: tuple  # the module path of the block that issued it
     nbytes: int  # bytes of the whole buffer (all-gather output, reduce-scatter / all-reduce input)
 

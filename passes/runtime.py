@@ -13,16 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch._inductor.fx_passes.overlap_scheduling as _overlap
 import torch.fx as fx
 
+from paro_fsdp._compat import route_roofline_estimate
 from paro_fsdp.cost.cluster import Cluster, link_for, load_cluster
 from paro_fsdp.cost.collectives import link_seconds, ring_bytes
 from paro_fsdp.mesh import GROUPS
 
 from .graph import COMPUTE, KIND_OF
-
-_ROOFLINE = _overlap.estimate_roofline_runtime_ms
 
 
 def _numel_bytes(v) -> int:
@@ -87,9 +85,7 @@ def enable_overlap_scheduler(cluster: Cluster | str = "a100_ib") -> RuntimeEstim
     cfg.enable_overlap_scheduling = True
     cfg.custom_runtime_estimation = estimate
     cfg.enable_fusion_regions = False  # its I/O correction asks the GPU for DRAM bandwidth too
-    # torch 2.13 prices matmuls with its GPU roofline before consulting the custom estimate
-    # (gather_node_runtime_estimations); route that roofline to ours as well
-    _overlap.estimate_roofline_runtime_ms = estimate
+    route_roofline_estimate(estimate)  # torch 2.13 asks its GPU roofline first (paro_fsdp/_compat.py)
     return estimate
 
 
@@ -98,4 +94,4 @@ def disable_overlap_scheduler() -> None:
     cfg.enable_overlap_scheduling = False
     cfg.custom_runtime_estimation = None
     cfg.enable_fusion_regions = True
-    _overlap.estimate_roofline_runtime_ms = _ROOFLINE
+    route_roofline_estimate(None)

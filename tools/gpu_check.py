@@ -863,6 +863,10 @@ def _required_internals(strategy) -> list[str]:
 def _tensors_of(value: Any) -> list[tuple[str, Any]]:
     import torch
 
+    from paro_fsdp.param_group import GradAccumulator
+
+    if isinstance(value, GradAccumulator):  # the group's G accumulator: its tensor, once allocated
+        value = value.tensor
     if isinstance(value, torch.Tensor):
         return [("", value)]
     if isinstance(value, (list, tuple)):
@@ -901,7 +905,8 @@ def buffer_devices(model: Any, opt: Any, device_type: str) -> dict[str, Any]:
         for attr in _required_internals(g.strategy):
             if attr == "grad_acc" and not g.trainable:
                 continue
-            if attrs.get(attr) is None:
+            value = attrs.get(attr)
+            if value is None or getattr(value, "tensor", value) is None:  # GradAccumulator: not allocated
                 missing.append(f"{g.name}.{attr}")
         for m in g.master:
             if m.grad is not None:
