@@ -1,7 +1,6 @@
 """``paro_shard``: turn a model into a PaRO data-parallel model on a 2D mesh."""
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Any, Callable, Iterable, Mapping, Optional
 
 import torch
@@ -79,46 +78,44 @@ class ParoModule:
         load the optimizer's own state for a full resume (it overwrites the masters again)."""
         if assign:
             raise ValueError("paro_shard models load in place: assign=True would replace the sharded DTensor parameters")
-        metadata = getattr(state_dict, "_metadata", None)
-        sd = OrderedDict(state_dict)
-        if metadata is not None:
-            sd._metadata = metadata
-        index = _param_index(self)
+        # Which parameters a load reaches is decided at their owning modules: a parent's load
+        # pre-hook may rename or merge keys on the way down (torchtitan's fused wqkv is saved
+        # as wq / wk / wv and merged back by such a hook), so the top-level keys do not say.
+        owned: dict[int, list[tuple[str, ParoParamGroup, int]]] = {}
+        owner_modules: dict[int, nn.Module] = {}
+        for g in self._paro_state.groups:
+            for i, ref in enumerate(g.refs):
+                for module, attr in ref.owners:
+                    owned.setdefault(id(module), []).append((attr, g, i))
+                    owner_modules[id(module)] = module
+        loaded: set[str] = set()
         full: dict[str, torch.Tensor] = {}
-        for key, value in state_dict.items():
-            if key in index and torch.is_tensor(value) and not isinstance(value, DTensor):
-                group, i = index[key]
-                if value.shape == group.refs[i].shape:  # else nn.Module reports the mismatch
-                    full[group.refs[i].fqn] = value
-                    sd[key] = _as_p_level(group, i, value)
-        result = super().load_state_dict(sd, strict=strict)
-        loaded = {index[key][0].refs[index[key][1]].fqn for key in sd if key in index}
+
+        def at_owner(module, sd, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+            for attr, group, i in owned.get(id(module), ()):
+                value = sd.get(prefix + attr)
+                if not torch.is_tensor(value):
+                    continue
+                ref = group.refs[i]
+                if not isinstance(value, DTensor):
+                    if value.shape != ref.shape:
+                        continue  # nn.Module reports the mismatch
+                    full[ref.fqn] = value
+                    sd[prefix + attr] = _as_p_level(group, i, value)
+                loaded.add(ref.fqn)
+
+        handles = [m.register_load_state_dict_pre_hook(at_owner) for m in owner_modules.values()]
+        try:
+            result = super().load_state_dict(state_dict, strict=strict)
+        finally:
+            for h in handles:
+                h.remove()
         for g in self._paro_state.groups:
             g.reload_master(loaded, full)
         return result
 
     def paro_strategies(self) -> dict[str, Strategy]:
         return {ref.fqn: g.strategy for g in self._paro_state.groups for ref in g.refs}
-
-
-# wrappers whose names torch's state-dict helpers drop from parameter names (activation
-# checkpointing, torch.compile, FSDP1)
-_WRAPPER_NAMES = {"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"}
-
-
-def _clean_fqn(fqn: str) -> str:
-    return ".".join(part for part in fqn.split(".") if part not in _WRAPPER_NAMES)
-
-
-def _param_index(model: nn.Module) -> dict[str, tuple[ParoParamGroup, int]]:
-    """Parameter name -> (group, index in ``group.refs``), under the module's own name and
-    the name with wrapper modules dropped (what ``model.state_dict()`` of a checkpoint-wrapped
-    model produces)."""
-    index = {}
-    for g in model._paro_state.groups:
-        for i, ref in enumerate(g.refs):
-            index[ref.fqn] = index[_clean_fqn(ref.fqn)] = (g, i)
-    return index
 
 
 def _as_p_level(group: ParoParamGroup, i: int, whole: torch.Tensor) -> DTensor:

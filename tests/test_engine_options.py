@@ -32,6 +32,28 @@ def dict_model() -> nn.Module:
     return model
 
 
+def rename_w2(model: nn.Module) -> nn.Module:
+    """Hooks on each feed-forward module that save ``w2.weight`` as ``w2_alias`` and load it
+    back, as torchtitan's fused ``wqkv`` is saved as ``wq`` / ``wk`` / ``wv`` and merged on
+    load: the loaded parameter's name is never a key of the dict handed to load_state_dict."""
+
+    def save(module, sd, prefix, local_metadata):
+        sd[prefix + "w2_alias"] = sd.pop(prefix + "w2.weight")
+
+    def load(module, sd, prefix, *args):
+        if prefix + "w2_alias" in sd:
+            sd[prefix + "w2.weight"] = sd.pop(prefix + "w2_alias")
+
+    for layer in model.layers:
+        layer.feed_forward.register_state_dict_post_hook(save)
+        layer.feed_forward.register_load_state_dict_pre_hook(load)
+    return model
+
+
+def _alias(name: str) -> str:
+    return name.replace("w2.weight", "w2_alias")
+
+
 def _train(model, opt, steps: int, *, loss_scale: float = 1.0, first_step: int = 0) -> list[tuple[float, float]]:
     import torch.distributed as dist
 
@@ -97,9 +119,17 @@ def rank_main(folder: str) -> dict[str, Any]:
         _train(trained, topt, 2)
         weights = full_params(trained)
         runs = {}
-        for how in ("dtensor", "plain", "dcp"):
+        for how in ("dtensor", "plain", "dcp", "renamed", "renamed_plain"):
             model, opt = shard(s, make_model(seed=1))
-            if how == "dtensor":  # model.state_dict() of another sharded model
+            if how == "renamed":  # a parent's load pre-hook names the parameter
+                rename_w2(model)
+                sd = rename_w2(trained).state_dict()
+                assert not any(k.endswith("w2.weight") for k in sd)
+                model.load_state_dict(sd)
+            elif how == "renamed_plain":  # (trained keeps the hooks: weights were read before)
+                rename_w2(model)
+                model.load_state_dict({_alias(k): v.clone() for k, v in weights.items()})
+            elif how == "dtensor":  # model.state_dict() of another sharded model
                 model.load_state_dict(trained.state_dict())
             elif how == "plain":  # an unsharded checkpoint: whole plain tensors
                 model.load_state_dict({k: v.clone() for k, v in weights.items()})
@@ -183,7 +213,7 @@ def test_module_dict_values_are_blocks(got):
 
 
 @pytest.mark.parametrize("strategy", LOAD)
-@pytest.mark.parametrize("how", ["dtensor", "plain", "dcp"])
+@pytest.mark.parametrize("how", ["dtensor", "plain", "dcp", "renamed", "renamed_plain"])
 def test_model_only_load_refreshes_masters(got, strategy, how):
     """Weights loaded without optimizer state train on from the loaded values, as a plain
     model given the same weights and a fresh AdamW does (before the fix the first step pushed
