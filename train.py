@@ -140,7 +140,7 @@ class Trainer:
         self._print_header(global_batch)
 
     def _choose_strategy(self) -> None:
-        """``paro_strategy = "auto"``: the advisor (paro_fsdp/advisor.py) ranks all 27 strategies
+        """``paro_strategy = "auto"``: the advisor (paro_fsdp/cost/) ranks all 27 strategies
         on the given cluster file, or on this mesh calibrated now; log the table, train with the
         fastest that fits. Rank 0's choice is broadcast so every rank shards the same way."""
         from paro_fsdp.cost.calibrate import calibrate_in_process

@@ -124,7 +124,7 @@ class Parallelism:
     paro_strategy: str = "IIG"
     """PaRO strategy: three letters of N/I/G for P, G, OS (IIG, NIG, GGG = ZeRO-3, NNN = DDP, ...), or "auto" (the advisor picks)"""
     paro_cluster_file: str = ""
-    """With paro_strategy = "auto": cluster TOML for the advisor (a tools/clusters preset or tools.calibrate output); empty: calibrate at start-up"""
+    """With paro_strategy = "auto": cluster TOML for the advisor (a preset name of paro_fsdp/cost/clusters or tools.calibrate output); empty: calibrate at start-up"""
     paro_group_size: int = -1
     """Ranks per group (m); -1: ranks per node (LOCAL_WORLD_SIZE)"""
     paro_policy: dict[str, str] = field(default_factory=dict)
