@@ -51,7 +51,20 @@ class Collective:
 
     @property
     def group_size(self) -> int:
-        return int(self.node.args[2] if self.kind != "all_gather" else self.node.args[1])
+        return group_size_of(self.node, self.kind)
+
+
+def group_size_of(node: fx.Node, kind: str) -> int:
+    """Ranks in a collective's group. all_gather_into_tensor(x, size, name) and
+    reduce_scatter_tensor(x, op, size, name) carry it; all_reduce(x, op, name) only names its
+    group, whose size c10d knows."""
+    if kind == "all_gather":
+        return int(node.args[1])
+    if kind == "reduce_scatter":
+        return int(node.args[2])
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(str(node.args[-1])).size()
 
 
 def _val(node: fx.Node) -> torch.Tensor | None:

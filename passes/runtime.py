@@ -20,7 +20,7 @@ from paro_fsdp.cost.cluster import Cluster, link_for, load_cluster
 from paro_fsdp.cost.collectives import link_seconds, ring_bytes
 from paro_fsdp.mesh import GROUPS
 
-from .graph import COMPUTE, KIND_OF
+from .graph import COMPUTE, KIND_OF, group_size_of
 
 
 def _numel_bytes(v) -> int:
@@ -53,7 +53,7 @@ class RuntimeEstimate:
         kind = KIND_OF[node.target]
         group = str(node.args[-1])
         dim = GROUPS.get(group, ("global", None))[0]
-        k = int(node.args[1] if kind == "all_gather" else node.args[2])
+        k = group_size_of(node, kind)
         if override_size is not None:
             nbytes = override_size
         elif kind == "all_gather":
