@@ -18,12 +18,11 @@ import torchtitan  # noqa: F401,E402  (a missing extra is an error, not a skip)
 
 from dist_harness import run_world  # noqa: E402
 
-FAST = ["IIG", "NNN"]
-# Work in progress (issue 12): the 2x2 PaRO runs match the FSDP2 reference's step-1 loss to
-# 1e-5 but the step-1 gradient norm differs by ~1.2e-4 relative, and the resume cases do not yet
-# pick up their copied checkpoints; these stay out of make test until fixed.
-WIP = pytest.mark.slow
-SLOW = ["GGG", "NIG", "IGG", "ING", "NGG"]
+# make test: one single-rank reference and one 4-rank world; the rest adds a world of its own
+FAST_STRATEGIES = ["IIG", "GGG"]
+SLOW_STRATEGIES = ["NIG", "NNN", "IGG", "ING", "NGG"]
+SLOW_VARIANTS = ["ga2", "ac_full", "ac_selective", "compile", "compile_ac"]
+TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -33,77 +32,109 @@ def root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ref(root):
-    return run_world(1, "titan_cases:single", {"root": root})[0]
+    return run_world(1, "titan_cases:single", {"root": root, "cases": ["ref"]})[0]
 
 
 @pytest.fixture(scope="module")
 def got(root, ref):
-    return run_world(4, "titan_cases:world", {
-        "root": root, "strategies": FAST, "resume": True, "from_fsdp": True, "model_only": True,
-        "variants": {"ga2": {"strategy": "IIG", "accum": 2}, "ac_full": {"strategy": "NIG", "ac": "full"}}})[0]
+    return run_world(4, "titan_cases:world", {"root": root, "cases": FAST_STRATEGIES + ["resume", "from_fsdp"]})[0]
+
+
+@pytest.fixture(scope="module")
+def ref_more(root, got):
+    """After the fast world: FSDP2 with GA, from model-only weights, and from PaRO's step 2."""
+    return run_world(1, "titan_cases:single", {"root": root, "cases": ["ref_ga2", "ref_model_only", "from_paro"]})[0]
+
+
+@pytest.fixture(scope="module")
+def got_more(root, ref):
+    return run_world(4, "titan_cases:world", {"root": root, "cases": SLOW_STRATEGIES + SLOW_VARIANTS + ["model_only"]})[0]
 
 
 def same(rows, ref_rows, steps=None):
+    """Every logged step's loss and grad norm to ``TOL`` relative."""
     if steps is not None:
         ref_rows = [r for r in ref_rows if r[0] in steps]
     assert [r[0] for r in rows] == [r[0] for r in ref_rows] and rows, (rows, ref_rows)
     for (step, loss, norm), (_, ref_loss, ref_norm) in zip(rows, ref_rows):
-        assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (step, loss, ref_loss)
-        assert abs(norm - ref_norm) <= 1e-5 * abs(ref_norm) + 1e-6, (step, norm, ref_norm)
+        assert abs(loss - ref_loss) <= TOL * abs(ref_loss), (step, loss, ref_loss)
+        assert abs(norm - ref_norm) <= TOL * abs(ref_norm), (step, norm, ref_norm)
 
 
-@WIP
-def test_reference_trains(ref):
-    losses = [loss for _, loss, _ in ref["ref"]["rows"]]
-    assert len(losses) == 4 and losses[-1] < losses[0], losses
-
-
-@WIP
-@pytest.mark.parametrize("strategy", FAST)
-def test_strategy_matches_fsdp2_single_process(got, ref, strategy):
-    same(got[strategy]["rows"], ref["ref"]["rows"])
-
-
-@WIP
-def test_final_weights_match(got, ref):
+def same_weights(weights, ref_weights):
     import torch
 
-    for name, value in ref["ref"]["weights"].items():
-        torch.testing.assert_close(got["IIG"]["weights"][name], value, rtol=0, atol=2e-5, msg=name)
+    assert weights.keys() == ref_weights.keys(), sorted(set(weights) ^ set(ref_weights))
+    for name, value in ref_weights.items():
+        torch.testing.assert_close(weights[name], value, rtol=0, atol=TOL, msg=name)
 
 
-@WIP
-def test_gradient_accumulation(got, ref):
-    same(got["ga2"]["rows"], ref["ref_ga2"]["rows"])
+def test_reference_runs(ref):
+    """Four logged steps whose losses move (the comparisons below are not of a frozen model)."""
+    import math
+
+    rows = ref["ref"]["rows"]
+    assert [r[0] for r in rows] == [1, 2, 3, 4], rows
+    assert all(math.isfinite(loss) and math.isfinite(norm) and norm > 0 for _, loss, norm in rows), rows
+    assert len({round(loss, 4) for _, loss, _ in rows}) == 4, rows
 
 
-@WIP
-def test_activation_checkpointing(got, ref):
-    same(got["ac_full"]["rows"], ref["ref"]["rows"])
+@pytest.mark.parametrize("strategy", FAST_STRATEGIES)
+def test_strategy_matches_single_process(got, ref, strategy):
+    same(got[strategy]["rows"], ref["ref"]["rows"])
+    same_weights(got[strategy]["weights"], ref["ref"]["weights"])
 
 
-@WIP
 def test_resume_is_exact(got):
+    """IIG saved step 2 (and 4, dropped): the resumed run trains steps 3 and 4 as the
+    uninterrupted run did, to the same final weights."""
     same(got["resume"]["rows"], got["IIG"]["rows"], steps={3, 4})
+    same_weights(got["resume"]["weights"], got["IIG"]["weights"])
 
 
-@WIP
 def test_fsdp2_checkpoint_loads_into_paro(got, ref):
+    """torchtitan FSDP2 on one rank saved step 2; PaRO on four ranks resumes from it (model,
+    optimizer, data and schedule) and trains steps 3 and 4 as FSDP2 did."""
     same(got["from_fsdp"]["rows"], ref["ref"]["rows"], steps={3, 4})
+    same_weights(got["from_fsdp"]["weights"], ref["ref"]["weights"])
 
 
-@WIP
-def test_model_only_load_continues(got, ref):
-    """Trained weights loaded without optimizer state (initial_load_path): every step trains
-    on from them. Before the engine refreshed the fp32 masters, step 2 pushed the old masters
-    back and the loss jumped up."""
-    rows = got["model_only"]["rows"]
-    losses = [loss for _, loss, _ in rows]
-    trained = ref["ref"]["rows"][-1][1]
-    assert losses[0] < trained + 0.05 and max(losses) < trained + 0.05, (losses, trained)
+@pytest.mark.slow
+def test_paro_checkpoint_loads_into_fsdp2(ref_more, ref):
+    same(ref_more["from_paro"]["rows"], ref["ref"]["rows"], steps={3, 4})
+    same_weights(ref_more["from_paro"]["weights"], ref["ref"]["weights"])
 
 
-@pytest.mark.parametrize("what", ["tensor_parallel_degree", "context_parallel_degree",
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", SLOW_STRATEGIES)
+def test_more_strategies_match_single_process(got_more, ref, strategy):
+    same(got_more[strategy]["rows"], ref["ref"]["rows"])
+    same_weights(got_more[strategy]["weights"], ref["ref"]["weights"])
+
+
+@pytest.mark.slow
+def test_gradient_accumulation(got_more, ref_more):
+    same(got_more["ga2"]["rows"], ref_more["ref_ga2"]["rows"])
+    same_weights(got_more["ga2"]["weights"], ref_more["ref_ga2"]["weights"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["ac_full", "ac_selective", "compile", "compile_ac"])
+def test_activation_checkpointing_and_compile(got_more, ref, variant):
+    same(got_more[variant]["rows"], ref["ref"]["rows"])
+    same_weights(got_more[variant]["weights"], ref["ref"]["weights"])
+
+
+@pytest.mark.slow
+def test_model_only_load_continues(got_more, ref_more):
+    """Trained weights loaded without optimizer state (checkpoint.initial_load_path) train on
+    as FSDP2 given the same load does: the fp32 masters took the loaded weights (before the
+    engine refreshed them, step 2 pushed the old masters back and the loss jumped up)."""
+    same(got_more["model_only"]["rows"], ref_more["ref_model_only"]["rows"])
+    same_weights(got_more["model_only"]["weights"], ref_more["ref_model_only"]["weights"])
+
+
+@pytest.mark.parametrize("what", ["tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree",
                                   "expert_parallel_degree", "param_groups"])
 def test_unsupported_configs_stop_with_a_clear_error(what):
     import titan_shims  # noqa: F401
@@ -118,6 +149,8 @@ def test_unsupported_configs_stop_with_a_clear_error(what):
                                       ParamGroupConfig(pattern=".*", optimizer_name="AdamW")]
     else:
         setattr(cfg.parallelism, what, 2)
+    if what == "pipeline_parallel_degree":  # else torchtitan's own check (CUDA graphs) stops FSDP2 first
+        cfg.training.disable_cuda_graphs = True
     with pytest.raises(ValueError, match=what):
         to_paro(cfg)
     to_paro(cfg, enable=False)  # FSDP2 takes it

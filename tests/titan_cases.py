@@ -113,40 +113,66 @@ def _drop_step(folder: str, step: int) -> None:
 
 
 def single(payload: dict) -> dict[str, Any]:
-    """One rank: the seed checkpoint and torchtitan FSDP2 references that emulate the 4-rank
-    batch (A = 1 and A = 2); the A = 1 run saves steps 2 and 4 (for the interchange). With
-    ``from_paro``: FSDP2 resumes from a PaRO run's step-2 checkpoint instead."""
+    """One rank: torchtitan FSDP2 runs that draw the 4 ranks' batches side by side (the
+    single-process reference). Cases, in order: ``ref`` (the seed checkpoint, then 4 steps
+    from it, saving steps 2 and 4: the interchange and model-only cases read them), ``ref_ga2``
+    (2 micro-batches), ``ref_model_only`` (ref's step-4 weights loaded model-only),
+    ``from_paro`` (FSDP2 resumes from a PaRO run's step-2 checkpoint, ``payload["paro_root"]``)."""
     root, out = payload["root"], {}
-    if payload.get("from_paro"):
-        folder = os.path.join(root, "fsdp_from_paro")
-        _copy_step(payload["from_paro"], folder, 2)
-        out["from_paro"] = train(config(paro=False, emulate_world=4, folder=folder))
-        return out
-    seed = seed_checkpoint(os.path.join(root, "seed"))
-    out["ref"] = train(config(paro=False, emulate_world=4, seed_from=seed, folder=os.path.join(root, "ref"), save_every=2))
-    out["ref_ga2"] = train(config(paro=False, emulate_world=4, accum=2, seed_from=seed, folder=os.path.join(root, "ref_ga2")))
+    seed = os.path.join(root, "seed", "checkpoint", "step-0")
+    for case in payload["cases"]:
+        if case == "ref":
+            seed = seed_checkpoint(os.path.join(root, "seed"))
+            out[case] = train(config(paro=False, emulate_world=4, seed_from=seed, folder=os.path.join(root, "ref"),
+                                     save_every=2))
+        elif case == "ref_ga2":
+            out[case] = train(config(paro=False, emulate_world=4, accum=2, seed_from=seed,
+                                     folder=os.path.join(root, case)))
+        elif case == "ref_model_only":
+            out[case] = train(config(paro=False, emulate_world=4, folder=os.path.join(root, case),
+                                     model_only_from=os.path.join(root, "ref", "checkpoint", "step-4")))
+        elif case == "from_paro":
+            folder = os.path.join(root, case)
+            _copy_step(os.path.join(root, "paro_IIG"), folder, 2)
+            out[case] = train(config(paro=False, emulate_world=4, folder=folder, resume=True))
+        else:
+            raise ValueError(f"unknown case {case}")
     return out
 
 
+# the 4-rank variants: name -> config keywords (each starts from the seed checkpoint)
+VARIANTS: dict[str, dict[str, Any]] = {
+    "ga2": {"strategy": "IIG", "accum": 2},
+    "ac_full": {"strategy": "NIG", "ac": "full"},
+    "ac_selective": {"strategy": "GGG", "ac": "selective"},
+    "compile": {"strategy": "IIG", "compile": True},
+    "compile_ac": {"strategy": "NNN", "compile": True, "ac": "full"},
+}
+
+
 def world(payload: dict) -> dict[str, Any]:
-    """Four ranks (2 groups of 2): PaRO runs through torchtitan's Trainer, each from the seed
-    checkpoint (a model-only load), and the resumes."""
+    """Four ranks (2 groups of 2), PaRO through torchtitan's Trainer. Cases, in order: a
+    strategy name (4 steps from the seed checkpoint, a model-only load; IIG saves steps 2 and
+    4), a ``VARIANTS`` name, ``resume`` (IIG's step 4 dropped: resumes from step 2),
+    ``from_fsdp`` (the FSDP2 reference's step-2 checkpoint resumed on four ranks),
+    ``model_only`` (the reference's step-4 weights loaded model-only, GGG)."""
     root, out = payload["root"], {}
     seed = os.path.join(root, "seed", "checkpoint", "step-0")
-    for s in payload.get("strategies", []):
-        out[s] = train(config(strategy=s, seed_from=seed, folder=os.path.join(root, f"paro_{s}"),
-                              save_every=2 if s == "IIG" else 0))
-    for name, kw in payload.get("variants", {}).items():
-        out[name] = train(config(seed_from=seed, folder=os.path.join(root, name), **kw))
-    if payload.get("resume"):  # IIG saved steps 2 and 4: drop 4, resume from 2
-        folder = os.path.join(root, "paro_IIG")
-        _drop_step(folder, 4)
-        out["resume"] = train(config(strategy="IIG", folder=folder))
-    if payload.get("from_fsdp"):  # torchtitan FSDP2 (one rank) step 2 -> PaRO on four ranks
-        folder = os.path.join(root, "paro_from_fsdp")
-        _copy_step(os.path.join(root, "ref"), folder, 2)
-        out["from_fsdp"] = train(config(strategy="IIG", folder=folder))
-    if payload.get("model_only"):  # trained weights (FSDP2 step 4) loaded without optimizer state
-        out["model_only"] = train(config(strategy="GGG", model_only_from=os.path.join(root, "ref", "checkpoint", "step-4"),
-                                         folder=os.path.join(root, "model_only")))
+    for case in payload["cases"]:
+        if case in VARIANTS:
+            out[case] = train(config(seed_from=seed, folder=os.path.join(root, case), **VARIANTS[case]))
+        elif case == "resume":
+            folder = os.path.join(root, "paro_IIG")
+            _drop_step(folder, 4)
+            out[case] = train(config(strategy="IIG", folder=folder, resume=True))
+        elif case == "from_fsdp":
+            folder = os.path.join(root, case)
+            _copy_step(os.path.join(root, "ref"), folder, 2)
+            out[case] = train(config(strategy="IIG", folder=folder, resume=True))
+        elif case == "model_only":
+            out[case] = train(config(strategy="GGG", folder=os.path.join(root, case),
+                                     model_only_from=os.path.join(root, "ref", "checkpoint", "step-4")))
+        else:  # a strategy
+            out[case] = train(config(strategy=case, seed_from=seed, folder=os.path.join(root, f"paro_{case}"),
+                                     save_every=2 if case == "IIG" else 0))
     return out

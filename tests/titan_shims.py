@@ -1,6 +1,7 @@
 """Test-only shims that let torchtitan 0.3's real Trainer run on CPU gloo ranks (never in the
 package): the CPU device instead of a forced cuda, triton's import stubbed, the
-``torch.distributed.set_timeout`` torch 2.13 lacks, SDPA attention (flex has no CPU backward),
+``torch.distributed.set_timeout`` torch 2.13 lacks, an exact (float64) gradient norm for the
+reference, SDPA attention (flex has no CPU backward),
 and a generated tokenizer and data set (the wheel ships none).
 
 ``install()`` must run before anything imports torchtitan."""
@@ -30,6 +31,20 @@ def install() -> None:
 
         stub.__getattr__ = missing
         sys.modules[name] = stub
+    # the reference's gradient norm (torchtitan's clip_grad_norm_ calls get_total_norm): torch's
+    # CPU float32 norm kernels accumulate in float32, off by ~1.5e-4 relative on the debug
+    # model's 0.5M-element output layer, more than the 1e-5 the tests compare to; in float64
+    # the reference's norm is the exact norm of its gradients (PaRO's engine does the same on CPU)
+    if not getattr(torch.nn.utils.get_total_norm, "_paro_wide", False):
+        narrow = torch.nn.utils.get_total_norm
+
+        def get_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+            tensors = [tensors] if torch.is_tensor(tensors) else list(tensors)
+            wide = [t.to(torch.float64) if t.dtype == torch.float32 else t for t in tensors]
+            return narrow(wide, norm_type, error_if_nonfinite, foreach).to(torch.float32)
+
+        get_total_norm._paro_wide = True
+        torch.nn.utils.get_total_norm = get_total_norm
     cpu = torch.cpu  # what torchtitan's memory monitor asks of its device module
     for attr, fn in {"get_device_name": lambda *a: "cpu", "memory_stats": lambda *a: {},
                      "get_device_properties": lambda *a: types.SimpleNamespace(total_memory=2**34),

@@ -288,10 +288,10 @@ class ParoTrainer(Trainer):
         paro: ParoConfig = field(default_factory=ParoConfig)
 
         def __post_init__(self) -> None:
-            Trainer.Config.__post_init__(self)
-            if self.paro.enable:
+            if self.paro.enable:  # first: torchtitan's own checks would name other keys (CUDA graphs with PP)
                 check_supported(self.parallelism)
                 check_param_groups(self.optimizer.param_groups)
+            Trainer.Config.__post_init__(self)
 
     def __init__(self, config: Config) -> None:
         self._micro = 0
