@@ -217,7 +217,9 @@ def test_cpu_line_unchanged(tmp_path, capsys):
         "loss/train", "optim/grad_norm", "optim/lr", "throughput/tokens_per_s", "throughput/tokens_per_s_per_rank",
         "time/step_s", "memory/model_states_MiB", "memory/P_MiB", "memory/G_MiB", "memory/OS_MiB",
         "memory/peak_rss_MiB", "comm/intra_MiB_per_step", "comm/inter_MiB_per_step", "comm/global_MiB_per_step",
-        "comm/collectives_per_step"}
+        "comm/collectives_per_step", "host/rss_MiB", "host/open_files"}
+    host = logger.writer.scalars[2]
+    assert host["host/rss_MiB"] > 10 and host["host/open_files"] >= 3  # this process now
 
 
 def test_step_timer_reads_cuda_events_once_per_window(monkeypatch):
