@@ -37,7 +37,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .mesh import MeshInfo
+from .mesh import Coords
 from .strategy import Level
 
 
@@ -49,7 +49,7 @@ def placements(level: Level, m: int) -> tuple:
     }[level]
 
 
-def _rows(d0: int, info: MeshInfo, level: Level, k: int, l: int) -> tuple[int, int]:  # noqa: E741
+def _rows(d0: int, info: Coords, level: Level, k: int, l: int) -> tuple[int, int]:  # noqa: E741
     """(first row, number of rows) of rank (k, l)'s shard, as DTensor defines it."""
     return _dtensor_rows(d0, info.g, info.m, level, k, l)
 
@@ -236,7 +236,7 @@ class TensorLayout:
         return self.g_starts == [k * self.g_pad for k in range(g)] and self.g_rows == [self.g_pad] * g
 
 
-def tensor_layout(name: str, shape: torch.Size, info: MeshInfo) -> TensorLayout:
+def tensor_layout(name: str, shape: torch.Size, info: Coords) -> TensorLayout:
     d0 = shape[0] if len(shape) else 1
     numel = 1
     for s in shape:
@@ -263,7 +263,7 @@ def tensor_layout(name: str, shape: torch.Size, info: MeshInfo) -> TensorLayout:
 class FlatLayout:
     """The flat FULL / I / G buffers of a list of tensors, and the copies between them."""
 
-    def __init__(self, tensors: list[TensorLayout], info: MeshInfo) -> None:
+    def __init__(self, tensors: list[TensorLayout], info: Coords) -> None:
         self.tensors = tensors
         self.info = info
         off_i = off_g = 0

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -92,6 +93,33 @@ _MESHES: dict[tuple[int, int], tuple[object, DeviceMesh]] = {}
 #: c10d group name -> (mesh dimension, the MeshGroups it belongs to): how the graph passes tell an
 #: intra collective from an inter or global one, given only the group name in the graph
 GROUPS: dict[str, tuple[str, "MeshGroups"]] = {}
+
+
+class Coords(Protocol):
+    """What layout arithmetic reads: the mesh's sizes and one rank's coordinates."""
+
+    g: int
+    m: int
+    k: int
+    l: int  # noqa: E741
+
+    @property
+    def n(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class MeshCoords:
+    """Sizes and a rank's coordinates, nothing else: the layout of any rank of any mesh can be
+    computed without process groups (the layout tests, estimates). A live mesh gives MeshInfo."""
+
+    g: int
+    m: int
+    k: int
+    l: int  # noqa: E741
+
+    @property
+    def n(self) -> int:
+        return self.g * self.m
 
 
 @dataclass

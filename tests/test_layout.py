@@ -7,7 +7,7 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from paro_fsdp.layout import FlatLayout, placements, tensor_layout
-from paro_fsdp.mesh import MeshInfo
+from paro_fsdp.mesh import MeshCoords
 from paro_fsdp.strategy import Level
 
 MESHES = [(2, 2), (2, 4), (4, 2), (8, 8)]
@@ -15,7 +15,7 @@ SHAPES = [(64, 3), (16,), (40, 5), (7,), (3, 2), (1,), ()]
 
 
 def info(g, m, k, l):
-    return MeshInfo(mesh=None, g=g, m=m, k=k, l=l, group_names={})
+    return MeshCoords(g=g, m=m, k=k, l=l)
 
 
 def nested(d0, g, m):
