@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from .comm import CommStats, MeshComm
-from .mesh import MeshInfo, mesh_device
+from .mesh import MeshGroups, MeshInfo, mesh_device
 from .paro_cc import ParoCC
 from .mixed_precision import MixedPrecision
 from .param_group import ParamRef, ParoParamGroup
@@ -116,6 +116,11 @@ class ParoModule:
 
     def paro_strategies(self) -> dict[str, Strategy]:
         return {ref.fqn: g.strategy for g in self._paro_state.groups for ref in g.refs}
+
+    def paro_mesh_groups(self) -> MeshGroups:
+        """The mesh's sizes and c10d group names (plain data): what the graph passes need to
+        tell an intra collective from an inter or global one (``passes.install(meshes=...)``)."""
+        return self._paro_state.info.groups
 
 
 def _as_p_level(group: ParoParamGroup, i: int, whole: torch.Tensor) -> DTensor:

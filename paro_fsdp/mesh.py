@@ -90,11 +90,6 @@ def mesh_device(info_or_mesh: "MeshInfo | DeviceMesh") -> torch.device:
 _MESHES: dict[tuple[int, int], tuple[object, DeviceMesh]] = {}
 
 
-#: c10d group name -> (mesh dimension, the MeshGroups it belongs to): how the graph passes tell an
-#: intra collective from an inter or global one, given only the group name in the graph
-GROUPS: dict[str, tuple[str, "MeshGroups"]] = {}
-
-
 class Coords(Protocol):
     """What layout arithmetic reads: the mesh's sizes and one rank's coordinates."""
 
@@ -164,8 +159,4 @@ class MeshInfo(MeshGroups):
             k, l = mesh.get_coordinate()
             names = {dim: mesh.get_group(dim).group_name for dim in MESH_DIMS}
             names["global"] = mesh[MESH_DIMS]._flatten().get_group().group_name
-        info = cls(mesh.size(0), mesh.size(1), names, k, l, mesh)
-        plain = info.groups  # the registry must not keep a DeviceMesh alive past destroy_process_group
-        for dim, name in names.items():
-            GROUPS[name] = (dim, plain)
-        return info
+        return cls(mesh.size(0), mesh.size(1), names, k, l, mesh)

@@ -26,8 +26,10 @@ import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
+from paro_fsdp.mesh import MeshGroups
+
 from .bucketing import bucket_collectives
-from .graph import collectives, phase_of
+from .graph import GroupTable, collectives, group_table, phase_of
 from .hierarchical import hierarchical_collectives
 from .reorder import reorder_for_overlap
 from .schedule import Event, as_dicts, render_png, render_text, schedule, summary
@@ -43,11 +45,11 @@ class PassOptions:
     dump_dir: str | None = None  # write each graph's schedule (text, JSON, PNG) here
 
 
-def _passes(opts: PassOptions) -> dict[str, Callable[[fx.GraphModule], int]]:
+def _passes(opts: PassOptions, groups: GroupTable) -> dict[str, Callable[[fx.GraphModule], int]]:
     return {
-        "bucketing": bucket_collectives,
-        "hierarchical": lambda gm: hierarchical_collectives(gm, opts.chunk_bytes, opts.max_chunks),
-        "reorder": lambda gm: reorder_for_overlap(gm, opts.max_prefetch_bytes),
+        "bucketing": lambda gm: bucket_collectives(gm, groups),
+        "hierarchical": lambda gm: hierarchical_collectives(gm, groups, opts.chunk_bytes, opts.max_chunks),
+        "reorder": lambda gm: reorder_for_overlap(gm, groups, opts.max_prefetch_bytes),
     }
 
 
@@ -60,7 +62,13 @@ class GraphRecord:
 
 
 class ParoPasses(CustomGraphPass):
-    def __init__(self, names: Iterable[str] = ORDER, options: PassOptions | None = None) -> None:
+    """The passes inductor (or ``aot_backend``) runs on each graph. ``meshes``: the
+    ``MeshGroups`` of the models it compiles (``model.paro_mesh_groups()``; ``add_mesh`` for a
+    model built later): a graph names its process groups only, and this is how a pass knows
+    which mesh dimension each one is."""
+
+    def __init__(self, names: Iterable[str] = ORDER, options: PassOptions | None = None,
+                 meshes: Iterable[MeshGroups] = ()) -> None:
         names = list(names)
         unknown = [n for n in names if n not in ORDER]
         if unknown:
@@ -68,16 +76,20 @@ class ParoPasses(CustomGraphPass):
         self.names = [n for n in ORDER if n in names]
         self.options = options or PassOptions()
         self.records: list[GraphRecord] = []
+        self.groups: dict[str, tuple[str, MeshGroups]] = group_table(*meshes)
+
+    def add_mesh(self, mesh: MeshGroups) -> None:
+        self.groups.update(group_table(mesh))
 
     def __call__(self, graph: fx.Graph) -> None:
-        if not collectives(graph):
+        if not collectives(graph, self.groups):
             return
         gm = graph.owning_module
-        record = GraphRecord(phase_of(graph), schedule(graph), [])
-        fns = _passes(self.options)
+        record = GraphRecord(phase_of(graph), schedule(graph, self.groups), [])
+        fns = _passes(self.options, self.groups)
         for name in self.names:
             record.changes[name] = fns[name](gm)
-        record.after = schedule(graph)
+        record.after = schedule(graph, self.groups)
         self.records.append(record)
         if self.options.dump_dir:
             self._dump(record, len(self.records) - 1)
@@ -106,10 +118,12 @@ class ParoPasses(CustomGraphPass):
         return get_hash_for_files(tuple(files), extra=key.decode())
 
 
-def install(names: Iterable[str] = ORDER, options: PassOptions | None = None, **kw) -> ParoPasses:
-    """Register the passes with inductor (replacing any earlier ``install``); return the object
-    that records what they did. ``install([])`` keeps the recording and runs no pass."""
-    p = ParoPasses(names, options or PassOptions(**kw))
+def install(names: Iterable[str] = ORDER, options: PassOptions | None = None, meshes: Iterable[MeshGroups] = (),
+            **kw) -> ParoPasses:
+    """Register the passes with inductor (replacing any earlier ``install``) for the models of
+    ``meshes``; return the object that records what they did. ``install([])`` keeps the
+    recording and runs no pass."""
+    p = ParoPasses(names, options or PassOptions(**kw), meshes)
     torch._inductor.config.post_grad_custom_post_pass = p
     return p
 

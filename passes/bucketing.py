@@ -15,7 +15,7 @@ import torch.fx as fx
 from torch._inductor.fx_passes.bucketing import merge_all_gather, merge_reduce_scatter
 from torch._inductor.pattern_matcher import stable_topological_sort
 
-from .graph import Collective, collectives
+from .graph import Collective, GroupTable, collectives
 
 
 def _ancestors(node: fx.Node, stop: set[fx.Node]) -> set[fx.Node]:
@@ -31,10 +31,10 @@ def _ancestors(node: fx.Node, stop: set[fx.Node]) -> set[fx.Node]:
     return seen
 
 
-def plan(graph: fx.Graph) -> list[list[Collective]]:
+def plan(graph: fx.Graph, groups: GroupTable) -> list[list[Collective]]:
     """Buckets of two or more collectives that can be merged (graph order kept)."""
     keyed: dict[tuple, list[Collective]] = defaultdict(list)
-    for c in collectives(graph):
+    for c in collectives(graph, groups):
         if c.kind == "all_reduce":  # the engine all-reduces only at the boundary, in eager code
             continue
         val = c.node.args[0].meta.get("val")  # type: ignore[union-attr]
@@ -55,9 +55,9 @@ def plan(graph: fx.Graph) -> list[list[Collective]]:
     return buckets
 
 
-def bucket_collectives(gm: fx.GraphModule) -> int:
+def bucket_collectives(gm: fx.GraphModule, groups: GroupTable) -> int:
     """Merge every bucket of ``plan``; return how many collectives were removed."""
-    buckets = plan(gm.graph)
+    buckets = plan(gm.graph, groups)
     ag = [[c.node for c in b] for b in buckets if b[0].kind == "all_gather"]
     rs = [[c.node for c in b] for b in buckets if b[0].kind == "reduce_scatter"]
     if ag:

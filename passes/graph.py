@@ -4,17 +4,28 @@ phase and block, and where they are issued and waited.
 Why from metadata rather than from patterns: the engine issues every collective in a block's
 pre-forward hook or in the backward of its unshard Function, so each collective node carries the
 block's ``nn_module_stack``, and its process-group name says which mesh dimension it runs on
-(``paro_fsdp.mesh.GROUPS``). A graph is a backward graph when AOTAutograd gave it tangents.
+(a ``GroupTable`` of the compiled models' meshes, handed to ``ParoPasses``). A graph is a backward graph when AOTAutograd gave it tangents.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 import torch
 import torch.fx as fx
 
 from paro_fsdp.cost.collectives import ring_bytes
-from paro_fsdp.mesh import GROUPS, MeshGroups
+from paro_fsdp.mesh import MeshGroups
+
+#: c10d group name -> (mesh dimension, the MeshGroups it belongs to): how a pass tells an intra
+#: collective from an inter or global one, given only the group name in the graph
+GroupTable = Mapping[str, tuple[str, MeshGroups]]
+
+
+def group_table(*meshes: MeshGroups) -> dict[str, tuple[str, MeshGroups]]:
+    """The table of the given meshes' groups (``model.paro_mesh_groups()`` of each compiled model)."""
+    return {name: (dim, mesh) for mesh in meshes for dim, name in mesh.group_names.items()}
+
 
 _ops = torch.ops._c10d_functional
 KIND_OF = {
@@ -77,8 +88,8 @@ def block_of(node: fx.Node) -> tuple:
     return tuple(str(v[0]) if isinstance(v, tuple) else str(v) for v in stack.values())
 
 
-def collectives(graph: fx.Graph) -> list[Collective]:
-    """Every collective with a single wait, in graph order."""
+def collectives(graph: fx.Graph, groups: GroupTable) -> list[Collective]:
+    """Every collective with a single wait, in graph order; ``groups`` names their dimensions."""
     out = []
     for node in graph.nodes:
         kind = KIND_OF.get(node.target) if node.op == "call_function" else None
@@ -88,7 +99,7 @@ def collectives(graph: fx.Graph) -> list[Collective]:
         if len(waits) != 1 or len(node.users) != 1:
             continue
         group = str(node.args[-1])
-        dim, info = GROUPS.get(group, ("?", None))
+        dim, info = groups.get(group, ("?", None))
         v = _val(waits[0]) if kind == "all_gather" else _val(node.args[0])  # type: ignore[arg-type]
         nbytes = v.numel() * v.element_size() if v is not None else 0
         out.append(Collective(node, waits[0], kind, group, dim, info, block_of(node), nbytes))

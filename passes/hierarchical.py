@@ -16,7 +16,7 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 from paro_fsdp.comm import MeshComm
 from paro_fsdp.paro_cc import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_CHUNKS, ParoCC
 
-from .graph import collectives, splice
+from .graph import GroupTable, collectives, splice
 
 
 def _replacement(c, chunk_bytes: int, max_chunks: int):
@@ -30,11 +30,11 @@ def _replacement(c, chunk_bytes: int, max_chunks: int):
     return lambda x: [cc.all_reduce(x, op=op).wait()]
 
 
-def hierarchical_collectives(gm: fx.GraphModule, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+def hierarchical_collectives(gm: fx.GraphModule, groups: GroupTable, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                              max_chunks: int = DEFAULT_MAX_CHUNKS) -> int:
     """Rewrite every global collective whose mesh has both levels; return how many."""
     done = 0
-    for c in collectives(gm.graph):
+    for c in collectives(gm.graph, groups):
         if c.dim != "global" or c.info is None or c.info.g == 1 or c.info.m == 1:
             continue
         x = c.node.args[0]

@@ -18,19 +18,19 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from .graph import COMPUTE, KIND_OF, WAITS, Collective, collectives, positions
+from .graph import COMPUTE, KIND_OF, WAITS, Collective, GroupTable, collectives, positions
 
 
 def _cheap(n: fx.Node) -> bool:
     return n.op == "call_function" and n.target not in COMPUTE and n.target not in WAITS and n.target not in KIND_OF
 
 
-def sink_waits(graph: fx.Graph) -> int:
+def sink_waits(graph: fx.Graph, groups: GroupTable) -> int:
     """Move each wait, with the cheap ops that consume its result (views, layout copies), to
     just before the first op that does real work with it (a matmul, another collective, the
     graph's output)."""
     moved = 0
-    for c in collectives(graph):
+    for c in collectives(graph, groups):
         members, tail = {c.wait}, [c.wait]
         target = None
         n = c.wait.next
@@ -88,12 +88,12 @@ def _inflight_bytes(graph: fx.Graph, at: int, colls: list[Collective]) -> int:
     return sum(c.nbytes for c in colls if c.kind == "all_gather" and pos[c.node] <= at < pos[c.wait])
 
 
-def hoist_issues(graph: fx.Graph, max_prefetch_bytes: int | None = None) -> int:
+def hoist_issues(graph: fx.Graph, groups: GroupTable, max_prefetch_bytes: int | None = None) -> int:
     """All-gathers of block b move to just before block b-1's first wait (its compute start);
     when a block's gather has two phases (hierarchical: inter, then intra on the inter result),
     the first phase moves one block further ahead, so both phases overlap compute."""
     moved = 0
-    colls = collectives(graph)
+    colls = collectives(graph, groups)
     blocks: list[tuple] = []
     for c in colls:
         if c.kind == "all_gather" and c.block not in blocks:
@@ -134,9 +134,9 @@ def hoist_issues(graph: fx.Graph, max_prefetch_bytes: int | None = None) -> int:
     return moved
 
 
-def reorder_for_overlap(gm: fx.GraphModule, max_prefetch_bytes: int | None = None) -> int:
+def reorder_for_overlap(gm: fx.GraphModule, groups: GroupTable, max_prefetch_bytes: int | None = None) -> int:
     """Sink waits, then hoist issues; return how many nodes moved. Every rank runs the same pass
     on the same graph, so collectives keep one order across ranks."""
-    moved = sink_waits(gm.graph) + hoist_issues(gm.graph, max_prefetch_bytes)
+    moved = sink_waits(gm.graph, groups) + hoist_issues(gm.graph, groups, max_prefetch_bytes)
     gm.graph.lint()
     return moved

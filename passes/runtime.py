@@ -10,7 +10,7 @@ are in milliseconds, as inductor's own estimates.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
@@ -18,9 +18,9 @@ import torch.fx as fx
 from paro_fsdp._compat import route_roofline_estimate
 from paro_fsdp.cost.cluster import Cluster, link_for, load_cluster
 from paro_fsdp.cost.collectives import link_seconds, ring_bytes
-from paro_fsdp.mesh import GROUPS
+from paro_fsdp.mesh import MeshGroups
 
-from .graph import COMPUTE, KIND_OF, group_size_of
+from .graph import COMPUTE, KIND_OF, GroupTable, group_size_of, group_table
 
 
 def _numel_bytes(v) -> int:
@@ -48,11 +48,12 @@ def _flops(node: fx.Node) -> float:
 @dataclass
 class RuntimeEstimate:
     cluster: Cluster
+    groups: GroupTable = field(default_factory=dict)  # a collective of a group not in it is priced as global
 
     def collective_ms(self, node: fx.Node, override_size: int | None = None) -> float:
         kind = KIND_OF[node.target]
         group = str(node.args[-1])
-        dim = GROUPS.get(group, ("global", None))[0]
+        dim = self.groups.get(group, ("global", None))[0]
         k = group_size_of(node, kind)
         if override_size is not None:
             nbytes = override_size
@@ -77,10 +78,12 @@ class RuntimeEstimate:
         return moved / (self.cluster.memory_bandwidth_gbs * 1e9) * 1e3
 
 
-def enable_overlap_scheduler(cluster: Cluster | str = "a100_ib") -> RuntimeEstimate:
+def enable_overlap_scheduler(cluster: Cluster | str = "a100_ib", meshes: tuple[MeshGroups, ...] = ()) -> RuntimeEstimate:
     """Turn on inductor's overlap scheduler with our estimates (``cluster``: a ``Cluster`` or a
-    preset name / TOML path for ``paro_fsdp.cost.cluster.load_cluster``)."""
-    estimate = RuntimeEstimate(load_cluster(cluster) if not isinstance(cluster, Cluster) else cluster)
+    preset name / TOML path for ``paro_fsdp.cost.cluster.load_cluster``; ``meshes``: the
+    compiled models' ``MeshGroups``, which say each collective's link)."""
+    estimate = RuntimeEstimate(load_cluster(cluster) if not isinstance(cluster, Cluster) else cluster,
+                               group_table(*meshes))
     cfg = torch._inductor.config.aten_distributed_optimizations
     cfg.enable_overlap_scheduling = True
     cfg.custom_runtime_estimation = estimate

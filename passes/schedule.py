@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 import torch.fx as fx
 
-from .graph import COMPUTE, collectives, positions
+from .graph import COMPUTE, GroupTable, collectives, positions
 
 
 @dataclass
@@ -25,11 +25,11 @@ class Event:
     overlap: int  # compute ops between issue and wait
 
 
-def schedule(graph: fx.Graph) -> list[Event]:
+def schedule(graph: fx.Graph, groups: GroupTable) -> list[Event]:
     pos = positions(graph)
     compute_at = [i for n, i in pos.items() if n.op == "call_function" and n.target in COMPUTE]
     events = []
-    for c in collectives(graph):
+    for c in collectives(graph, groups):
         a, b = pos[c.node], pos[c.wait]
         events.append(Event(c.kind, c.dim, c.nbytes, c.block[-1] if c.block else "<root>", a, b,
                             sum(1 for i in compute_at if a < i < b)))

@@ -42,7 +42,7 @@ def compile_step(mesh, policy, names=(), args=TINY, last=False, **options):
     counters.clear()
     model = paro_shard(make_model(args=args), mesh, policy)
     model.set_is_last_backward(last)
-    record = passes.ParoPasses(names, passes.PassOptions(**options))
+    record = passes.ParoPasses(names, passes.PassOptions(**options), meshes=[model.paro_mesh_groups()])
     compiled = torch.compile(model, backend=passes.aot_backend(record))
     compiled(batch(0, 0, 0, args)).loss.backward()
     return record, model
@@ -134,7 +134,7 @@ def test_compiled_push_to_p_is_one_graph_bucketed_per_dimension(mesh, strategy):
     _, model = compile_step(mesh, strategy, last=True)
     groups = [g for g in model._paro_state.groups if g.trainable]
     opt = ParoOptimizer(model, torch.optim.SGD, lr=0.1)
-    record = passes.ParoPasses(["bucketing"])
+    record = passes.ParoPasses(["bucketing"], meshes=[model.paro_mesh_groups()])
     opt.compile(backend=passes.aot_backend(record))
     for m in opt.inner.param_groups[0]["params"]:  # the fake world's reductions leave garbage
         m.grad = torch.ones_like(m)
@@ -286,12 +286,15 @@ def test_pass_registry_errors_uuid_and_dump(mesh, tmp_path):
     assert "before passes" in text and "after" in text
 
 
-def inductor_step(mesh, names):
-    """One GGG step through inductor with ``names`` installed (caches off: a hit skips passes)."""
+def inductor_step(mesh, names, estimate=None):
+    """One GGG step through inductor with ``names`` installed (caches off: a hit skips passes);
+    ``estimate``: the overlap scheduler's, told the model's groups too."""
     torch._dynamo.reset()
-    record = passes.install(names)
+    model = paro_shard(make_model(), mesh, "GGG")
+    record = passes.install(names, meshes=[model.paro_mesh_groups()])
+    if estimate is not None:
+        estimate.groups.update(record.groups)
     try:
-        model = paro_shard(make_model(), mesh, "GGG")
         with torch._inductor.config.patch(force_disable_caches=True):
             torch.compile(model)(batch(0, 0, 0)).loss.backward()
     finally:
@@ -399,12 +402,12 @@ def test_inductor_overlap_scheduler_runs_on_cpu_with_our_estimates(mesh):
     def spy(node, override_size=None):
         ms = type(estimate).__call__(estimate, node, override_size)
         if node.target in passes.graph.KIND_OF:
-            priced.append((passes.graph.GROUPS.get(str(node.args[-1]), ("?",))[0], ms))
+            priced.append((estimate.groups.get(str(node.args[-1]), ("?",))[0], ms))
         return ms
 
     torch._inductor.config.aten_distributed_optimizations.custom_runtime_estimation = spy
     try:
-        record = inductor_step(mesh, ["hierarchical"])
+        record = inductor_step(mesh, ["hierarchical"], estimate)
     finally:
         disable_overlap_scheduler()
     assert record.records and {d for d, _ in priced} == {"intra", "inter"}

@@ -71,7 +71,8 @@ def compile_model(model, how: dict, opt: ParoOptimizer | None = None):
     from paro_fsdp.traced import isolate_compile_cache
 
     isolate_compile_cache(dist.get_rank())
-    record = passes.ParoPasses(how.get("passes", passes.ORDER), passes.PassOptions(**how.get("options", {})))
+    record = passes.ParoPasses(how.get("passes", passes.ORDER), passes.PassOptions(**how.get("options", {})),
+                               meshes=[model.paro_mesh_groups()])
     if how.get("backend", "aot") == "aot":
         backend = passes.aot_backend(record)
     else:

@@ -107,7 +107,7 @@ def paro_variant(cfg: Config, strategy: str, mode: str) -> Variant:
         opt.compile()
         before = lambda a: model.set_is_last_backward(a == cfg.accum - 1)  # noqa: E731
     prepare = {"eager": lambda: None, "compiled": passes.uninstall,
-               "compiled+passes": lambda: passes.install(passes.ORDER)}[mode]
+               "compiled+passes": lambda: passes.install(passes.ORDER, meshes=[model.paro_mesh_groups()])}[mode]
     return Variant(f"PaRO {strategy} {mode}", prepare,
                    _train_step(cfg, call, lambda: opt.clip_grad_norm_(MAX_NORM), opt, rank, before), mode != "eager")
 

@@ -97,7 +97,7 @@ def apply_compile(model: nn.Module, cfg: JobConfig) -> Any:
     if c.backend == "inductor":
         dump = os.path.join(cfg.job.dump_folder, "compile") if c.dump_schedule else None
         bound = None if c.max_prefetch_mb < 0 else int(c.max_prefetch_mb * 2**20)
-        record = passes.install(c.passes, max_prefetch_bytes=bound, dump_dir=dump)
+        record = passes.install(c.passes, meshes=[model.paro_mesh_groups()], max_prefetch_bytes=bound, dump_dir=dump)
     if cfg.activation_checkpoint.mode == "full":
         # the block hooks swap module parameters (a side effect): in a checkpointed block dynamo
         # must not replay it in the recomputation, which the compiled graph does by itself
