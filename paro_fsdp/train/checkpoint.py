@@ -133,21 +133,7 @@ class CheckpointManager:
         others = [s for s in found if s != step]
         fix = (f"load an earlier one with --checkpoint.load_step {max(others)} (complete: {others}), or move {path} away"
                if others else f"move {path} away to start from step 0")
-        problem = verify(path) if self.verify else None
-        if problem:
-            raise CheckpointError(f"checkpoint {path} is damaged: {problem}; {fix}")
-        reader = SafeReader(path)
-        problem = shape_problem(reader.read_metadata(), self.states)
-        if problem:
-            raise CheckpointError(f"checkpoint {path} does not fit this model: {problem}; {fix}")
-        try:
-            dcp.load(self.states, storage_reader=reader, planner=SafeLoadPlanner())
-        except CheckpointError:
-            raise
-        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP wraps every rank's failure; name the folder
-            if not disk_failure(exc) and not isinstance(exc, CheckpointException):
-                raise
-            raise CheckpointError(f"checkpoint {path} failed to load: {first_line(exc)}; {fix}") from None
+        _checked_load(path, lambda metadata: (self.states, "optimizer.master."), self.verify, f"checkpoint {path}", f"; {fix}")
         return step
 
     def latest_hint(self) -> str:
@@ -199,27 +185,35 @@ def load_model_weights(model: torch.nn.Module, path: str, verify_files: bool = T
     if not os.path.isfile(os.path.join(path, ".metadata")):
         raise CheckpointError(f"checkpoint.initial_load_path = {path!r} is not a DCP checkpoint folder (no .metadata); "
                               f"valid: a folder written by torch.distributed.checkpoint, e.g. a step-N folder")
+    params = {id(p) for p in model.parameters()}  # buffers such as RoPE tables are rebuilt, not loaded
+    names = {k for k, v in model.state_dict(keep_vars=True).items() if id(v) in params}
+    weights = {k: v for k, v in model.state_dict().items() if k in names}
+    own = [False]
+
+    def target(metadata):  # this trainer's checkpoint (masters) or parameter-name keys
+        own[0] = any(k.startswith("optimizer.master.") for k in metadata.state_dict_metadata)
+        return ({"optimizer": {"master": weights}}, "optimizer.master.") if own[0] else (weights, "")
+
+    _checked_load(path, target, verify_files, f"checkpoint.initial_load_path {path}", "")
+    model.load_state_dict(weights, strict=False)
+    return "the fp32 masters of a paro-fsdp checkpoint" if own[0] else "model weights"
+
+
+def _checked_load(path: str, target, verify_files: bool, what: str, fix: str) -> None:
+    """Verify ``path`` against its manifest, compare its shapes with the state ``target(metadata)``
+    returns (with the key prefix to compare), then load it with the safe reader and planner.
+    Every failure is one ``CheckpointError`` starting with ``what`` and ending with ``fix``. Collective."""
     problem = verify(path) if verify_files else None
     if problem:
-        raise CheckpointError(f"checkpoint.initial_load_path {path} is damaged: {problem}")
+        raise CheckpointError(f"{what} is damaged: {problem}{fix}")
     reader = SafeReader(path)
     metadata = reader.read_metadata()
-    own = any(k.startswith("optimizer.master.") for k in metadata.state_dict_metadata)
-    weights = {k: v for k, v in model.state_dict().items() if k in _parameter_names(model)}
-    state = {"optimizer": {"master": weights}} if own else weights
-    problem = shape_problem(metadata, state, scope="optimizer.master." if own else "")
+    state, scope = target(metadata)
+    problem = shape_problem(metadata, state, scope)
     if problem:
-        raise CheckpointError(f"checkpoint.initial_load_path {path} does not fit this model: {problem}")
+        raise CheckpointError(f"{what} does not fit this model: {problem}{fix}")
     try:
         dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
-    except CheckpointException as exc:
-        raise CheckpointError(f"checkpoint.initial_load_path {path} failed to load: {first_line(exc)}") from None
-    model.load_state_dict(weights, strict=False)
-    return "the fp32 masters of a paro-fsdp checkpoint" if own else "model weights"
-
-
-def _parameter_names(model: torch.nn.Module) -> set[str]:
-    """``model.state_dict()`` keys that are parameters (buffers such as RoPE tables are rebuilt, not loaded)."""
-    params = {id(p) for p in model.parameters()}
-    return {k for k, v in model.state_dict(keep_vars=True).items() if id(v) in params}
+    except CheckpointException as exc:  # DCP wraps every rank's failure (ours included)
+        raise CheckpointError(f"{what} failed to load: {first_line(exc)}{fix}") from None
 

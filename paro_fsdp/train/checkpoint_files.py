@@ -27,13 +27,16 @@ MANIFEST = "paro_manifest.json"
 def disk_failure(exc: BaseException) -> bool:
     """Whether a failed save is the file system's doing (full disk, permissions, I/O), as opposed
     to a lost peer, which the trainer reports as such."""
-    if isinstance(exc, OSError):
-        return True
+    return isinstance(exc, OSError) or any(isinstance(c, OSError) for _, c in dcp_causes(exc))
+
+
+def dcp_causes(exc: BaseException) -> list[tuple[int, BaseException]]:
+    """(rank, error) of each rank DCP's CheckpointException reports, lowest rank first; [] for
+    any other exception."""
     failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict):
-        causes = [c[0] if isinstance(c, tuple) else c for c in failures.values()]
-        return any(isinstance(c, OSError) for c in causes)
-    return False
+    if not isinstance(failures, dict):
+        return []
+    return [(rank, c[0] if isinstance(c, tuple) else c) for rank, c in sorted(failures.items(), key=lambda kv: kv[0])]
 
 
 class CheckpointError(RuntimeError):
@@ -100,10 +103,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 def first_line(exc: BaseException) -> str:
     """The cause of ``exc`` in one line (DCP's CheckpointException lists every rank's traceback:
     the lowest failing rank's error is the message)."""
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict) and failures:
-        rank, cause = sorted(failures.items(), key=lambda kv: kv[0])[0]
-        cause = cause[0] if isinstance(cause, tuple) else cause  # (exception, traceback)
+    causes = dcp_causes(exc)
+    if causes:
+        rank, cause = causes[0]
         return f"rank {rank}: {type(cause).__name__}: {first_line(cause)}"
     text = str(exc).strip()
     return text.splitlines()[0][:200] if text else type(exc).__name__

@@ -21,6 +21,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .checkpoint_files import dcp_causes
+
 
 class TrainingStopped(RuntimeError):
     """The run cannot continue; the message is the one line ``train.py`` prints (exit status 1)."""
@@ -67,9 +69,9 @@ _TIMED_OUT = ("Timed out waiting", "timed out", "Timeout", "Watchdog caught coll
 def collective_failure(exc: BaseException, rank: int, step: int, timeout_s: float) -> Optional[str]:
     """One line describing ``exc`` if it is a collective that lost its peers or timed out, else
     None (then it is a bug, and its traceback must be seen)."""
-    failures = getattr(exc, "failures", None)  # DCP's CheckpointException: each rank's (error, traceback)
-    if isinstance(failures, dict) and failures:
-        exc = sorted(failures.items(), key=lambda kv: kv[0])[0][1][0]
+    causes = dcp_causes(exc)  # a failure inside DCP: the lowest rank's error
+    if causes:
+        exc = causes[0][1]
     if not isinstance(exc, (RuntimeError, dist.DistError)):
         return None
     text = str(exc)
