@@ -14,7 +14,7 @@ from .paro_cc import ParoCC
 from .mixed_precision import MixedPrecision
 from .param_group import ParamRef, ParoParamGroup
 from .state import ParoBlock, ParoState
-from .traced import make_sinks
+from .traced import make_sinks_on_compile
 from .strategy import Level, PolicyLike, Strategy, resolve_policy
 from .streams import streams_for
 
@@ -215,8 +215,7 @@ def paro_shard(
             ParoParamGroup(f"{name}:{s}", s, refs, info, comm, cc, mp, reshard_after_forward, param_init_fn)
             for s, refs in by_strategy.items()
         ]
-        for g in groups:
-            make_sinks(g)
+        make_sinks_on_compile(groups)
         block = ParoBlock(name, module, groups, state)
         block.is_root = module is model
         state.blocks.append(block)

@@ -299,10 +299,14 @@ class FlatLayout:
         return piece.view(t.local_shape(level, k))
 
     # FULL <-> whole tensors ---------------------------------------------------------------
+    def full_rows(self, full: torch.Tensor, t: TensorLayout) -> torch.Tensor:
+        """Tensor ``t``'s padded rows in the FULL buffer, a [m, size_i] view: read row-major, its
+        first numel elements are the whole tensor."""
+        return full.view(self.info.m, self.sum_i)[:, t.off_i : t.off_i + t.size_i]
+
     def copy_out(self, full: torch.Tensor, t: TensorLayout, dst: torch.Tensor) -> None:
         """Write tensor ``t`` from the FULL buffer into ``dst`` (at least m * c rows, padded)."""
-        src = full.view(self.info.m, self.sum_i)[:, t.off_i : t.off_i + t.size_i]
-        dst.view(self.info.m, t.size_i).copy_(src)
+        dst.view(self.info.m, t.size_i).copy_(self.full_rows(full, t))
 
     def copy_in(self, full: torch.Tensor, t: TensorLayout, src: torch.Tensor, add: bool = False) -> None:
         """Write (or add) the whole tensor ``src`` into the FULL buffer, zero in the padding rows."""
@@ -373,15 +377,20 @@ class FlatLayout:
     def _full_cols(self, full: torch.Tensor, t: TensorLayout) -> torch.Tensor:
         return full.view(self.info.m, self.sum_i)[:, t.off_i : t.off_i + t.size_i]
 
+    def nested_rows(self, nested: torch.Tensor, t: TensorLayout) -> torch.Tensor:
+        """Tensor ``t``'s rows from a NESTED buffer: read row-major, the first numel elements
+        are the whole tensor. Uniform: a [m, g, size_g] view (no padding); otherwise the d0 real
+        rows, one gather."""
+        part = self._nested_cols(nested, t)
+        if t.uniform:
+            return part
+        mg, r = t.nest.on(nested, "mg", "r")
+        return part[mg, r]
+
     def copy_out_nested(self, nested: torch.Tensor, t: TensorLayout, dst: torch.Tensor) -> None:
         """Write tensor ``t`` from a NESTED buffer into ``dst`` (at least m * c rows, padded)."""
-        m, part = self.info.m, self._nested_cols(nested, t)
-        dst = dst[: m * t.size_i]
-        if t.uniform:
-            dst.view(m, self.info.g, t.size_g).copy_(part)
-            return
-        mg, r = t.nest.on(nested, "mg", "r")  # one gather of the real rows, then one copy
-        dst.view(m * t.c, t.row)[: t.d0].copy_(part[mg, r])
+        rows = self.nested_rows(nested, t)
+        dst[: rows.numel()].view_as(rows).copy_(rows)
 
     def copy_in_nested(self, nested: torch.Tensor, t: TensorLayout, src: torch.Tensor) -> None:
         """Write the whole tensor ``src`` into a NESTED buffer (its padding is left as it is)."""

@@ -215,23 +215,73 @@ class ParoParamGroup:
         # compiled blocks only (traced.py): the next backward is the last micro-step, so its graph
         # also reduces the accumulated gradient to the OS level, into ``os_sink``
         self.last_backward = False
-        self.sink: torch.Tensor | None = None  # gradient leaves of the traced path (traced.make_sinks)
+        self.sink: torch.Tensor | None = None  # gradient leaves of the traced path, made when compiling (traced.py)
         self.os_sink: torch.Tensor | None = None
         # what the summed gradient is divided by at the boundary: None = the world size (a mean
         # over data-parallel ranks); 1.0 = the plain sum, for trainers whose loss is already
         # normalised globally (ParoModule.set_gradient_divide_factor, as FSDP2's)
         self.grad_divide_factor: float | None = None
 
-    # ---- parameters: shard <-> whole -----------------------------------------------------
+    # ---- the micro-step's moves, one implementation for the eager hooks and traced.py ---------
+    # Buffer order and padding are decided here once: FULL for the intra level, NESTED for the
+    # global one, every global collective one PaRO-CC call (``cc``, which alone picks how a
+    # global collective runs). The eager path issues, prefetches and copies into its persistent
+    # whole-tensor buffers; the traced path (traced.py) runs the same calls inside the graph.
+    def gather_params(self) -> Pending | HierPending:
+        """Issue the all-gather of the P-level shard: FULL (P = I, one intra all-gather) or
+        NESTED (P = G, the global PaRO-CC all-gather, whose inter phase goes first)."""
+        if self.strategy.p == Level.G:
+            return self.cc.all_gather(self.p_flat, order="nested")
+        return self.comm.all_gather(self.p_flat, "intra")
+
+    def whole_rows(self, gathered: torch.Tensor, t: TensorLayout) -> torch.Tensor:
+        """Tensor ``t``'s rows in ``gather_params``' result (a view where the layout allows):
+        read row-major, its first numel elements are the whole tensor."""
+        layout = self.p_layout
+        return layout.nested_rows(gathered, t) if self.strategy.p == Level.G else layout.full_rows(gathered, t)
+
+    def grad_buffer(self, grads: list[torch.Tensor | None], into: torch.Tensor | None = None) -> torch.Tensor:
+        """The input of the G-level reduction: the whole-tensor gradients (None: zeros) laid out
+        NESTED (G = G) or FULL (G = I or N), in the reduce dtype, padding rows zero. ``into``
+        (G = N, eager): add them into that FULL accumulator instead, nothing to send."""
+        layout, G, dt = self.t_layout, self.strategy.g, self.mp.grad_dtype
+        if into is not None:
+            for t, grad in zip(layout.tensors, grads):
+                if grad is not None:
+                    layout.copy_in(into, t, grad.to(into.dtype), add=True)
+            return into
+        present = all(g_ is not None for g_ in grads)
+        if G == Level.G:
+            dense = present and layout.nested_uniform
+            buf = (torch.empty if dense else torch.zeros)(layout.numel_nested(), dtype=dt, device=self.device)
+            for t, grad in zip(layout.tensors, grads):
+                if grad is not None:
+                    layout.copy_in_nested(buf, t, grad.to(dt))
+            return buf
+        dense = present and all(t.d0 == self.info.m * t.c for t in layout.tensors)
+        full = (torch.empty if dense else torch.zeros)(layout.numel(Level.N), dtype=dt, device=self.device)
+        for t, grad in zip(layout.tensors, grads):
+            if grad is not None:
+                layout.copy_in(full, t, grad.to(dt))
+        return full
+
+    def reduce_grad_buffer(self, buf: torch.Tensor) -> Pending | HierPending | None:
+        """Issue the reduction of ``grad_buffer``'s result to this rank's G-level shard: the
+        global PaRO-CC reduce-scatter (G = G), one intra reduce-scatter (G = I), none (G = N)."""
+        G = self.strategy.g
+        if G == Level.G:
+            return self.cc.reduce_scatter(buf, order="nested")
+        if G == Level.I:
+            return self.comm.reduce_scatter(buf, "intra")
+        return None
+
+    # ---- parameters: shard <-> whole (eager) ---------------------------------------------
     def issue_unshard(self) -> None:
-        """Start the all-gather (used to prefetch): P=I the intra all-gather; P=G the global
-        PaRO-CC all-gather, whose inter phase is in flight until ``unshard`` waits."""
+        """Start the all-gather (used to prefetch); a P = G gather's inter phase is in flight
+        until ``unshard`` waits."""
         if self.state != ShardState.SHARDED:
             return
-        if self.strategy.p == Level.G:
-            self._pending = self.cc.all_gather(self.p_flat, order="nested")
-        else:
-            self._pending = self.comm.all_gather(self.p_flat, "intra")
+        self._pending = self.gather_params()
         self.state = ShardState.GATHERING
 
     def unshard(self) -> None:
@@ -240,12 +290,11 @@ class ParoParamGroup:
         self.issue_unshard()
         gathered = self._pending.wait()  # FULL (P=I) or NESTED (P=G)
         self._pending = None
-        layout = self.p_layout
-        copy_out = layout.copy_out_nested if self.strategy.p == Level.G else layout.copy_out
-        for b, t in zip(self.full_bufs, layout.tensors):
+        for b, t in zip(self.full_bufs, self.p_layout.tensors):
             b.untyped_storage().resize_(b.numel() * b.element_size())
+            rows = self.whole_rows(gathered, t)
             with torch.autograd._unsafe_preserve_version_counter(b):
-                copy_out(gathered, t, b)
+                b[: rows.numel()].view_as(rows).copy_(rows)
         self.state = ShardState.UNSHARDED
 
     def reshard(self) -> None:
@@ -259,34 +308,17 @@ class ParoParamGroup:
                 b.untyped_storage().resize_(0)
         self.state = ShardState.SHARDED
 
-    # ---- gradients: each micro-step ------------------------------------------------------
+    # ---- gradients: each micro-step (eager) ------------------------------------------------
     def reduce_grads(self, grads: list[torch.Tensor | None]) -> None:
         """Start bringing this micro-step's whole-tensor gradients to the G level; the first
         reduce-scatter stays in flight (overlapping the next block's backward) until
         ``finish_grad_reduction``."""
-        layout, G, dt = self.t_layout, self.strategy.g, self.mp.grad_dtype
         acc = self.grad_acc.ensure()
         self.has_grads = True
-        if G == Level.N:  # nothing on the wire: add straight into the accumulator
-            for t, grad in zip(layout.tensors, grads):
-                if grad is not None:
-                    layout.copy_in(acc, t, grad.to(acc.dtype), add=True)
+        if self.strategy.g == Level.N:  # nothing on the wire: add straight into the accumulator
+            self.grad_buffer(grads, into=acc)
             return
-        present = all(g_ is not None for g_ in grads)
-        if G == Level.G:  # global PaRO-CC reduce-scatter of a NESTED buffer: its intra phase starts now
-            dense = present and layout.nested_uniform
-            buf = (torch.empty if dense else torch.zeros)(layout.numel_nested(), dtype=dt, device=self.device)
-            for t, grad in zip(layout.tensors, grads):
-                if grad is not None:
-                    layout.copy_in_nested(buf, t, grad.to(dt))
-            self._pending_rs = self.cc.reduce_scatter(buf, order="nested")
-            return
-        dense = present and all(t.d0 == self.info.m * t.c for t in layout.tensors)
-        full = (torch.empty if dense else torch.zeros)(layout.numel(Level.N), dtype=dt, device=self.device)
-        for t, grad in zip(layout.tensors, grads):
-            if grad is not None:
-                layout.copy_in(full, t, grad.to(dt))
-        self._pending_rs = self.comm.reduce_scatter(full, "intra")
+        self._pending_rs = self.reduce_grad_buffer(self.grad_buffer(grads))
 
     def finish_grad_reduction(self) -> None:
         if self._pending_rs is None:

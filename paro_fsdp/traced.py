@@ -4,8 +4,10 @@ Why a second path: the eager engine overlaps by keeping collectives in flight ac
 storage with ``resize_`` and calls back into Python from backward; none of that can be captured
 in a graph. While tracing, a group's unshard is one autograd Function instead: its forward
 all-gathers the P-level shard into whole tensors, its backward reduces the whole-tensor gradients
-to the G level. Both use the same ``MeshComm`` calls as the eager path (one implementation per
-collective). The G-level gradient is returned for ``group.sink``, a leaf that holds no memory
+to the G level. Both run the eager path's own moves (``ParoParamGroup.gather_params`` /
+``whole_rows``, ``grad_buffer`` / ``reduce_grad_buffer``: one buffer order, one padding, one
+PaRO-CC call per global collective), so eager and compiled runs move the same bytes over the
+same mesh dimensions. The G-level gradient is returned for ``group.sink``, a leaf that holds no memory
 (a zero-dim tensor expanded to the G buffer's length): autograd's AccumulateGrad sums it across
 micro-steps and a hook hands it to the group's accumulator, the one the eager path fills, so the
 accumulation boundary and the optimizer are shared.
@@ -17,17 +19,17 @@ inside the graph, returning the result for ``group.os_sink``, whose hook sets th
 gradients. So the inter-group reduction of a block is a graph node right after its intra one, and
 the reorder pass overlaps it with the rest of backward; the optimizer skips groups done this way.
 
-Global (P = G or G = G) collectives are issued over the flattened mesh, in flat rank order
-(rank k * m + l), and the nested layout of the spec is a local transpose around them. That is the
-form the graph passes expect: ``passes.hierarchical`` rewrites each global collective into its
-intra and inter parts (PaRO-CC, spec section 4); without it the global ring runs as is.
-Ordering, bucketing and overlap are the passes' job, not this module's.
+Global (P = G or G = G) collectives are PaRO-CC's intra and inter phases in the graph, as
+eager runs them. Ordering, bucketing and overlap are the passes' job, not this module's.
+
+The sinks are made only when torch.compile starts (``make_sinks_on_compile``): eager-only runs
+never hold them.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+import weakref
 from functools import partial
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -40,49 +42,24 @@ if TYPE_CHECKING:
     from .param_group import ParoParamGroup
 
 
-def _whole(rows: torch.Tensor, numel: int, shape: torch.Size) -> torch.Tensor:
-    return rows.reshape(-1)[:numel].view(shape)
-
-
 def gather_whole(group: "ParoParamGroup") -> list[torch.Tensor]:
-    """The group's whole tensors, gathered from P = I (one intra all-gather) or P = G (one
-    global all-gather). One slice-and-copy per tensor: few, large ops keep compile time low."""
-    layout, info, comm = group.p_layout, group.info, group.comm
-    shapes = [(ref.like.numel(), ref.like.shape) for ref in group.refs]  # static to dynamo (ParamRef.of)
-    if group.strategy.p == Level.I:
-        rows = comm.all_gather(group.p_flat, "intra").wait().view(info.m, layout.sum_i)
-        return [_whole(rows[:, t.off_i : t.off_i + t.size_i], *s) for t, s in zip(layout.tensors, shapes)]
-    gathered = comm.all_gather(group.p_flat, "global").wait()  # [k][l][sum_g], flat rank order
-    if layout.nested_uniform:  # intra shard l of a tensor = its g global shards [k][l] in k order
-        blocks = gathered.view(info.g, info.m, layout.sum_g).transpose(0, 1)
-        return [_whole(blocks[:, :, t.off_g : t.off_g + t.size_g], *s) for t, s in zip(layout.tensors, shapes)]
-    nested = gathered.view(info.g, info.m, layout.sum_g).transpose(0, 1).contiguous()  # [l][k][sum_g]
-    full = layout.nested_to_full(nested, torch.zeros(info.m, layout.sum_i, dtype=gathered.dtype, device=gathered.device))
-    return [_whole(full[:, t.off_i : t.off_i + t.size_i], *s) for t, s in zip(layout.tensors, shapes)]
+    """The group's whole tensors: the eager path's gather (``gather_params``, FULL or NESTED)
+    and its rows of each tensor (``whole_rows``), which the graph copies out (one copy per
+    tensor: few, large ops keep compile time low)."""
+    gathered = group.gather_params().wait()
+    out = []
+    for t, ref in zip(group.p_layout.tensors, group.refs):
+        numel, shape = ref.like.numel(), ref.like.shape  # static to dynamo (ParamRef.of)
+        out.append(group.whole_rows(gathered, t).reshape(-1)[:numel].view(shape))
+    return out
 
 
 def reduce_to_g(group: "ParoParamGroup", grads: list[torch.Tensor | None]) -> torch.Tensor:
-    """Sum the whole-tensor gradients over the ranks that share the G-level shard, laid out as
-    the group's G buffer (FULL for G = N). The FULL buffer is one ``cat`` of padded gradients."""
-    layout, info, comm, dt = group.t_layout, group.info, group.comm, group.mp.grad_dtype
-    G, m, g = group.strategy.g, info.m, info.g  # g: the number of groups, as in MeshInfo
-    nested = G == Level.G and layout.nested_uniform
-    parts = []
-    for t, grad in zip(layout.tensors, grads):
-        x = grad.to(dt).reshape(t.d0, t.row) if grad is not None else \
-            torch.zeros(t.d0, t.row, dtype=dt, device=group.device)
-        if t.d0 != m * t.c:
-            x = torch.nn.functional.pad(x, (0, 0, 0, m * t.c - t.d0))
-        parts.append(x.view(m, g, t.size_g) if nested else x.view(m, t.size_i))
-    if nested:  # block k * m + l of the flat order = sub-shard k of intra shard l
-        return comm.reduce_scatter(torch.cat(parts, dim=2).transpose(0, 1).reshape(-1), "global").wait()
-    full = torch.cat(parts, dim=1)
-    if G == Level.N:
-        return full.view(-1)
-    if G == Level.I:
-        return comm.reduce_scatter(full.view(-1), "intra").wait()
-    inter = layout.full_to_nested(full, torch.zeros(m, g, layout.sum_g, dtype=dt, device=group.device))
-    return comm.reduce_scatter(inter.transpose(0, 1).reshape(-1), "global").wait()
+    """This micro-step's G-level gradient: the eager path's buffer and reduction
+    (``grad_buffer``, ``reduce_grad_buffer``); for G = N the FULL buffer itself."""
+    buf = group.grad_buffer(grads)
+    pending = group.reduce_grad_buffer(buf)
+    return buf if pending is None else pending.wait()
 
 
 class GatherForCompute(torch.autograd.Function):
@@ -132,6 +109,10 @@ def unshard(group: "ParoParamGroup") -> list[torch.Tensor]:
     if not group.trainable or not torch.is_grad_enabled():
         with torch.no_grad():
             return _gather(group, None, None, False, *p)
+    if group.sink is None:
+        raise RuntimeError(f"{group.name}: torch.compile started without making this group's gradient sinks: "
+                           "torch._dynamo.reset() after paro_shard drops the callback that makes them; "
+                           "reset before paro_shard")
     last = group.last_backward
     args = (group, group.os_sink, group.grad_acc.tensor, True) if last else (group, group.sink, None, False)
     if group.reshard_after_forward:
@@ -165,3 +146,25 @@ def make_sinks(group: "ParoParamGroup") -> None:
     group.sink, group.os_sink = _leaf(group, group.strategy.g), _leaf(group, group.strategy.os)
     group.sink.register_post_accumulate_grad_hook(hand_over)
     group.os_sink.register_post_accumulate_grad_hook(set_master_grads)
+
+
+# Groups whose sinks are made when torch.compile next starts. Why not at paro_shard: eager-only
+# runs would hold leaves they never use; why not while tracing: a leaf made inside a traced frame
+# breaks the graph. Dynamo's compile-start callback runs before each frame is traced.
+_awaiting_sinks: "weakref.WeakSet[ParoParamGroup]" = weakref.WeakSet()
+
+
+def _make_awaited_sinks(_args: object = None) -> None:
+    while _awaiting_sinks:
+        group = _awaiting_sinks.pop()
+        if group.sink is None:
+            make_sinks(group)
+
+
+def make_sinks_on_compile(groups: Iterable["ParoParamGroup"]) -> None:
+    """Make the trainable ``groups``' sinks when torch.compile next starts (or now, if a
+    compile is already under way)."""
+    _awaiting_sinks.update(g for g in groups if g.trainable)
+    handler = torch._dynamo.callback.callback_handler
+    if _make_awaited_sinks not in handler.start_callbacks:  # torch._dynamo.reset() clears them
+        handler.register_start_callback(_make_awaited_sinks)

@@ -2,15 +2,17 @@
 post-grad passes on every forward and backward graph.
 
     import passes
-    record = passes.install(["bucketing", "hierarchical", "reorder"])   # before torch.compile
+    record = passes.install(["bucketing", "reorder"])   # before torch.compile
     model = torch.compile(paro_model)
     ...
     print(record.report())          # each graph's collective schedule before and after
 
 Each pass is a small function of the graph, registered here by name and switchable one by one
 (from Python here, from the trainer's ``[compile] passes``). They run in the fixed order of
-``ORDER`` (bucket first so the hierarchy splits whole buckets; reorder last, on the final set of
-collectives). The installed object is an inductor ``CustomGraphPass`` whose uuid hashes the
+``ORDER`` (bucket first; reorder last, on the final set of collectives). There is no pass that
+makes global collectives hierarchical: the engine's one PaRO-CC call (``paro_fsdp.paro_cc``)
+decides how each runs, and the traced code emits its intra and inter phases as the eager engine
+issues them. The installed object is an inductor ``CustomGraphPass`` whose uuid hashes the
 pass names, options and this package's source, so the FX-graph cache never replays a graph made
 with other passes (custom passes are skipped on cache hits).
 """
@@ -30,25 +32,24 @@ from paro_fsdp.mesh import MeshGroups
 
 from .bucketing import bucket_collectives
 from .graph import GroupTable, collectives, group_table, phase_of
-from .hierarchical import hierarchical_collectives
 from .reorder import reorder_for_overlap
 from .schedule import Event, as_dicts, render_png, render_text, schedule, summary
 
-ORDER = ("bucketing", "hierarchical", "reorder")
+ORDER = ("bucketing", "reorder")
+#: passes that no longer exist, and why: named in the error a config naming them gets
+REMOVED = {"hierarchical": "global collectives are PaRO-CC in compiled graphs without a pass (the engine decides, "
+                           "as in eager runs); drop it from the list"}
 
 
 @dataclass
 class PassOptions:
     max_prefetch_bytes: int | None = None  # reorder: bound on gathered bytes in flight (None: none)
-    chunk_bytes: int = 8 << 20  # hierarchical: target bytes per chunk
-    max_chunks: int = 8
     dump_dir: str | None = None  # write each graph's schedule (text, JSON, PNG) here
 
 
 def _passes(opts: PassOptions, groups: GroupTable) -> dict[str, Callable[[fx.GraphModule], int]]:
     return {
         "bucketing": lambda gm: bucket_collectives(gm, groups),
-        "hierarchical": lambda gm: hierarchical_collectives(gm, groups, opts.chunk_bytes, opts.max_chunks),
         "reorder": lambda gm: reorder_for_overlap(gm, groups, opts.max_prefetch_bytes),
     }
 
@@ -70,6 +71,9 @@ class ParoPasses(CustomGraphPass):
     def __init__(self, names: Iterable[str] = ORDER, options: PassOptions | None = None,
                  meshes: Iterable[MeshGroups] = ()) -> None:
         names = list(names)
+        removed = [f"{n!r}: {REMOVED[n]}" for n in names if n in REMOVED]
+        if removed:
+            raise ValueError(f"graph pass {'; '.join(removed)}")
         unknown = [n for n in names if n not in ORDER]
         if unknown:
             raise ValueError(f"unknown graph pass(es) {unknown}; valid: {list(ORDER)}")

@@ -35,12 +35,15 @@ def mesh():
     release_fake_world()
 
 
-def compile_step(mesh, policy, names=(), args=TINY, last=False, **options):
+def compile_step(mesh, policy, names=(), args=TINY, last=False, cc_chunk_bytes=None, **options):
     """One forward and backward of a freshly sharded model compiled with the passes ``names``
-    (``last``: as the last micro-step, whose backward also reduces to the OS level)."""
+    (``last``: as the last micro-step, whose backward also reduces to the OS level;
+    ``cc_chunk_bytes``: the model's PaRO-CC chunk size)."""
     torch._dynamo.reset()
     counters.clear()
     model = paro_shard(make_model(args=args), mesh, policy)
+    if cc_chunk_bytes is not None:
+        model._paro_state.cc.chunk_bytes = cc_chunk_bytes
     model.set_is_last_backward(last)
     record = passes.ParoPasses(names, passes.PassOptions(**options), meshes=[model.paro_mesh_groups()])
     compiled = torch.compile(model, backend=passes.aot_backend(record))
@@ -67,7 +70,13 @@ def _merged(a: dict, b: dict) -> dict:
     return {k: a.get(k, 0) + b.get(k, 0) for k in sorted(set(a) | set(b))}
 
 
-LEVEL_DIM = {"N": None, "I": "intra", "G": "global"}
+#: the mesh dimensions a level's micro-step collective runs over: global ones are PaRO-CC's
+#: intra and inter phases in the graph, as eager issues them (one chunk at the default size)
+LEVEL_DIMS = {"N": (), "I": ("intra",), "G": ("intra", "inter")}
+
+
+def _each(kind: str, level: str, n: int) -> dict[str, int]:
+    return {f"{kind}/{d}": n for d in LEVEL_DIMS[level]}
 
 
 @pytest.mark.parametrize("strategy", PAIRS)
@@ -75,11 +84,10 @@ def test_one_collective_per_block_and_phase_in_the_graph(mesh, strategy):
     record, model = compile_step(mesh, strategy)
     assert dict(counters["graph_break"]) == {}
     blocks = len(model._paro_state.blocks)
-    p_dim, g_dim = LEVEL_DIM[strategy[0]], LEVEL_DIM[strategy[1]]
-    expect_fwd = {f"all_gather/{p_dim}": blocks} if p_dim else {}
-    expect_bwd = {f"reduce_scatter/{g_dim}": blocks} if g_dim else {}
-    if p_dim:  # reshard after forward: the compiler recomputes each layer's gather in backward
-        expect_bwd[f"all_gather/{p_dim}"] = blocks - 1  # (the root stays gathered, as in eager)
+    expect_fwd = _each("all_gather", strategy[0], blocks)
+    # reshard after forward: the compiler recomputes each layer's gather in backward (the root
+    # stays gathered, as in eager)
+    expect_bwd = _merged(_each("reduce_scatter", strategy[1], blocks), _each("all_gather", strategy[0], blocks - 1))
     assert totals(record, "forward") == expect_fwd
     assert totals(record, "backward") == expect_bwd
     # every layer's collectives are in one graph (no break inside a block)
@@ -105,12 +113,9 @@ def test_last_micro_step_reduces_to_the_os_level_inside_backward(mesh, strategy)
     record, model = compile_step(mesh, strategy, last=True)
     assert dict(counters["graph_break"]) == {}
     blocks = len(model._paro_state.blocks)
-    p_dim, g_dim = LEVEL_DIM[strategy[0]], LEVEL_DIM[strategy[1]]
     # a micro-step's own collectives (test_one_collective_per_block_and_phase_in_the_graph) ...
-    expect = {f"reduce_scatter/{g_dim}": blocks} if g_dim else {}
-    if p_dim:
-        expect[f"all_gather/{p_dim}"] = blocks - 1
-    assert totals(record, "forward", "before") == ({f"all_gather/{p_dim}": blocks} if p_dim else {})
+    expect = _merged(_each("reduce_scatter", strategy[1], blocks), _each("all_gather", strategy[0], blocks - 1))
+    assert totals(record, "forward", "before") == _each("all_gather", strategy[0], blocks)
     # ... and, per block, the boundary's
     assert totals(record, "backward", "before") == _merged(expect, {k: v * blocks for k, v in BOUNDARY[strategy].items()})
     # the graph's result reached the masters: the optimizer has nothing left to reduce
@@ -181,9 +186,10 @@ def _eager_bytes(mesh, strategy):
 
 @pytest.mark.parametrize("strategy", PAIRS)
 def test_graph_bytes_per_dimension_equal_the_eager_engine(mesh, strategy):
-    """After the hierarchical pass the graphs move, per kind and mesh dimension, exactly what the
-    eager engine (PaRO-CC for global collectives) counts in one forward and one backward."""
-    record, _ = compile_step(mesh, strategy, ["hierarchical"])
+    """Without any pass the graphs move, per kind and mesh dimension, exactly what the eager
+    engine (PaRO-CC for global collectives) counts in one forward and one backward: both run the
+    same moves (ParoParamGroup.gather_params / grad_buffer / reduce_grad_buffer)."""
+    record, _ = compile_step(mesh, strategy, [])
     sizes = {"intra": 4, "inter": 2}
 
     def ring(phase):
@@ -195,17 +201,22 @@ def test_graph_bytes_per_dimension_equal_the_eager_engine(mesh, strategy):
     assert ring("backward") == pytest.approx(bwd)
 
 
-def test_hierarchical_pass_splits_global_collectives_into_chunks(mesh):
-    record, _ = compile_step(mesh, "GGG", ["hierarchical"])
-    before = _merged(totals(record, "forward", "before"), totals(record, "backward", "before"))
-    after = _merged(totals(record, "forward"), totals(record, "backward"))
-    assert before == {"all_gather/global": 3 + 2, "reduce_scatter/global": 3}  # + 2 recomputed in backward
-    assert after == {"all_gather/inter": 5, "all_gather/intra": 5, "reduce_scatter/inter": 3, "reduce_scatter/intra": 3}
-    chunked, _ = compile_step(mesh, "GGG", ["hierarchical"], chunk_bytes=4096, max_chunks=4)
+def test_global_collectives_follow_the_engines_paro_cc_chunking(mesh):
+    """The model's one PaRO-CC decides how a global collective runs, compiled as in eager: its
+    chunk size splits the graph's collectives into more, smaller phases with the same bytes."""
+    record, _ = compile_step(mesh, "GGG", [])
+    one = _merged(totals(record, "forward"), totals(record, "backward"))
+    assert one == {"all_gather/inter": 5, "all_gather/intra": 5, "reduce_scatter/inter": 3, "reduce_scatter/intra": 3}
+    chunked, _ = compile_step(mesh, "GGG", [], cc_chunk_bytes=4096)
     counts = _merged(totals(chunked, "forward"), totals(chunked, "backward"))
-    assert all(counts[k] > after[k] for k in after)  # several chunks per collective
+    assert all(counts[k] > one[k] for k in one)  # several chunks per collective
     assert _merged(totals(chunked, "forward", what="bytes"), totals(chunked, "backward", what="bytes")) == \
         _merged(totals(record, "forward", what="bytes"), totals(record, "backward", what="bytes"))
+
+
+def test_removed_hierarchical_pass_is_named_in_the_error():
+    with pytest.raises(ValueError, match="'hierarchical'.*PaRO-CC in compiled graphs without a pass"):
+        passes.ParoPasses(["bucketing", "hierarchical"])
 
 
 def test_bucketing_pass_merges_groups_of_a_block(mesh):
@@ -325,14 +336,14 @@ NUMERIC_CASES = (
 # as they are (inductor's codegen would take about a minute per graph on two cores)
 NIGHTLY = [(s, 2, {"passes": ALL}, "tiny") for s in ALL_STRATEGIES] + [
     ("TWO_GROUPS", 2, {"passes": ALL}, "tiny"),  # two groups per block, bucketed
-    ("GGG", 1, {"passes": ALL, "options": {"chunk_bytes": 512, "max_chunks": 4}}, "odd"),  # uneven, chunked
+    ("GGG", 1, {"passes": ALL, "cc_chunk_bytes": 512}, "odd"),  # uneven, PaRO-CC chunked
     ("GGG", 1, {"passes": ALL, "backend": "inductor"}, "tiny")]  # inductor's codegen (make test: test_passes_run_inside_inductor)
 
 
 def _case_id(case) -> str:
     s, a, how, model = case
     return f"{s}-A{a}-{how.get('backend', 'aot')}-{how.get('scope', 'model')}-{'+'.join(how['passes']) or 'nopasses'}" \
-        f"{'-ac' if how.get('ac') else ''}{'-chunked' if 'options' in how else ''}" \
+        f"{'-ac' if how.get('ac') else ''}{'-chunked' if 'cc_chunk_bytes' in how else ''}" \
         f"{'-eagerboundary' if not how.get('boundary_in_graph', True) else ''}-{model}"
 
 
@@ -344,9 +355,11 @@ def compiled_suite(cases: list) -> dict:
         strategy, accum, how, model_name = case
         how = dict(how)
         ac = "outer" if how.pop("ac", False) else None
+        chunk_bytes = how.pop("cc_chunk_bytes", None)
         policy = TWO_GROUPS if strategy == "TWO_GROUPS" else strategy
         counters.clear()
-        model, _, losses = train_paro(policy, 2, accum, ac=ac, args=ODD if model_name == "odd" else TINY, compile=how)
+        model, _, losses = train_paro(policy, 2, accum, ac=ac, args=ODD if model_name == "odd" else TINY,
+                                      chunk_bytes=chunk_bytes, compile=how)
         out[_case_id(case)] = {"losses": losses, "params": full_params(model),
                                "breaks": dict(counters["graph_break"]),
                                "graphs": len(model.paro_passes_record.records)}
@@ -407,7 +420,7 @@ def test_inductor_overlap_scheduler_runs_on_cpu_with_our_estimates(mesh):
 
     torch._inductor.config.aten_distributed_optimizations.custom_runtime_estimation = spy
     try:
-        record = inductor_step(mesh, ["hierarchical"], estimate)
+        record = inductor_step(mesh, [], estimate)
     finally:
         disable_overlap_scheduler()
     assert record.records and {d for d, _ in priced} == {"intra", "inter"}

@@ -139,7 +139,7 @@ class ActivationCheckpoint:
     """full: recompute each transformer block's forward in backward (torch.utils.checkpoint)"""
 
 
-GRAPH_PASSES = ("bucketing", "hierarchical", "reorder")  # passes.ORDER (kept here: no torch import)
+GRAPH_PASSES = ("bucketing", "reorder")  # passes.ORDER (kept here: no torch import)
 
 
 @dataclass
@@ -152,7 +152,8 @@ class Compile:
     """model: one compiled forward and backward over all blocks (the reorder pass can prefetch
     across blocks); blocks: each transformer block on its own, as torchtitan does"""
     passes: list[str] = field(default_factory=lambda: list(GRAPH_PASSES))
-    """Graph passes to run, any of: bucketing, hierarchical, reorder ([] for none; inductor only)"""
+    """Graph passes to run, any of: bucketing, reorder ([] for none; inductor only). Global
+    collectives are PaRO-CC (intra and inter phases) in the graph without a pass"""
     max_prefetch_mb: float = -1
     """reorder pass: bound on gathered parameters in flight, MiB (-1: no bound, 0: no prefetch)"""
     dump_schedule: bool = False
@@ -176,6 +177,10 @@ class Profiling:
     """torch.profiler traces (tensorboard_trace_handler), under job.dump_folder"""
     profile_freq: int = 10
     """Trace one step every profile_freq steps"""
+    timeline: bool = True
+    """With metrics.enable_tensorboard: draw each traced step's timeline (compute, intra and inter
+    collectives, per rank) as a TensorBoard image, with its overlap and link-busy fractions as
+    scalars (needs matplotlib)"""
 
 
 @dataclass
@@ -541,6 +546,10 @@ def validate(cfg: JobConfig, world_size: Optional[int], local_world_size: Option
                 f"parallelism.paro_group_size = {p.paro_group_size} does not divide the world size {world_size}; "
                 f"valid: -1 (ranks per node) or one of {_divisors(world_size)}"
             )
+    if "hierarchical" in cfg.compile.passes:
+        raise ConfigError("compile.passes: 'hierarchical' is no longer a pass: compiled graphs run global collectives "
+                          "as PaRO-CC (intra and inter phases) as the eager engine does; drop it, "
+                          f"valid: any of {list(GRAPH_PASSES)}")
     unknown = [name for name in cfg.compile.passes if name not in GRAPH_PASSES]
     if unknown:
         raise ConfigError(f"compile.passes has unknown pass(es) {unknown}; valid: any of {list(GRAPH_PASSES)}")

@@ -1,0 +1,116 @@
+"""The report of ``headline.py``: the table per A with the verdicts (PaRO within budget vs the
+best baseline, GGG / III against their FSDP2 equivalents, the advisor's ranking against the
+measured one) and the throughput-vs-memory PNG.
+"""
+from __future__ import annotations
+
+import os
+
+BASELINE_LABEL = {"fsdp2-zero3": "FSDP2 ZeRO-3", "fsdp2-hsdp": "FSDP2 HSDP", "fsdp2-hpz": "FSDP2 raf=m (hpZ)",
+                  "ddp": "torch DDP"}
+
+
+def _label(row: dict) -> str:
+    if row["kind"] == "paro":
+        return f"PaRO {row['name']}" + (" *advisor*" if row.get("advisor_pick") else "")
+    return BASELINE_LABEL.get(row["name"], row["name"])
+
+
+def _kendall(a: list[float], b: list[float]) -> float:
+    """Kendall's tau between two score lists (1 = same order)."""
+    num = den = 0
+    for i in range(len(a)):
+        for j in range(i + 1, len(a)):
+            s = (a[i] - a[j]) * (b[i] - b[j])
+            num += (s > 0) - (s < 0)
+            den += 1
+    return num / den if den else float("nan")
+
+
+def _trainable_note(meta: dict) -> str:
+    t, p = meta.get("trainable_params", meta["params"]), meta["params"]
+    return "" if t == p else f" ({t / 1e6:.3f}M = {t / p:.1%} trainable)"
+
+
+def format_report(rows: list[dict], meta: dict, budget_mib: float | None) -> str:
+    mib = 2**20
+    out = [f"\n== tools.bench: {meta['n']} ranks = {meta['n'] // meta['m']} nodes x {meta['m']}, topology "
+           f"{meta['topology']}, {meta['rate']} per link, Llama {meta['params'] / 1e6:.2f}M params"
+           f"{_trainable_note(meta)}, {meta.get('dtype', 'fp32')}"]
+    head = (f"{'config':<24} {'A':>2} {'tok/s':>8} {'vs Z3':>6} {'state MiB':>9} {'intra MiB':>9} "
+            f"{'inter MiB':>9} {'meas s':>7} {'pred s':>7}")
+    for accum in sorted({r["accum"] for r in rows}):
+        sub = [r for r in rows if r["accum"] == accum]
+        z3 = next((r for r in sub if r["name"] == "fsdp2-zero3" and not r["error"]), None)
+        out += ["", head, "-" * len(head)]
+        for r in sorted(sub, key=lambda r: -(r.get("tokens_per_s") or 0)):
+            if r["error"]:
+                out.append(f"{_label(r):<24} {accum:>2} failed: {r['error'][:80]}")
+                continue
+            vs = f"{r['tokens_per_s'] / z3['tokens_per_s']:6.2f}" if z3 else "     -"
+            intra = f"{r['intra_bytes'] / mib:9.2f}" if "intra_bytes" in r else "        -"
+            inter = f"{r['inter_bytes'] / mib:9.2f}" if "inter_bytes" in r else "        -"
+            pred = f"{r['pred_s']:7.3f}" if "pred_s" in r else "      -"
+            out.append(f"{_label(r):<24} {accum:>2} {r['tokens_per_s']:8.0f} {vs} {r['state_bytes'] / mib:9.2f} "
+                       f"{intra} {inter} {r['step_s']:7.3f} {pred}")
+        # the verdicts the issue asks for
+        ok = [r for r in sub if not r["error"]]
+        hsdp = next((r for r in ok if r["name"] == "fsdp2-hsdp"), None)
+        budget = budget_mib * mib if budget_mib else (hsdp["state_bytes"] if hsdp else None)
+        if budget:
+            fit_p = [r for r in ok if r["kind"] == "paro" and r["state_bytes"] <= budget * 1.0001]
+            fit_b = [r for r in ok if r["kind"] == "baseline" and r["state_bytes"] <= budget * 1.0001]
+            if fit_p and fit_b:
+                bp = max(fit_p, key=lambda r: r["tokens_per_s"])
+                bb = max(fit_b, key=lambda r: r["tokens_per_s"])
+                verdict = "beats" if bp["tokens_per_s"] > bb["tokens_per_s"] else "does NOT beat"
+                out.append(f"budget {budget / mib:.2f} MiB/rank: best PaRO {bp['name']} ({bp['tokens_per_s']:.0f} tok/s) "
+                           f"{verdict} best baseline {_label(bb)} ({bb['tokens_per_s']:.0f} tok/s): "
+                           f"{bp['tokens_per_s'] / bb['tokens_per_s']:.2f}x")
+        for pn, bn in (("GGG", "fsdp2-zero3"), ("III", "fsdp2-hsdp")):
+            p = next((r for r in ok if r["kind"] == "paro" and r["name"] == pn), None)
+            b = next((r for r in ok if r["name"] == bn), None)
+            if p and b:
+                ratio = p["step_s"] / b["step_s"]
+                out.append(f"PaRO {pn} step time / {_label(b)}: {ratio:.2f}x "
+                           f"({'within' if ratio <= 1.10 else 'OUTSIDE'} the 1.10x target)")
+        pr = [r for r in ok if r["kind"] == "paro" and "pred_s" in r]
+        if len(pr) >= 2:
+            tau = _kendall([r["pred_s"] for r in pr], [r["step_s"] for r in pr])
+            best_pred = min(pr, key=lambda r: r["pred_s"])["name"]
+            best_meas = min(pr, key=lambda r: r["step_s"])["name"]
+            out.append(f"advisor ranking vs measured (PaRO strategies): Kendall tau {tau:.2f}; predicted best "
+                       f"{best_pred}, measured best {best_meas}")
+    return "\n".join(out)
+
+
+def write_png(rows: list[dict], meta: dict, path: str) -> str | None:
+    """Throughput vs per-rank model-state memory, one panel per A."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    accums = sorted({r["accum"] for r in rows})
+    fig, axes = plt.subplots(1, len(accums), figsize=(6.5 * len(accums), 5), squeeze=False)
+    for ax, accum in zip(axes[0], accums):
+        for r in rows:
+            if r["accum"] != accum or r["error"]:
+                continue
+            paro = r["kind"] == "paro"
+            ax.scatter(r["state_bytes"] / 2**20, r["tokens_per_s"], marker="o" if paro else "s",
+                       color="tab:blue" if paro else "tab:red", s=60 if r.get("advisor_pick") else 30)
+            ax.annotate(_label(r).replace("PaRO ", ""), (r["state_bytes"] / 2**20, r["tokens_per_s"]),
+                        fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.set_xlabel("model states per rank (MiB)")
+        ax.set_ylabel("tokens / s (all ranks)")
+        ax.set_title(f"A = {accum}: PaRO (blue) vs baselines (red)")
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{meta['n'] // meta['m']} nodes x {meta['m']} ranks, {meta['topology']}, {meta['rate']}, "
+                 f"{meta.get('dtype', 'fp32')}{_trainable_note(meta)}")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=120)
+    return path

@@ -1,0 +1,273 @@
+"""The per-rank side of ``headline.py`` (under torchrun on every emulated node): builds every PaRO
+strategy and baseline at once, calibrates the advisor on the emulated mesh, runs the interleaved
+rounds, measures step times, tx bytes and model-state memory, and prints the report (rank 0) and
+one machine-readable result line for the driver.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .emulator import local_tx_bytes
+from .headline_report import format_report
+from .workload import LR, MAX_NORM, WD
+
+RESULT_TAG = "PARO_BENCH_JSON "
+
+
+# ---- worker ---------------------------------------------------------------------------------------
+@dataclass
+class Runner:
+    name: str
+    kind: str  # "paro" or "baseline"
+    step_fn: Callable[[int, int], Any]  # (step index, accum) -> loss
+    memory_fn: Callable[[], int]
+    times: dict[int, list[float]] = field(default_factory=dict)
+    sent: dict[int, list[dict[str, int]]] = field(default_factory=dict)
+    n_steps: int = 0
+    error: str | None = None
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from paro_fsdp import MixedPrecision, ParoOptimizer, init_paro_mesh, paro_shard
+    from paro_fsdp.cost.model import model_spec
+    from paro_fsdp.models.llama import Llama, LlamaArgs
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    n, rank = dist.get_world_size(), dist.get_rank()
+    m = int(os.environ.get("LOCAL_WORLD_SIZE", args.ranks_per_node))
+    mesh = init_paro_mesh(m)
+    margs = LlamaArgs(dim=args.dim, n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads,
+                      vocab_size=args.vocab, ffn_dim=args.ffn, max_seq_len=args.seq)
+    accums = [int(a) for a in args.accum.split(",")]
+    uplinks = sorted(set(filter(None, os.environ.get("PARO_EMU_IFNAMES", "").split(","))))
+    on_emulator = bool(uplinks)
+
+    bf16 = args.dtype == "bf16"
+    # partial training: the first t layers trainable, the rest and the root frozen (advisor's rule)
+    n_trainable = model_spec(margs, args.trainable).trainable_layers
+
+    def make_model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        model = Llama(margs)
+        if n_trainable < margs.n_layers:
+            for name, p in model.named_parameters():
+                if not (name.startswith("layers.") and int(name.split(".")[1]) < n_trainable):
+                    p.requires_grad_(False)
+        return model
+
+    def trainable(model: torch.nn.Module) -> list:
+        return [p for p in model.parameters() if p.requires_grad]
+
+    def batch(i: int, a: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(10_000 * i + 100 * a + rank)
+        return torch.randint(0, margs.vocab_size, (args.batch, args.seq + 1), generator=gen)
+
+    def local_bytes(t: torch.Tensor) -> int:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+
+    def _baseline_memory(model: Any, opt: Any) -> int:
+        """Model-state bytes of a baseline: P, G (same layout and dtype as the trainable P) and
+        the optimizer's states."""
+        p = sum(local_bytes(x) for x in model.parameters())
+        g = sum(local_bytes(x) for x in model.parameters() if x.requires_grad)
+        os_ = sum(local_bytes(t) for st in opt.state.values() for t in st.values()
+                  if torch.is_tensor(t) and t.dim() > 0)
+        return p + g + os_
+
+    # ---- builders ----
+    def paro(strategy: str) -> Runner:
+        mp = MixedPrecision(param_dtype=torch.bfloat16) if bf16 else None
+        model = paro_shard(make_model(), mesh, strategy, mp=mp)
+        opt = ParoOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WD, foreach=True)
+
+        def step(i: int, accum: int):
+            total = 0.0
+            for a in range(accum):
+                loss = model(batch(i, a)).loss / accum
+                loss.backward()
+                total += loss.item()
+            opt.clip_grad_norm_(MAX_NORM)
+            opt.step()
+            opt.zero_grad()
+            return total
+
+        return Runner(strategy, "paro", step, lambda: model.memory_report(opt)["total"])
+
+    def fsdp2(kind: str) -> Runner:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        model = make_model()
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if bf16 \
+            else MixedPrecisionPolicy()
+        if kind == "fsdp2-hsdp":
+            fmesh, raf = init_device_mesh("cpu", (n // m, m), mesh_dim_names=("dp_replicate", "dp_shard")), True
+        else:
+            fmesh = init_device_mesh("cpu", (n,), mesh_dim_names=("dp",))
+            raf = m if kind == "fsdp2-hpz" else True  # hpZ-like: after forward keep a copy sharded over m
+        for layer in model.layers:
+            fully_shard(layer, mesh=fmesh, reshard_after_forward=raf, mp_policy=mp)
+        fully_shard(model, mesh=fmesh, reshard_after_forward=True, mp_policy=mp)
+        opt = torch.optim.AdamW(trainable(model), lr=LR, weight_decay=WD, foreach=True)
+        hsdp = kind == "fsdp2-hsdp"
+
+        def step(i: int, accum: int):
+            total = 0.0
+            for a in range(accum):
+                if hsdp:  # FSDP2's accumulation idiom: the inter all-reduce only on the last micro-step
+                    model.set_requires_all_reduce(a == accum - 1)
+                loss = model(batch(i, a)).loss / accum
+                loss.backward()
+                total += loss.item()
+            torch.nn.utils.clip_grad_norm_(trainable(model), MAX_NORM)
+            opt.step()
+            opt.zero_grad()
+            return total
+
+        return Runner(kind, "baseline", step, lambda: _baseline_memory(model, opt))
+
+    def ddp() -> Runner:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(make_model())
+        if bf16:  # bf16 compute (autocast) and bf16 gradient all-reduce; fp32 weights are the master
+            model.register_comm_hook(None, _bf16_allreduce_hook)
+        opt = torch.optim.AdamW(trainable(model), lr=LR, weight_decay=WD, foreach=True)
+
+        def step(i: int, accum: int):
+            total = 0.0
+            for a in range(accum):
+                ctx = model.no_sync() if a < accum - 1 else _null()
+                with ctx, torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                    loss = model(batch(i, a)).loss / accum
+                    loss.backward()
+                total += loss.item()
+            torch.nn.utils.clip_grad_norm_(trainable(model), MAX_NORM)
+            opt.step()
+            opt.zero_grad()
+            return total
+
+        # (DDP's reducer buckets hold one more gradient copy, not counted)
+        return Runner("ddp", "baseline", step, lambda: _baseline_memory(model, opt))
+
+    # ---- advisor ----
+    cluster, preds, pick = None, {}, None
+    t0 = time.perf_counter()
+    if not args.no_advisor:
+        from paro_fsdp.cost.calibrate import calibrate_in_process
+        from paro_fsdp.cost.predict import choose_strategy, predict
+
+        cluster = calibrate_in_process(mesh, margs, micro_batch=args.batch, seq_len=args.seq, dtype=args.dtype, reps=2,
+                                       name="emulated")
+        for a in accums:
+            for s in args.strategies.split(","):
+                preds[(s, a)] = predict(margs, s, n, m, args.batch, a, args.seq, cluster, dtype=args.dtype,
+                                        trainable_fraction=args.trainable).step_time
+            best, _ = choose_strategy(margs, n, m, args.batch, a, args.seq, args.dtype, cluster,
+                                      trainable_fraction=args.trainable, strategies=args.strategies.split(","))
+            pick = pick or {}
+            pick[a] = best.name
+    t_cal = time.perf_counter() - t0
+
+    runners: list[Runner] = []
+    for s in args.strategies.split(","):
+        runners.append(paro(s))
+    for b in filter(None, args.baselines.split(",")):
+        try:
+            runners.append(ddp() if b == "ddp" else fsdp2(b))
+        except Exception as e:  # noqa: BLE001 - a baseline this torch cannot build is reported, not fatal
+            runners.append(Runner(b, "baseline", lambda i, a: 0.0, lambda: 0, error=f"{type(e).__name__}: {e}"))
+
+    def timed(r: Runner, accum: int) -> tuple[float, dict[str, int]]:
+        # counters before the barrier: after it node 0's other ranks may send before rank 0 reads
+        before = local_tx_bytes(["lo", *uplinks]) if rank == 0 and on_emulator else {}
+        dist.barrier()
+        t = time.perf_counter()
+        r.step_fn(r.n_steps, accum)
+        dt = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        after = local_tx_bytes(["lo", *uplinks]) if rank == 0 and on_emulator else {}
+        r.n_steps += 1
+        return dt.item(), {k: after[k] - before[k] for k in after}
+
+    t0 = time.perf_counter()
+    for accum in accums:
+        for rnd in range(args.warmup + args.rounds):
+            order = runners if rnd % 2 == 0 else runners[::-1]
+            for r in order:
+                if r.error:
+                    continue
+                t, sent = timed(r, accum)
+                if rnd >= args.warmup:
+                    r.times.setdefault(accum, []).append(t)
+                    r.sent.setdefault(accum, []).append(sent)
+    t_run = time.perf_counter() - t0
+
+    rows = []
+    for r in runners:
+        mem = torch.tensor([float(r.memory_fn()) if not r.error else 0.0])
+        dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+        for accum in accums:
+            row: dict[str, Any] = {"name": r.name, "kind": r.kind, "accum": accum, "error": r.error,
+                                   "state_bytes": mem.item()}
+            if not r.error:
+                t = statistics.median(r.times[accum])
+                row.update(step_s=t, tokens_per_s=n * accum * args.batch * args.seq / t, times=r.times[accum])
+                if on_emulator and rank == 0:
+                    per = [{k: v / m for k, v in s.items()} for s in r.sent[accum]]
+                    row["intra_bytes"] = statistics.median(p.get("lo", 0) for p in per)
+                    row["inter_bytes"] = statistics.median(sum(v for k, v in p.items() if k != "lo") for p in per)
+                if (r.name, accum) in preds:
+                    row["pred_s"] = preds[(r.name, accum)]
+                if pick and pick.get(accum) == r.name:
+                    row["advisor_pick"] = True
+            rows.append(row)
+    if rank == 0:
+        ref = make_model()
+        meta = {"n": n, "m": m, "topology": os.environ.get("PARO_EMU_TOPOLOGY", "none"),
+                "rate": os.environ.get("PARO_EMU_RATE", "?"), "params": sum(p.numel() for p in ref.parameters()),
+                "trainable_params": sum(p.numel() for p in trainable(ref)), "dtype": args.dtype,
+                "model": vars(args) | {}, "calibrate_s": t_cal, "run_s": t_run,
+                "cluster": None if cluster is None else {"intra_gbs": cluster.intra.bandwidth_gbs,
+                                                          "inter_gbs": cluster.inter.bandwidth_gbs,
+                                                          "tflops": cluster.achieved_tflops}}
+        print(format_report(rows, meta, args.budget_mib), flush=True)
+        print(RESULT_TAG + json.dumps({"meta": meta, "rows": rows}), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _bf16_allreduce_hook(state, bucket):  # no annotations: DDP checks them against its own types
+    """DDP comm hook: average a bucket in bf16 (torch's bf16_compress_hook insists on NCCL)."""
+    import torch
+    import torch.distributed as dist
+
+    buf = bucket.buffer()
+    low = buf.to(torch.bfloat16).div_(dist.get_world_size())
+    fut = dist.all_reduce(low, async_op=True).get_future()
+
+    def back(f):
+        buf.copy_(f.value()[0])
+        return buf
+
+    return fut.then(back)
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
