@@ -32,7 +32,7 @@ import sys
 import time
 
 from .emulator import Emulator, EmulatorError, check_privileges, local_tx_bytes
-from .launch import ResultTee, launch
+from .launch import ResultTee, launch, worker_or_driver
 
 #: the command line the driver starts on every emulated node (as ``--worker``)
 CLI = "tools.bench_collectives"
@@ -209,12 +209,4 @@ def driver(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    is_worker = "--worker" in argv
-    if is_worker:
-        argv.remove("--worker")
-    args = _args(argv)
-    if is_worker or "RANK" in os.environ:  # under torchrun (through tools.emulate or not)
-        worker(args)
-        return 0
-    return driver(args, argv)
+    return worker_or_driver(argv, _args, worker, driver)

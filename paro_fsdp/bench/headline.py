@@ -50,7 +50,7 @@ import sys
 from .emulator import Emulator, EmulatorError, check_privileges
 from .headline_report import write_png
 from .headline_worker import RESULT_TAG, worker
-from .launch import ResultTee, launch
+from .launch import ResultTee, launch, worker_or_driver
 
 #: the command line the driver starts on every emulated node (as ``--worker``)
 CLI = "tools.bench"
@@ -132,14 +132,6 @@ def driver(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    is_worker = "--worker" in argv
-    if is_worker:
-        argv.remove("--worker")
-    args = _args(argv)
-    if is_worker or "RANK" in os.environ:
-        worker(args)
-        return 0
-    return driver(args, argv)
+    return worker_or_driver(argv, _args, worker, driver)
 
 

@@ -18,7 +18,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import IO
+from typing import IO, Any, Callable
 
 from .emulator import (MASTER_PORT, TOPOLOGIES, Emulator, EmulatorError, check_privileges,
                        cleanup_leftovers)
@@ -208,6 +208,22 @@ class ResultTee(io.RawIOBase):
         """The payloads (after the tag) of every tagged line, in order."""
         n = len(self.tag)
         return [line[n:] for line in self.buf.decode(errors="replace").splitlines() if line.startswith(self.tag.decode())]
+
+
+def worker_or_driver(argv: list[str] | None, parse: Callable[[list[str]], Any], worker: Callable[[Any], None],
+                     driver: Callable[[Any, list[str]], int]) -> int:
+    """The ``main`` of a benchmark on the emulator: with ``--worker`` or under torchrun (RANK set,
+    through the emulator or not) this rank's side, else the driver that builds the emulator and
+    starts the workers on it."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    is_worker = "--worker" in argv
+    if is_worker:
+        argv.remove("--worker")
+    args = parse(argv)
+    if is_worker or "RANK" in os.environ:
+        worker(args)
+        return 0
+    return driver(args, argv)
 
 
 def rank_shim(argv: list[str]) -> None:
