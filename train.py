@@ -36,6 +36,7 @@ from paro_fsdp.train.faults import (NonFiniteGuard, TrainingStopped, collective_
 from paro_fsdp.train.lr import build_lr_scheduler
 from paro_fsdp.train.metrics import CommMeter, MetricsLogger, StepTimer, build_profiler, flops_per_token
 from paro_fsdp.train.parallelize import DTYPES, apply_compile, build_model, check_policy, model_args, parallelize
+from paro_fsdp.train.timeline import TimelineWriter, gloo_threads, group_dims
 from paro_fsdp.train.tokenizer import build_tokenizer
 
 REPO = Path(__file__).resolve().parent
@@ -125,7 +126,17 @@ class Trainer:
         if cfg.metrics.enable_tensorboard and importlib.util.find_spec("tensorboard") is None:
             raise ConfigError("metrics.enable_tensorboard = true needs the tensorboard package (pip install tensorboard, "
                               "or this project's [train] extra); valid: false, or install it")
+        self.timeline_on = cfg.metrics.enable_tensorboard and cfg.profiling.enable_profiling and cfg.profiling.timeline
+        if self.timeline_on and importlib.util.find_spec("matplotlib") is None:
+            raise ConfigError("profiling.timeline = true (with metrics.enable_tensorboard and profiling.enable_profiling) "
+                              "draws with matplotlib (pip install matplotlib, or this project's [train] extra); valid: "
+                              "false, or install it")
         run_name = time.strftime("%Y%m%d-%H%M%S")
+        if self.timeline_on:  # every rank writes its timeline next to rank 0's run
+            names = [run_name]
+            dist.broadcast_object_list(names, src=0)
+            run_name = names[0]
+        self.run_name = run_name
         a = self.model_args
         try:
             self.metrics = MetricsLogger(
@@ -274,8 +285,9 @@ class Trainer:
         timer = StepTimer(self.device)
         pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         self.metrics.begin_window()
+        timeline = self._timeline_writer()
         t_start = time.perf_counter()
-        with build_profiler(cfg, self.rank, self.device, self.state.step) as profiler:
+        with build_profiler(cfg, self.rank, self.device, self.state.step, on_trace=timeline) as profiler:
             while self.state.step < steps:
                 self.state.step += 1
                 step = self.state.step
@@ -302,6 +314,8 @@ class Trainer:
                     path = self.checkpointer.save(step)
                     _log(f"saved checkpoint {path}")
                 profiler.step()
+        if timeline is not None:
+            timeline.close()
         if pending:  # normally empty: the last step always logs
             self._read_window(pending)
         elapsed = time.perf_counter() - t_start
@@ -309,6 +323,19 @@ class Trainer:
         _log(f"trained steps {min(self.losses)}..{steps} in {elapsed:.1f} s: loss {first:.4f} -> {last:.4f}")
         self._print_where_to_look()
         return self.losses
+
+    def _timeline_writer(self) -> Optional[TimelineWriter]:
+        """With ``profiling.timeline``: the sink that draws each trace into this rank's TensorBoard
+        run ``<run>/timeline_rank<r>``. On gloo it first learns which worker threads serve which
+        mesh dimension (``timeline.gloo_threads``: collectives, so every rank calls it)."""
+        if not self.timeline_on:
+            return None
+        dims = group_dims(self.model.paro_mesh_groups(), dist.group.WORLD.group_name)
+        threads = gloo_threads(dims) if self.device.type == "cpu" else {}
+        m = self.cfg.metrics
+        log_dir = os.path.join(self.cfg.job.dump_folder, m.save_tb_folder, self.run_name, f"timeline_rank{self.rank}")
+        # ProfilerStep#N runs while the profiler's step_num is N: trainer step N + 1 (build_profiler)
+        return TimelineWriter(log_dir, self.rank, "compiled" if self.cfg.compile.enable else "eager", threads, dims)
 
     def _log_compiled_schedule(self, step: int) -> None:
         """After the first (compiling) step: what the graph passes did, on rank 0's console
@@ -341,6 +368,9 @@ class Trainer:
             traces = os.path.join(dump, self.cfg.profiling.save_traces_folder)
             _log(f"profiler traces:  {traces} (open a rank*.pt.trace.json in Perfetto or chrome://tracing; "
                  f"TensorBoard's torch-tb-profiler tab lists them but draws its charts only with internet access)")
+            if self.timeline_on:
+                _log("step timelines:   TensorBoard's Images tab, timeline/rank<r> (runs <run>/timeline_rank<r>), "
+                     "and the timeline/overlap_fraction and timeline/inter_busy_fraction scalars")
         _log(f"metrics per logged step: {os.path.join(dump, 'metrics.jsonl')}")
 
     def close(self, failed: bool = False) -> None:

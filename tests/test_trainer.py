@@ -80,9 +80,12 @@ def world4_first(tmp: str) -> dict[str, Any]:
                                 "--training.steps", "3"] + extra)
         out[f"family/{s}"] = {"losses": losses, "comm": trainer.model.comm_stats().as_dict(),
                               "memory": trainer.model.memory_report(trainer.optimizer)}
-    # compiled (AOTAutograd graphs run as they are: inductor codegen costs minutes on 2 cores)
+    # compiled (AOTAutograd graphs run as they are: inductor codegen costs minutes on 2 cores); its
+    # step 2 is traced too (the timeline of collectives that run inside graphs)
     trainer, losses = _run(["--parallelism.paro_strategy", "IIG", "--parallelism.paro_group_size", "2",
-                            "--training.steps", "3", "--compile.enable", "--compile.backend", "aot_eager"])
+                            "--training.steps", "3", "--compile.enable", "--compile.backend", "aot_eager",
+                            "--metrics.enable_tensorboard", "--profiling.enable_profiling", "--profiling.profile_freq", "2",
+                            "--job.dump_folder", f"{tmp}/compiled"])
     out["compiled/IIG"] = {"losses": losses, "comm": trainer.model.comm_stats().as_dict()}
     # a per-tensor policy and bf16 parameters
     _, losses = _run(["--parallelism.paro_strategy", "IIG", "--parallelism.paro_group_size", "2", "--training.steps", "3",
@@ -219,6 +222,37 @@ def test_outputs_tensorboard_metrics_traces(first, tmp):
     traces = sorted(p.name for p in (root / "profile_traces").iterdir())
     assert {t.split(".")[0] for t in traces} == {"rank0", "rank1", "rank2", "rank3"}
     assert all(t.endswith(".pt.trace.json") for t in traces)
+
+
+@pytest.mark.parametrize("run", ["iig", "compiled"])
+def test_timeline_images_in_tensorboard(first, tmp, run):
+    """Each rank's run <run>/timeline_rank<r> holds the traced step's timeline image (with intra and
+    inter rows drawn: IIG on 2 x 2 gathers within groups and crosses them at the boundary, eagerly
+    or inside the compiled graphs) and its fractions as scalars."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from paro_fsdp.train.timeline import COLORS
+
+    (tb,) = (Path(tmp) / run / "tb").iterdir()
+    assert sorted(p.name for p in tb.iterdir() if p.is_dir()) == [f"timeline_rank{r}" for r in range(4)]
+    for r in range(4):
+        acc = EventAccumulator(str(tb / f"timeline_rank{r}"), size_guidance={"images": 0, "scalars": 0})
+        acc.Reload()
+        assert acc.Tags()["images"] == [f"timeline/rank{r}"]
+        (image,) = acc.Images(f"timeline/rank{r}")
+        assert image.step == 2  # profile_freq 2: the second step is traced
+        pixels = np.asarray(Image.open(io.BytesIO(image.encoded_image_string)).convert("RGB")).astype(int)
+        for row in ("compute", "intra", "inter"):
+            rgb = np.array([int(COLORS[row][i:i + 2], 16) for i in (1, 3, 5)])
+            assert (np.abs(pixels - rgb).sum(axis=-1) < 10).any(), (run, r, row)
+        values = {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+        for tag in ("overlap_fraction", "inter_busy_fraction", "intra_busy_fraction", "compute_fraction"):
+            assert len(values[f"timeline/{tag}"]) == 1 and 0 <= values[f"timeline/{tag}"][0] <= 1, (run, r, tag)
+        assert values["timeline/inter_busy_fraction"][0] > 0 and values["timeline/intra_busy_fraction"][0] > 0
 
 
 def test_checkpoints_pruned_and_incomplete_ones_ignored(first):

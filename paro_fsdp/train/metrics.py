@@ -19,7 +19,7 @@ import resource
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -254,10 +254,12 @@ class MetricsLogger:
             self.jsonl.close()
 
 
-def build_profiler(cfg: JobConfig, rank: int, device: torch.device, start_step: int):
+def build_profiler(cfg: JobConfig, rank: int, device: torch.device, start_step: int,
+                   on_trace: Optional[Callable[[str], None]] = None):
     """A torch.profiler that traces one step every ``profile_freq`` steps into
     ``dump_folder/save_traces_folder`` (one ``rank{r}.*.pt.trace.json`` per rank and window),
-    or a null context. Call ``.step()`` after every training step."""
+    or a null context. Call ``.step()`` after every training step. ``on_trace(path)`` is called
+    with each trace file written (the timeline image, ``timeline.TimelineWriter``)."""
     p = cfg.profiling
     if not p.enable_profiling:
         return contextlib.nullcontext(_NoProfiler())
@@ -271,10 +273,17 @@ def build_profiler(cfg: JobConfig, rank: int, device: torch.device, start_step: 
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
+
+    def trace_ready(prof: Any) -> None:  # torch's tensorboard_trace_handler, plus on_trace
+        path = os.path.join(trace_dir, f"rank{rank}.{time.time_ns()}.pt.trace.json")
+        prof.export_chrome_trace(path)
+        if on_trace is not None:
+            on_trace(path)
+
     prof = torch.profiler.profile(
         activities=activities,
         schedule=torch.profiler.schedule(wait=wait, warmup=warmup, active=active),
-        on_trace_ready=torch.profiler.tensorboard_trace_handler(trace_dir, worker_name=f"rank{rank}"),
+        on_trace_ready=trace_ready,
         record_shapes=True,
     )
     prof.step_num = start_step  # a resumed run keeps tracing the same steps

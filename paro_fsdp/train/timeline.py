@@ -1,0 +1,274 @@
+"""Each profiled step's timeline as a TensorBoard image: per rank, when compute ran and when the
+intra-group and inter-group collectives ran, from the torch.profiler trace of that step.
+
+Why: the point of PaRO's schedules is that collectives run under compute and that the slow
+inter-group link stays busy. The TensorBoard profiler plugin (torch-tb-profiler) that used to
+show traces is deprecated and its trace view no longer renders in current Chromium, so the
+trainer draws the one picture that matters into TensorBoard's Images tab, next to the scalars.
+
+What the trace tells (torch 2.13, measured on both paths; compiled code calls the same ops):
+- CUDA / NCCL: the ``ncclDevKernel_*`` kernels (and ``record_param_comms`` ops) carry "Process
+  Group Name" / "Process Group Description" args; ``group_dims`` maps the names to mesh dims
+  (DeviceMesh describes its groups as mesh_intra / mesh_inter, the fallback).
+- CPU / gloo: a collective runs on a worker thread of its process group (``gloo:all_gather``,
+  ``gloo:all_reduce`` events; reduce-scatter runs as an all-reduce) and nothing in the trace
+  names the group: there are no record_param_comms events, and the group-name arguments of the
+  functional ops are recorded as "". The worker threads are fixed per group, so
+  ``gloo_threads`` learns them once per process (every group runs one tiny all-reduce per worker
+  thread under a short profiler session) and the trace is classified by thread id.
+
+Rows: compute (CUDA: every other kernel; CPU: the ops of the thread that ran the step, outside
+collective calls), intra, inter, global (a flat collective over all ranks: it crosses both
+links), other (a collective of no known group), and wait (the step's thread blocked in
+``wait_tensor``: exposed communication). Times are ms from the start of the step (the
+``ProfilerStep#`` range; on CUDA extended to the last kernel).
+
+Fractions, of the step unless said otherwise:
+- ``overlap_fraction``: of the time some collective runs, the share during which compute runs.
+- ``inter_busy_fraction`` / ``intra_busy_fraction``: the share of the step an inter (or global) /
+  intra (or global) collective runs: how close the link is to its limit.
+- ``compute_fraction``: the share of the step compute runs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+Intervals = list[tuple[float, float]]
+ROWS = ("compute", "intra", "inter", "global", "other", "wait")
+COLORS = {"compute": "#1f77b4", "intra": "#2ca02c", "inter": "#ff7f0e", "global": "#9467bd", "other": "#7f7f7f",
+          "wait": "#d62728"}
+_DESC = {"mesh_intra": "intra", "mesh_inter": "inter", "default_pg": "global"}
+_COMM_OPS = ("_c10d_functional::", "c10d::", "record_param_comms", "gloo:", "nccl:")
+
+
+@dataclass
+class Timeline:
+    step: int  # N of the trace's ProfilerStep#N range
+    duration: float  # ms
+    rows: dict[str, Intervals]  # ROWS -> merged intervals, ms from the step's start
+
+
+def merge(iv: Intervals) -> Intervals:
+    out: Intervals = []
+    for a, b in sorted(iv):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        elif b > a:
+            out.append((a, b))
+    return out
+
+
+def measure(iv: Intervals) -> float:
+    return sum(b - a for a, b in merge(iv))
+
+
+def intersect(x: Intervals, y: Intervals) -> Intervals:
+    x, y, out, i, j = merge(x), merge(y), [], 0, 0
+    while i < len(x) and j < len(y):
+        a, b = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
+        if b > a:
+            out.append((a, b))
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def subtract(x: Intervals, y: Intervals) -> Intervals:
+    out, y = [], merge(y)
+    for a, b in merge(x):
+        for c, d in y:
+            if d <= a or c >= b:
+                continue
+            if c > a:
+                out.append((a, c))
+            a = max(a, d)
+        if b > a:
+            out.append((a, b))
+    return out
+
+
+def _dim(args: Mapping[str, Any], group_dims: Mapping[str, str]) -> Optional[str]:
+    name, desc = args.get("Process Group Name"), args.get("Process Group Description")
+    if name is not None and str(name) in group_dims:
+        return group_dims[str(name)]
+    return _DESC.get(str(desc)) if desc is not None else None
+
+
+def parse(trace: Mapping[str, Any], thread_dims: Mapping[int, str] = {}, group_dims: Mapping[str, str] = {}) -> Optional[Timeline]:
+    """The timeline of the one profiled step in ``trace`` (a Chrome trace as torch.profiler writes
+    it), or None when it holds no step with work (the profiler's closing trace). ``thread_dims``:
+    gloo worker thread id -> mesh dim (``gloo_threads``); ``group_dims``: c10d group name -> dim."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    steps = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")]
+    if not steps:
+        return None
+    step = max(steps, key=lambda e: e["dur"])
+    t0, t1, main = float(step["ts"]), float(step["ts"]) + float(step["dur"]), step["tid"]
+    rows: dict[str, Intervals] = {r: [] for r in ROWS}
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    if kernels:  # on a GPU: NCCL kernels on their streams, every other kernel is compute
+        t1 = max([t1] + [float(e["ts"]) + float(e["dur"]) for e in kernels if float(e["ts"]) >= t0])
+        for e in kernels:
+            span = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+            if str(e["name"]).lower().startswith("nccl"):
+                rows[_dim(e.get("args", {}), group_dims) or "other"].append(span)
+            else:
+                rows["compute"].append(span)
+    else:
+        ops, calls = [], []
+        for e in events:
+            name, span = str(e.get("name", "")), (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+            if name.startswith("gloo:"):
+                rows[thread_dims.get(e["tid"]) or _dim(e.get("args", {}), group_dims) or "other"].append(span)
+            elif e["tid"] == main and e is not step:
+                if name.startswith(_COMM_OPS):
+                    calls.append(span)
+                    if name == "_c10d_functional::wait_tensor":
+                        rows["wait"].append(span)
+                elif e.get("cat") in ("cpu_op", "user_annotation", "python_function"):
+                    ops.append(span)
+        rows["compute"] = subtract(ops, calls)
+    if not any(rows[r] for r in ROWS if r != "compute") and measure(rows["compute"]) == 0:
+        return None
+    clip = [(t0, t1)]
+    rows = {r: [((a - t0) / 1e3, (b - t0) / 1e3) for a, b in intersect(iv, clip)] for r, iv in rows.items()}
+    return Timeline(int(str(step["name"]).split("#")[1]), (t1 - t0) / 1e3, rows)
+
+
+def fractions(tl: Timeline) -> dict[str, float]:
+    """The module docstring's fractions (``overlap_fraction`` only when some collective ran)."""
+    r, dur = tl.rows, tl.duration or 1.0
+    comm = r["intra"] + r["inter"] + r["global"] + r["other"]
+    out = {"inter_busy_fraction": measure(r["inter"] + r["global"]) / dur,
+           "intra_busy_fraction": measure(r["intra"] + r["global"]) / dur,
+           "compute_fraction": measure(r["compute"]) / dur}
+    if measure(comm) > 0:
+        out["overlap_fraction"] = measure(intersect(comm, r["compute"])) / measure(comm)
+    return out
+
+
+def render(tl: Timeline, title: str, width_px: int = 1200):
+    """The timeline as an RGB image (numpy uint8, height x width x 3): one row per kind that
+    occurs (compute, intra and inter always), time in ms on x, the fractions in the title."""
+    import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    rows = [r for r in ROWS if r in ("compute", "intra", "inter") or tl.rows[r]]
+    f = fractions(tl)
+    text = " | ".join(f"{k.replace('_fraction', '').replace('_', ' ')} {v:.0%}" for k, v in sorted(f.items()))
+    fig = Figure(figsize=(width_px / 100, 0.6 * len(rows) + 1.6), dpi=100)  # large type: cards scale it down
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for y, row in enumerate(reversed(rows)):
+        ax.broken_barh([(a, b - a) for a, b in tl.rows[row]], (y - 0.4, 0.8), facecolors=COLORS[row])
+    ax.set_yticks(range(len(rows)), list(reversed(rows)), fontsize=13)
+    ax.tick_params(axis="x", labelsize=12)
+    ax.set_xlim(0, tl.duration)
+    ax.set_ylim(-0.6, len(rows) - 0.4)
+    ax.set_xlabel("ms since the step started", fontsize=12)
+    ax.set_title(f"{title}\n{text}", fontsize=14)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.canvas.draw()
+    return np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
+
+
+def group_dims(groups: Any, world_name: str) -> dict[str, str]:
+    """c10d group name -> row, for a ``MeshGroups``: the flat all-ranks groups (the mesh's and
+    the world) are "global", or the one link they cross on a mesh with one group / one rank per group."""
+    flat = "global" if groups.g > 1 and groups.m > 1 else ("inter" if groups.g > 1 else "intra")
+    out = {world_name: flat, groups.group_names["global"]: flat}
+    for dim, size in (("intra", groups.m), ("inter", groups.g)):
+        if size > 1:
+            out[groups.group_names[dim]] = dim
+    return out
+
+
+def gloo_threads(dims: Mapping[str, str], delay_s: float = 0.03) -> dict[int, str]:
+    """Which gloo worker threads serve which group (thread id -> dim of ``dims``, group name ->
+    dim): every rank calls it (it runs collectives). Per group, each rank in turn joins late, so
+    the others' pending all-reduces occupy every worker thread; a short profiler session records
+    the threads. Once per process (a gloo group keeps its threads); about 0.1 s per rank of each group."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    todo, seen = [], set()
+    for name, dim in dims.items():
+        pg = _resolve_process_group(name)
+        if pg.size() > 1 and id(pg) not in seen and dist.get_backend(pg) == "gloo":
+            seen.add(id(pg))
+            todo.append((dim, pg, getattr(pg._get_backend(torch.device("cpu")).options, "_threads", 2)))
+    if not todo:
+        return {}
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for i, (dim, pg, threads) in enumerate(todo):
+            x = torch.zeros(threads)
+            with torch.profiler.record_function(f"paro_probe#{i}"):
+                for leader in range(pg.size()):
+                    if pg.rank() == leader:
+                        time.sleep(delay_s)
+                    for w in [dist.all_reduce(x[j:j + 1], group=pg, async_op=True) for j in range(threads)]:
+                        w.wait()
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    finally:
+        os.unlink(path)
+    windows = {int(e["name"].split("#")[1]): (e["ts"], e["ts"] + e["dur"]) for e in events
+               if str(e.get("name", "")).startswith("paro_probe#")}
+    out: dict[int, str] = {}
+    for e in events:
+        if str(e.get("name", "")).startswith("gloo:"):
+            for i, (a, b) in windows.items():
+                if a <= e["ts"] <= b:
+                    out[e["tid"]] = todo[i][0]
+    return out
+
+
+class TimelineWriter:
+    """The profiler's trace sink: each trace file -> one image ``timeline/rank{r}`` and the
+    fractions as ``timeline/<name>`` scalars, in this rank's TensorBoard run ``log_dir``, at the
+    trainer step (``ProfilerStep#N`` is step N + ``step_offset``)."""
+
+    def __init__(self, log_dir: str, rank: int, mode: str, thread_dims: Mapping[int, str],
+                 group_dims: Mapping[str, str], step_offset: int = 1) -> None:
+        self.log_dir, self.rank, self.mode, self.step_offset = log_dir, rank, mode, step_offset
+        self.thread_dims, self.group_dims = dict(thread_dims), dict(group_dims)
+        self.writer: Any = None
+        self.written: list[int] = []
+
+    def __call__(self, trace_path: str) -> None:
+        try:
+            with open(trace_path) as f:
+                tl = parse(json.load(f), self.thread_dims, self.group_dims)
+            if tl is None:
+                return
+            step = tl.step + self.step_offset
+            image = render(tl, f"rank {self.rank} | step {step} | {self.mode}")
+            if self.writer is None:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.writer = SummaryWriter(self.log_dir)
+            self.writer.add_image(f"timeline/rank{self.rank}", image, step, dataformats="HWC")
+            for name, value in fractions(tl).items():
+                self.writer.add_scalar(f"timeline/{name}", value, step)
+            self.writer.flush()
+            self.written.append(step)
+        except Exception as exc:  # a picture must never stop a training run
+            print(f"[paro] rank {self.rank}: no timeline image for {trace_path}: {type(exc).__name__}: {exc}", flush=True)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
