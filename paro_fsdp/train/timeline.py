@@ -28,6 +28,8 @@ Fractions, of the step unless said otherwise:
 - ``inter_busy_fraction`` / ``intra_busy_fraction``: the share of the step an inter (or global) /
   intra (or global) collective runs: how close the link is to its limit.
 - ``compute_fraction``: the share of the step compute runs.
+A collective's span is from its start on this rank to its end, so it includes waiting for the
+slowest peer to join: busy is an upper bound on the time bytes are on the wire.
 """
 from __future__ import annotations
 
