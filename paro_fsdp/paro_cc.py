@@ -115,7 +115,7 @@ def _done(t: torch.Tensor) -> HierPending:
 def _bounds(total: int, chunks: int) -> list[tuple[int, int]]:
     """Split range(total) into ``chunks`` nearly equal, non-empty, contiguous pieces."""
     chunks = max(1, min(chunks, total)) if total else 1
-    base, extra = divmod(total, chunks)
+    base, extra = total // chunks, total % chunks  # not divmod: dynamo rejects it on SymInts in backward
     out, start = [], 0
     for c in range(chunks):
         size = base + (1 if c < extra else 0)

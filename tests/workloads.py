@@ -79,7 +79,6 @@ def compile_model(model, how: dict, opt: ParoOptimizer | None = None):
         torch._inductor.config.post_grad_custom_post_pass = record
         torch._inductor.config.force_disable_caches = True  # a cache hit would skip the passes
         backend = "inductor"
-    torch._dynamo.reset()
     if opt is not None:
         opt.compile(backend=backend)
     if how.get("scope", "model") == "blocks":
@@ -99,6 +98,8 @@ def train_paro(strategy, group_size: int, accum: int, mp: MixedPrecision | None 
     step is compiled, ``ParoOptimizer.compile``); the record of the passes is left on
     ``model.paro_passes_record``."""
     mesh = init_paro_mesh(group_size)
+    if compile is not None:
+        torch._dynamo.reset()  # before paro_shard: a reset drops the compile-start callback that makes its sinks
     model = make_model(args=args)
     if ac:
         checkpoint_blocks(model)

@@ -48,8 +48,11 @@ class MemoryMeter:
         self._marks: list[tuple[str, Any]] = []
 
     def __enter__(self) -> "MemoryMeter":
+        import gc
+
         import torch
 
+        gc.collect()  # an earlier case's model freed by a later GC inside this session would count against it
         if self.device == "cuda":
             torch.cuda.synchronize()
             self._base = torch.cuda.memory_allocated()
