@@ -7,6 +7,8 @@
   headline.py         the headline benchmark's command line and driver (on the emulator)
   headline_worker.py  its per-rank side: every strategy and baseline, interleaved rounds
   headline_report.py  its table, verdicts and PNG
+  compiled_emulated.py         its --compiled mode: compiled variants, each pass alone, compile counts
+  compiled_emulated_report.py  their table, targets and link timeline PNGs
   collectives.py      PaRO-CC vs the flat gloo collective on the emulator
   workload.py         the bench Llama, data, optimizer settings and reductions the benches share
   vs_fsdp2.py         PaRO GGG / III vs FSDP2 ZeRO-3 / HSDP on 4 spawned gloo ranks

@@ -9,6 +9,8 @@ cluster (tools/emulate.py), A = 1 and A = 4.
     python -m tools.emulate -- -m tools.bench   # the same worker through the emulator CLI
     python -m tools.bench --quick --nodes 2 --ranks-per-node 4   # 8 ranks: about 2 minutes here
     make bench                                  # the README's headline: A = 1 and 4, then 1/16 trainable
+    python -m tools.bench --compiled            # eager vs compiled vs each graph pass vs FSDP2 + compile
+                                                # (compiled_emulated.py: 1gbit, A = 2, timelines per variant)
 
 Why: PaRO's claims are relative to what users would run instead, on the same network. Every
 configuration trains the same Llama (same init, same data) with AdamW, clip 1.0, the blocks
@@ -45,7 +47,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
+import tempfile
 
 from .emulator import Emulator, EmulatorError, check_privileges
 from .headline_report import write_png
@@ -60,26 +64,32 @@ BASELINES = ("fsdp2-zero3", "fsdp2-hsdp", "fsdp2-hpz", "ddp")
 DTYPES = ("fp32", "bf16")
 
 
+#: defaults that differ with --compiled (compiled_emulated.py): issue 14's setup (~8M parameters,
+#: micro-batch 4 x 64, A = 2, 1 Gbit/s), in 2 layers to keep each variant's cold compile short
+DEFAULTS = {
+    False: dict(strategies=",".join(STRATEGIES), baselines=",".join(BASELINES), accum="1,4", inter_rate="200mbit",
+                dim=128, layers=4, heads=4, kv_heads=2, ffn=352, vocab=1024, seq=128, batch=2, out_dir="outputs/bench"),
+    True: dict(strategies="GGG,IGG,IIG,NIG,NII", baselines="fsdp2-zero3", accum="2", inter_rate="1gbit", dim=512,
+               layers=2, heads=8, kv_heads=4, ffn=1408, vocab=2048, seq=64, batch=4, out_dir="outputs/bench/compiled"),
+}
+
+
 def _args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__.split("\n\n")[0],
+                                epilog="Defaults marked * differ with --compiled: " + ", ".join(
+                                    f"{k}={v}" for k, v in DEFAULTS[True].items()))
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--ranks-per-node", type=int, default=2)
-    p.add_argument("--inter-rate", default="200mbit")
+    p.add_argument("--inter-rate", default=None, help="* (200mbit)")
     p.add_argument("--inter-delay", default="1ms")
     p.add_argument("--topology", default="shared", choices=("shared", "rails"))
-    p.add_argument("--strategies", default=",".join(STRATEGIES))
-    p.add_argument("--baselines", default=",".join(BASELINES))
-    p.add_argument("--accum", default="1,4", help="gradient accumulation steps, comma separated")
+    p.add_argument("--strategies", default=None, help="* (all ten named)")
+    p.add_argument("--baselines", default=None, help="* (all four)")
+    p.add_argument("--accum", default=None, help="* gradient accumulation steps, comma separated (1,4)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--ffn", type=int, default=352)
-    p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=2)
+    for flag in ("dim", "layers", "heads", "kv-heads", "ffn", "vocab", "seq", "batch"):
+        p.add_argument(f"--{flag}", type=int, default=None, help=f"* ({DEFAULTS[False][flag.replace('-', '_')]})")
     p.add_argument("--dtype", default="fp32", choices=DTYPES,
                    help="parameter / gradient dtype (fp32 master weights and optimizer states either way)")
     p.add_argument("--trainable", type=float, default=1.0,
@@ -88,13 +98,43 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-advisor", action="store_true", help="skip calibration and predictions")
     p.add_argument("--budget-mib", type=float, default=None,
                    help="per-rank model-state budget for the verdict (default: FSDP2 HSDP's)")
-    p.add_argument("--out-dir", default="outputs/bench", help="where the driver writes bench.json and the PNG")
-    p.add_argument("--quick", action="store_true", help="A = 1 only, 2 rounds")
+    p.add_argument("--out-dir", default=None, help="* where bench.json and the PNGs go (outputs/bench)")
+    p.add_argument("--quick", action="store_true",
+                   help="A = 1 only, 2 rounds (--compiled: GGG and IIG unless --strategies, no warm-up, 2 rounds)")
     p.add_argument("--timeout", type=float, default=3600)
+    c = p.add_argument_group("compiled variants (--compiled: compiled_emulated.py)")
+    c.add_argument("--compiled", action="store_true",
+                   help="per strategy eager, compiled, compiled + each pass alone, compiled + all passes; FSDP2 "
+                        "eager and + per-block compile; first-step s, recompiles, inter bytes, timeline PNGs")
+    c.add_argument("--variants", default="eager,compiled,bucketing,reorder,all",
+                   help="which PaRO variants (eager, compiled, bucketing, reorder, all)")
+    c.add_argument("--backend", default="inductor", choices=("inductor", "aot"),
+                   help="aot: the passes on AOTAutograd's graphs without inductor codegen (seconds to compile: "
+                        "a smoke, not a measurement)")
+    c.add_argument("--no-timeline", action="store_true", help="no profiled step, no timeline PNGs")
+    c.add_argument("--compile-cache", default=None,
+                   help="inductor cache folder (per-rank subfolders); default a fresh temporary one, so the first "
+                        "steps compile cold; run twice with the same folder for warm first steps")
     args = p.parse_args(argv)
+    given = {k for k, v in vars(args).items() if v is not None}
+    for k, v in DEFAULTS[args.compiled].items():
+        if k not in given:
+            setattr(args, k, v)
     if not 0 < args.trainable <= 1:
         p.error(f"--trainable must be in (0, 1], got {args.trainable}")
-    if args.quick:
+    if args.compiled:
+        from .compiled_emulated_report import MODES
+
+        bad = [b for b in filter(None, args.baselines.split(",")) if not b.startswith("fsdp2-")]
+        if bad or "," in args.accum or set(filter(None, args.variants.split(","))) - set(MODES):
+            p.error(f"--compiled takes one --accum, --variants from {','.join(MODES)} and FSDP2 baselines only")
+        if args.dtype != "fp32" or args.trainable != 1.0:
+            p.error("--compiled measures fp32 full training (no --dtype / --trainable)")
+        if args.quick:
+            args.warmup, args.rounds = 0, min(args.rounds, 2)
+            if "strategies" not in given:
+                args.strategies = "GGG,IIG"
+    elif args.quick:
         args.accum, args.rounds = "1", 2
     return args
 
@@ -106,7 +146,7 @@ def driver(args: argparse.Namespace, argv: list[str]) -> int:
     except EmulatorError as e:
         print(f"[bench] error: {e}", file=sys.stderr)
         return 2
-    drop = {"--nodes", "--inter-rate", "--inter-delay", "--topology", "--out-dir", "--timeout"}
+    drop = {"--nodes", "--inter-rate", "--inter-delay", "--topology", "--out-dir", "--timeout", "--compile-cache"}
     worker_argv, skip = [], False
     for a in argv:  # the worker gets the model / run flags; the network ones are the driver's
         if skip:
@@ -116,22 +156,43 @@ def driver(args: argparse.Namespace, argv: list[str]) -> int:
             skip = "=" not in a
             continue
         worker_argv.append(a)
+    os.makedirs(args.out_dir, exist_ok=True)
+    env = {}
+    if args.compiled:  # rank 0 writes the timeline PNGs; every first step compiles cold unless a cache is given
+        worker_argv += ["--out-dir", os.path.abspath(args.out_dir)]
+        cache = args.compile_cache or tempfile.mkdtemp(prefix="paro-bench-inductor-")
+        env["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(cache)
     tee = ResultTee(RESULT_TAG)
-    with Emulator(args.nodes, args.ranks_per_node, args.inter_rate, args.inter_delay, args.topology) as emu:
-        rc = launch(emu, ["-m", CLI, "--worker", *worker_argv], timeout=args.timeout, out=tee)  # type: ignore[arg-type]
+    try:
+        with Emulator(args.nodes, args.ranks_per_node, args.inter_rate, args.inter_delay, args.topology) as emu:
+            rc = launch(emu, ["-m", CLI, "--worker", *worker_argv], timeout=args.timeout, out=tee,  # type: ignore[arg-type]
+                        extra_env=env)
+    finally:
+        if args.compiled and not args.compile_cache:
+            shutil.rmtree(env["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
     if rc != 0:
         return rc
     for payload in tee.tagged():
         res = json.loads(payload)
-        os.makedirs(args.out_dir, exist_ok=True)
         with open(os.path.join(args.out_dir, "bench.json"), "w") as f:
             json.dump(res, f, indent=1)
+        if args.compiled:
+            pngs = [r["timeline"]["png"] for r in res["rows"] if (r.get("timeline") or {}).get("png")]
+            print(f"\nwrote {args.out_dir}/bench.json and {len(pngs)} timeline PNGs there")
+            continue
         png = write_png(res["rows"], res["meta"], os.path.join(args.out_dir, "throughput_vs_memory.png"))
         print(f"\nwrote {args.out_dir}/bench.json" + (f" and {png}" if png else " (no matplotlib: no PNG)"))
     return 0
 
 
+def _worker(args: argparse.Namespace) -> None:
+    if args.compiled:
+        from .compiled_emulated import worker as compiled_worker
+
+        compiled_worker(args)
+    else:
+        worker(args)
+
+
 def main(argv: list[str] | None = None) -> int:
-    return worker_or_driver(argv, _args, worker, driver)
-
-
+    return worker_or_driver(argv, _args, _worker, driver)
