@@ -108,12 +108,14 @@ class GradAccumulator:
     def ensure(self) -> torch.Tensor:
         if self.tensor is None:
             self.tensor = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+            torch._dynamo.mark_static(self.tensor)  # an input of the last micro-step's graph (see p_flat)
         return self.tensor
 
     def add(self, grad: torch.Tensor) -> None:
         """Sum ``grad`` in; the first one, before any ``ensure``, is taken as is (cast)."""
         if self.tensor is None:
             self.tensor = grad.to(self.dtype)
+            torch._dynamo.mark_static(self.tensor)  # an input of the last micro-step's graph (see p_flat)
         else:
             self.tensor.add_(grad)
 
@@ -173,6 +175,9 @@ class ParoParamGroup:
                 self.p_locals = [o.to(device=device, dtype=mp.param_dtype, copy=True) for o in originals]
             else:
                 self.p_flat = self.p_layout.new(P, mp.param_dtype, device)
+                # its size differs per group: left dynamic, the blocks' graphs would recompile with a
+                # symbolic size after the first, and PaRO-CC's chunking would see symbols
+                torch._dynamo.mark_static(self.p_flat)
                 self.p_locals = [self.p_layout.local_view(self.p_flat, t, P) for t in layouts]
                 for local, t, o in zip(self.p_locals, layouts, originals):
                     local.copy_(t.local_slice(o, P, info.k))

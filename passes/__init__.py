@@ -33,7 +33,7 @@ from paro_fsdp.mesh import MeshGroups
 from .bucketing import bucket_collectives
 from .graph import GroupTable, collectives, group_table, phase_of
 from .reorder import reorder_for_overlap
-from .schedule import Event, as_dicts, render_png, render_text, schedule, summary
+from .schedule import Event, as_dicts, render_png, render_text, schedule, schedule_of_code, summary
 
 ORDER = ("bucketing", "reorder")
 #: passes that no longer exist, and why: named in the error a config naming them gets
@@ -116,6 +116,17 @@ class ParoPasses(CustomGraphPass):
     def report(self) -> str:
         return "\n\n".join(self.report_one(r) for r in self.records)
 
+    def inductor_options(self) -> dict:
+        """Inductor settings that run these passes and keep their order: for
+        ``torch.compile(options=...)``, or set process-wide by ``install``. Inductor's
+        ``reorder_for_peak_memory`` re-sorts the scheduled nodes after the post-grad passes and
+        moved every prefetched all-gather back to just before its use (tests/test_compile.py reads
+        the generated code), so it is off while the reorder pass runs."""
+        opts: dict = {"post_grad_custom_post_pass": self}
+        if "reorder" in self.names:
+            opts["reorder_for_peak_memory"] = False
+        return opts
+
     def uuid(self) -> bytes:
         files = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "*.py")))
         key = json.dumps([self.names, vars(self.options)], sort_keys=True, default=str).encode()
@@ -128,7 +139,10 @@ def install(names: Iterable[str] = ORDER, options: PassOptions | None = None, me
     ``meshes``; return the object that records what they did. ``install([])`` keeps the
     recording and runs no pass."""
     p = ParoPasses(names, options or PassOptions(**kw), meshes)
-    torch._inductor.config.post_grad_custom_post_pass = p
+    uninstall()
+    for key, value in p.inductor_options().items():
+        _installed[key] = getattr(torch._inductor.config, key)
+        setattr(torch._inductor.config, key, value)
     return p
 
 
@@ -150,8 +164,16 @@ def aot_backend(p: ParoPasses):
     return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, partition_fn=min_cut_rematerialization_partition)
 
 
+_installed: dict = {}  # inductor settings ``install`` changed -> their values before
+
+
 def uninstall() -> None:
+    """Undo ``install``: no custom pass, inductor's own settings back."""
     torch._inductor.config.post_grad_custom_post_pass = None
+    for key, value in _installed.items():
+        if key != "post_grad_custom_post_pass":
+            setattr(torch._inductor.config, key, value)
+    _installed.clear()
 
 
-__all__ = ["ORDER", "PassOptions", "ParoPasses", "aot_backend", "install", "uninstall", "schedule", "summary"]
+__all__ = ["ORDER", "PassOptions", "ParoPasses", "aot_backend", "install", "uninstall", "schedule", "schedule_of_code", "summary"]

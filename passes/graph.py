@@ -113,37 +113,3 @@ def phase_of(graph: fx.Graph) -> str:
 
 def positions(graph: fx.Graph) -> dict[fx.Node, int]:
     return {n: i for i, n in enumerate(graph.nodes)}
-
-
-def splice(graph: fx.Graph, fn, inputs: list[fx.Node], before: fx.Node, replace: list[fx.Node],
-           meta_from: fx.Node) -> list[fx.Node]:
-    """Trace ``fn`` (tensors -> list of tensors) on the inputs' fake values with inductor's
-    decompositions, functionalized, insert its nodes before ``before``, and point the users of
-    ``replace[i]`` at output i. The new nodes inherit ``meta_from``'s block and source
-    metadata, so later passes still know which block they belong to. Returns the new nodes."""
-    from torch._guards import detect_fake_mode
-    from torch._inductor.decomposition import select_decomp_table
-    from torch._dispatch.python import enable_python_dispatcher
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    vals = [n.meta["val"] for n in inputs]
-    with detect_fake_mode(vals), enable_python_dispatcher():
-        traced = make_fx(torch.func.functionalize(fn, remove="mutations"), decomposition_table=select_decomp_table())(*vals)
-    env = dict(zip(traced.graph.find_nodes(op="placeholder"), inputs))
-    new: list[fx.Node] = []
-    outs: list[fx.Node] = []
-    with graph.inserting_before(before):
-        for n in traced.graph.nodes:
-            if n.op == "placeholder":
-                continue
-            if n.op == "output":
-                outs = list(n.args[0])
-                continue
-            env[n] = graph.node_copy(n, lambda x: env[x])
-            for key in ("nn_module_stack", "fwd_nn_module_stack", "stack_trace", "seq_nr"):
-                if key in meta_from.meta:
-                    env[n].meta[key] = meta_from.meta[key]
-            new.append(env[n])
-    for old, out in zip(replace, outs):
-        old.replace_all_uses_with(env[out])
-    return new

@@ -67,6 +67,21 @@ def _movable_chain(node: fx.Node, after: int, pos: dict[fx.Node, int], waits: se
     return sorted(chain, key=lambda n: pos[n])
 
 
+def _feeds_a_collective(wait: fx.Node) -> bool:
+    """Whether a collective reads ``wait``'s result (through cheap ops)."""
+    todo, seen = list(wait.users), set()
+    while todo:
+        n = todo.pop()
+        if n in seen or n.op != "call_function" or n.target in COMPUTE:
+            continue
+        seen.add(n)
+        if n.target in KIND_OF:
+            return True
+        if _cheap(n):
+            todo.extend(n.users)
+    return False
+
+
 def _last_real_input(node: fx.Node, pos: dict[fx.Node, int]) -> fx.Node:
     """The latest ancestor of ``node`` that cannot move (compute, a wait, a collective, a graph
     input), looking through the cheap ops (copies, views, adds) that prepare its input."""
@@ -103,8 +118,9 @@ def hoist_issues(graph: fx.Graph, groups: GroupTable, max_prefetch_bytes: int | 
         own_waits = {p.wait for p in colls if p.block == c.block and p is not c}
         if c.kind == "all_gather":
             i = blocks.index(c.block)
-            later_phase = _movable_chain(c.node, -1, pos, set()) is None  # it needs a wait
-            ahead = i - 1 if later_phase else i - 2
+            # the first (inter) phase of a hierarchical gather goes a block further ahead than
+            # its second phase and than a single-phase gather
+            ahead = i - 2 if _feeds_a_collective(c.wait) else i - 1
             if i == 0 or max_prefetch_bytes == 0:
                 continue
             if ahead >= 0:

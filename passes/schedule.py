@@ -7,6 +7,7 @@ that can hide the transfer. A wait right after its issue hides nothing.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import asdict, dataclass
 
 import torch.fx as fx
@@ -33,6 +34,34 @@ def schedule(graph: fx.Graph, groups: GroupTable) -> list[Event]:
         a, b = pos[c.node], pos[c.wait]
         events.append(Event(c.kind, c.dim, c.nbytes, c.block[-1] if c.block else "<root>", a, b,
                             sum(1 for i in compute_at if a < i < b)))
+    return sorted(events, key=lambda e: e.issue)
+
+
+_CODE_ISSUE = re.compile(r"(buf\w+) = torch\.ops\._c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor|all_reduce)"
+                         r"\w*\.default\(.*'([^']*)'\)")
+_CODE_WAIT = re.compile(r"torch\.ops\._c10d_functional\.wait_tensor\.default\((buf\w+)\)")
+_CODE_COMPUTE = re.compile(r"extern_kernels\.(mm|addmm|bmm|baddbmm)\(|_scaled_dot_product|convolution")
+_CODE_KIND = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter", "all_reduce": "all_reduce"}
+
+
+def schedule_of_code(code: str, groups: GroupTable) -> list[Event]:
+    """The collective schedule inductor actually emitted: ``schedule`` read from a graph's
+    generated Python (``torch._inductor.utils.run_and_get_code``) rather than from the FX graph,
+    since inductor's scheduler may reorder nodes after the passes (positions are line numbers;
+    bytes and blocks are not in the code: 0 and "?")."""
+    issued: dict[str, tuple[str, str, int]] = {}
+    computes: list[int] = []
+    events = []
+    for i, line in enumerate(code.splitlines()):
+        if m := _CODE_ISSUE.search(line):
+            issued[m.group(1)] = (_CODE_KIND[m.group(2)], groups.get(m.group(3), ("?", None))[0], i)
+        elif (m := _CODE_WAIT.search(line)) and m.group(1) in issued:
+            kind, dim, at = issued.pop(m.group(1))
+            events.append(Event(kind, dim, 0, "?", at, i, 0))
+        elif _CODE_COMPUTE.search(line):
+            computes.append(i)
+    for e in events:
+        e.overlap = sum(1 for c in computes if e.issue < c < e.wait)
     return sorted(events, key=lambda e: e.issue)
 
 

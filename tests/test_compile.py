@@ -10,9 +10,12 @@ weights), with and without the passes, per block and whole model, with inductor 
 """
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
+from torch._inductor.graph import GraphLowering
 
 import passes
 import passes.graph
@@ -184,7 +187,8 @@ def _eager_bytes(mesh, strategy):
     return fwd, {k: v["bytes"] for k, v in stats.as_dict().items()}
 
 
-@pytest.mark.parametrize("strategy", PAIRS)
+@pytest.mark.parametrize("strategy", [s if s in ("IGG", "GGG", "NII") else pytest.param(s, marks=pytest.mark.slow)
+                                      for s in PAIRS])
 def test_graph_bytes_per_dimension_equal_the_eager_engine(mesh, strategy):
     """Without any pass the graphs move, per kind and mesh dimension, exactly what the eager
     engine (PaRO-CC for global collectives) counts in one forward and one backward: both run the
@@ -297,29 +301,39 @@ def test_pass_registry_errors_uuid_and_dump(mesh, tmp_path):
     assert "before passes" in text and "after" in text
 
 
-def inductor_step(mesh, names, estimate=None):
+def inductor_step(mesh, names, estimate=None, args=TINY):
     """One GGG step through inductor with ``names`` installed (caches off: a hit skips passes);
     ``estimate``: the overlap scheduler's, told the model's groups too."""
     torch._dynamo.reset()
-    model = paro_shard(make_model(), mesh, "GGG")
+    model = paro_shard(make_model(args=args), mesh, "GGG")
     record = passes.install(names, meshes=[model.paro_mesh_groups()])
     if estimate is not None:
         estimate.groups.update(record.groups)
+    codes: list[str] = []
     try:
-        with torch._inductor.config.patch(force_disable_caches=True):
-            torch.compile(model)(batch(0, 0, 0)).loss.backward()
+        with torch._inductor.config.patch(force_disable_caches=True), \
+                mock.patch.object(GraphLowering, "save_output_code", codes.append):
+            torch.compile(model)(batch(0, 0, 0, args)).loss.backward()
     finally:
         passes.uninstall()
+    record.codes = codes  # inductor's generated Python, one per graph in compile order
     return record
 
 
-def test_passes_run_inside_inductor(mesh):
+def test_passes_run_inside_inductor_and_their_order_survives_it(mesh):
     """The real thing once: inductor calls the installed passes on its post-grad graphs (caches
-    off, since a cache hit would skip them)."""
+    off, since a cache hit would skip them), and the order the reorder pass chose is the order
+    inductor's generated code runs: every collective issued in the same sequence, each one that
+    overlapped compute in the FX graph still has compute between its issue and its wait (inductor's
+    memory-driven reordering used to move each prefetch back to just before its use)."""
     record = inductor_step(mesh, list(passes.ORDER))
     assert {r.phase for r in record.records} == {"forward", "backward"}
     after = {k for r in record.records for k in passes.summary(r.after)}
     assert after == {"all_gather/inter", "all_gather/intra", "reduce_scatter/inter", "reduce_scatter/intra"}
+    chosen = [(e.kind, e.dim, e.overlap > 0) for r in record.records for e in r.after]
+    ran = [(e.kind, e.dim, e.overlap > 0) for code in record.codes for e in passes.schedule_of_code(code, record.groups)]
+    assert ran == chosen
+    assert sum(o for *_, o in ran) >= 2  # the prefetch and a recomputed gather overlap compute
 
 
 # ---- numerics on 4 real ranks -------------------------------------------------------------------

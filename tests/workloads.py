@@ -76,7 +76,8 @@ def compile_model(model, how: dict, opt: ParoOptimizer | None = None):
     if how.get("backend", "aot") == "aot":
         backend = passes.aot_backend(record)
     else:
-        torch._inductor.config.post_grad_custom_post_pass = record
+        for key, value in record.inductor_options().items():
+            setattr(torch._inductor.config, key, value)
         torch._inductor.config.force_disable_caches = True  # a cache hit would skip the passes
         backend = "inductor"
     if opt is not None:

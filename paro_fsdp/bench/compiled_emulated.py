@@ -205,7 +205,7 @@ def build_variants(args: argparse.Namespace, margs, mesh, fsdp_mesh: Callable[[s
                 # the backward compiled later): no process-wide setting, and no variant's cache
                 # entry can serve another (their backends differ)
                 kw = (dict(backend=passes.aot_backend(record)) if args.backend == "aot" else
-                      dict(backend="inductor", options={"post_grad_custom_post_pass": record}))
+                      dict(backend="inductor", options=record.inductor_options()))
                 call = torch.compile(model, **kw)
                 opt.compile(**kw)
                 before = lambda a, accum, model=model: model.set_is_last_backward(a == accum - 1)  # noqa: E731
