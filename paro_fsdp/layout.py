@@ -374,9 +374,6 @@ class FlatLayout:
             return nested.view(m, g, self.sum_g)[:, :, t.off_g : t.off_g + t.size_g]
         return nested.view(m * g, self.sum_g)[:, t.off_g : t.off_g + t.size_g].view(m * g, t.g_pad, t.row)
 
-    def _full_cols(self, full: torch.Tensor, t: TensorLayout) -> torch.Tensor:
-        return full.view(self.info.m, self.sum_i)[:, t.off_i : t.off_i + t.size_i]
-
     def nested_rows(self, nested: torch.Tensor, t: TensorLayout) -> torch.Tensor:
         """Tensor ``t``'s rows from a NESTED buffer: read row-major, the first numel elements
         are the whole tensor. Uniform: a [m, g, size_g] view (no padding); otherwise the d0 real
@@ -406,7 +403,7 @@ class FlatLayout:
         ``nested_uniform`` is false, if its padding matters)."""
         m, g = self.info.m, self.info.g
         for t in self.tensors:
-            base = self._full_cols(full, t)
+            base = self.full_rows(full, t)
             if t.uniform:
                 self._nested_cols(out, t).copy_(base.view(m, g, t.size_g))
                 continue
@@ -418,7 +415,7 @@ class FlatLayout:
         """NESTED [m, g, sum_g] -> FULL [m, sum_i] (padding rows of ``out`` are not written)."""
         m, g = self.info.m, self.info.g
         for t in self.tensors:
-            base = self._full_cols(out, t)
+            base = self.full_rows(out, t)
             if t.uniform:
                 base.view(m, g, t.size_g).copy_(self._nested_cols(nested, t))
                 continue

@@ -162,8 +162,7 @@ def _make_awaited_sinks(_args: object = None) -> None:
 
 
 def make_sinks_on_compile(groups: Iterable["ParoParamGroup"]) -> None:
-    """Make the trainable ``groups``' sinks when torch.compile next starts (or now, if a
-    compile is already under way)."""
+    """Make the trainable ``groups``' sinks when torch.compile next starts tracing a frame."""
     _awaiting_sinks.update(g for g in groups if g.trainable)
     handler = torch._dynamo.callback.callback_handler
     if _make_awaited_sinks not in handler.start_callbacks:  # torch._dynamo.reset() clears them
