@@ -105,3 +105,12 @@ def test_no_full_unpickler_anywhere_in_the_project():
                 problems.append(f"{where}: {name}()")
     assert not problems, problems
     assert len(files) > 30
+
+
+def test_a_full_disk_is_named_whichever_rank_saw_it():
+    """A full disk reaches one rank as ENOSPC and another as torch's zip writer's short-write
+    check; the save error names the disk, not the zip writer (seen on a CI machine)."""
+    exc = CheckpointException("save", {0: (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"), None),
+                                      1: (OSError(28, "No space left on device"), None)})
+    assert first_line(exc).startswith("rank 0: RuntimeError: ")
+    assert first_line(exc, prefer=OSError) == "rank 1: OSError: [Errno 28] No space left on device"

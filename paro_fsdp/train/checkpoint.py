@@ -160,7 +160,7 @@ class CheckpointManager:
                 shutil.rmtree(tmp, ignore_errors=True)
             if not disk_failure(exc):
                 raise  # a lost peer or a bug: reported as such, not as a disk problem
-            raise CheckpointError(f"saving checkpoint step-{step} in {self.folder} failed: {first_line(exc)}; {hint} "
+            raise CheckpointError(f"saving checkpoint step-{step} in {self.folder} failed: {first_line(exc, prefer=OSError)}; {hint} "
                                   f"and stays loadable; free space there or set job.dump_folder to a larger disk") from None
         self._barrier()  # every rank's shards are on disk; rank 0 already wrote .metadata and the manifest
         if self.rank == 0:

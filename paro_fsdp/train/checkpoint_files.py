@@ -100,12 +100,14 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         super().load_bytes(read_item, value)
 
 
-def first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException, prefer: type[BaseException] = BaseException) -> str:
     """The cause of ``exc`` in one line (DCP's CheckpointException lists every rank's traceback:
-    the lowest failing rank's error is the message)."""
+    the lowest failing rank whose error is a ``prefer`` is the message, else the lowest failing
+    rank). A full disk reaches one rank as ``OSError: No space left on device`` and another as
+    torch's zip writer's ``unexpected pos``: ``prefer=OSError`` names the first."""
     causes = dcp_causes(exc)
     if causes:
-        rank, cause = causes[0]
+        rank, cause = next(((r, c) for r, c in causes if isinstance(c, prefer)), causes[0])
         return f"rank {rank}: {type(cause).__name__}: {first_line(cause)}"
     text = str(exc).strip()
     return text.splitlines()[0][:200] if text else type(exc).__name__
