@@ -7,8 +7,10 @@
   * a reduce-scatter (or all-reduce) is issued as soon as its input can exist: the cheap ops
     that prepare it (layout copies, the last micro-step's add of the accumulator) move up with
     it. With the hierarchical pass, or on the last micro-step (the boundary's inter reduction),
-    the inter part of a block's gradient reduction follows its intra part at once and its wait
-    moves to the end of backward, so it overlaps the rest of backward.
+    the inter part of a block's gradient reduction follows its intra part and its wait moves to
+    the end of backward, so it overlaps the rest of backward;
+  * the wait for such an intra part (and the inter issue behind it) moves past the next block's
+    intra issue, so the intra reduce-scatter runs under the next block's backward too.
 
 Memory bound: prefetching holds block i+1's gathered parameters during block i, so an all-gather
 is hoisted only if the gathered bytes already in flight at the new position plus its own stay
@@ -150,9 +152,73 @@ def hoist_issues(graph: fx.Graph, groups: GroupTable, max_prefetch_bytes: int | 
     return moved
 
 
+def _later_users_closure(start: fx.Node, until: fx.Node, pos: dict[fx.Node, int]) -> list[fx.Node] | None:
+    """``start`` and everything placed before ``until`` that reads it, directly or not: what must
+    move with ``start`` to just after ``until``; None when compute is among them."""
+    group, todo = {start}, [start]
+    while todo:
+        for u in todo.pop().users:
+            if u in group or pos[u] > pos[until]:
+                continue
+            if u.op != "call_function" or u.target in COMPUTE:
+                return None
+            group.add(u)
+            todo.append(u)
+    return sorted(group, key=lambda n: pos[n])
+
+
+def _reads(node: fx.Node, source: fx.Node) -> bool:
+    """Whether ``node`` reads ``source`` through cheap ops only."""
+    todo, seen = list(node.all_input_nodes), set()
+    while todo:
+        n = todo.pop()
+        if n is source:
+            return True
+        if n not in seen and _cheap(n):
+            seen.add(n)
+            todo.extend(n.all_input_nodes)
+    return False
+
+
+def _compute_between(graph: fx.Graph, first: fx.Node, last: fx.Node) -> int:
+    pos = positions(graph)
+    return sum(1 for n in graph.nodes if n.op == "call_function" and n.target in COMPUTE and pos[first] < pos[n] < pos[last])
+
+
+def defer_second_phases(graph: fx.Graph, groups: GroupTable) -> int:
+    """A two-phase gradient reduction (intra reduce-scatter, then inter on its result) waits for
+    its first phase only once the next block's first phase is issued: the intra reduce-scatter
+    of block b then runs under block b-1's backward instead of stalling it, and block b's inter
+    phase is queued on the link right behind it. Not where the inter phase would then have no
+    compute left to hide under (the last block of backward before the root)."""
+    moved = 0
+    colls = collectives(graph, groups)
+    for c in colls:
+        if c.kind == "all_gather" or not _feeds_a_collective(c.wait):
+            continue
+        pos = positions(graph)
+        nxt = next((d for d in colls if d.kind == c.kind and d.dim == c.dim and d.block != c.block
+                    and pos[d.node] > pos[c.wait]), None)
+        if nxt is None:
+            continue
+        second = next((d for d in colls if d.node in c.wait.users or _reads(d.node, c.wait)), None)
+        if second is None or _compute_between(graph, nxt.node, second.wait) == 0:
+            continue  # no compute would be left for the inter phase to hide under
+        group = _later_users_closure(c.wait, nxt.node, pos)
+        if group is None:
+            continue
+        anchor = nxt.node
+        for n in group:
+            anchor.append(n)
+            anchor = n
+        moved += 1
+    return moved
+
+
 def reorder_for_overlap(gm: fx.GraphModule, groups: GroupTable, max_prefetch_bytes: int | None = None) -> int:
-    """Sink waits, then hoist issues; return how many nodes moved. Every rank runs the same pass
-    on the same graph, so collectives keep one order across ranks."""
-    moved = sink_waits(gm.graph, groups) + hoist_issues(gm.graph, groups, max_prefetch_bytes)
+    """Sink waits, hoist issues, defer second phases of reductions; return how many nodes moved.
+    Every rank runs the same pass on the same graph, so collectives keep one order across ranks."""
+    moved = (sink_waits(gm.graph, groups) + hoist_issues(gm.graph, groups, max_prefetch_bytes)
+             + defer_second_phases(gm.graph, groups))
     gm.graph.lint()
     return moved
