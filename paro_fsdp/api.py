@@ -162,6 +162,7 @@ def paro_shard(
     blocks: Optional[Iterable[nn.Module]] = None,
     reshard_after_forward: bool = True,
     param_init_fn: Optional[Callable[[str, torch.Tensor], None]] = None,
+    flat_below_bytes: int = 0,
 ) -> nn.Module:
     """Shard ``model`` in place with a PaRO ``policy`` and return it.
 
@@ -176,6 +177,13 @@ def paro_shard(
     A model on the meta device is materialised one tensor at a time: ``param_init_fn(name,
     tensor)`` fills each whole fp32 tensor (identically on every rank), this rank keeps its
     shards, and the whole tensor is dropped, so no rank ever holds the whole model.
+
+    ``flat_below_bytes``: global collectives (P = G gathers, G = G reductions, the boundary's
+    global ones) on messages smaller than this run as one flat collective over all ranks instead
+    of PaRO-CC's intra and inter phases, in eager and compiled runs alike; the ledger
+    (``traffic_of(..., flat_below_bytes=)``) follows the same rule. 0 (default): always
+    hierarchical, as the spec's formulas assume. Where flat wins depends on the cluster's links:
+    measure with ``tools.bench_collectives`` (on the emulator's 2 x 2 at 1 Gbit/s about 1 MiB).
     """
     if hasattr(model, "_paro_state"):
         raise ValueError("model is already sharded by paro_shard")
@@ -185,7 +193,7 @@ def paro_shard(
         raise ValueError("the model has parameters on the meta device: pass param_init_fn=(name, tensor) -> None "
                          "to paro_shard so it can materialise them shard by shard")
     comm = MeshComm(info.groups, streams_for(mesh_device(info)))
-    cc = ParoCC(comm)  # the model's one PaRO-CC: global collectives, counted in comm.stats
+    cc = ParoCC(comm, flat_below_bytes=flat_below_bytes)  # the model's one PaRO-CC: global collectives, counted in comm.stats
 
     owners: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
     for module in model.modules():

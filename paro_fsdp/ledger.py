@@ -14,7 +14,11 @@ Ring cost per rank of a collective over k ranks on a buffer of S bytes (the full
 ``cost.collectives.ring_bytes``): all-gather and reduce-scatter S(k-1)/k, all-reduce 2S(k-1)/k; a collective over k = 1 rank is
 skipped (the engine issues nothing). Global collectives are hierarchical, as the engine runs them:
   global AG(S) = inter AG(S/m) + intra AG(S);   global RS(S) = intra RS(S) + inter RS(S/m);
-  global AR(S) = intra RS(S) + inter AR(S/m) + intra AG(S).
+  global AR(S) = intra RS(S) + inter AR(S/m) + intra AG(S);
+except those below the model's ``flat_below_bytes`` (``cost.collectives.runs_flat``, the rule
+PaRO-CC issues by), which are one flat collective over all n ranks (dim "global"). The ledger
+sizes a message by the bucket's Psi, the engine by its padded buffer: they agree unless a
+bucket's padding carries it across the threshold.
 
 The spec's table, row by row, and where each row is in the engine:
 
@@ -45,7 +49,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from .cost.collectives import CollectiveCounts, ring_bytes
+from .cost.collectives import CollectiveCounts, ring_bytes, runs_flat
 from .strategy import Level, Strategy, StrategyLike
 
 __all__ = [
@@ -73,11 +77,12 @@ class Traffic(CollectiveCounts):
     count_type = float
     _count_format = ">8g"
 
-    def __init__(self, n: int, m: int) -> None:
+    def __init__(self, n: int, m: int, flat_below_bytes: int = 0) -> None:
         if n % m:
             raise ValueError(f"world size n={n} is not divisible by the group size m={m}")
         super().__init__()
         self.n, self.m, self.g = n, m, n // m
+        self.flat_below_bytes = flat_below_bytes
 
     def _size(self, dim: str) -> int:
         return {"intra": self.m, "inter": self.g, "global": self.n}[dim]
@@ -90,20 +95,36 @@ class Traffic(CollectiveCounts):
             return
         self.record(kind, dim, times * ring_bytes(kind, full_numel * itemsize, k), times)
 
-    # hierarchical global collectives, as the engine issues them
-    def all_gather(self, level: Level, numel: float, itemsize: int, times: float = 1) -> None:
-        """Whole tensors from shards at ``level`` (I: intra AG; G: inter AG of 1/m, intra AG)."""
-        if level == _G:
+    # global collectives as the engine issues them: PaRO-CC's phases, or flat below the threshold
+    def global_(self, kind: str, numel: float, itemsize: int, times: float = 1) -> None:
+        """One global ``kind`` on a message of ``numel`` elements (one PaRO-CC call)."""
+        if self.m == 1 or self.g == 1 or runs_flat(numel * itemsize, self.flat_below_bytes):
+            self.add(kind, "global" if self.m > 1 and self.g > 1 else ("inter" if self.m == 1 else "intra"),
+                     numel, itemsize, times)
+        elif kind == "all_gather":
             self.add("all_gather", "inter", numel / self.m, itemsize, times)
-        if level in (_I, _G):
+            self.add("all_gather", "intra", numel, itemsize, times)
+        elif kind == "reduce_scatter":
+            self.add("reduce_scatter", "intra", numel, itemsize, times)
+            self.add("reduce_scatter", "inter", numel / self.m, itemsize, times)
+        else:
+            self.add("reduce_scatter", "intra", numel, itemsize, times)
+            self.add("all_reduce", "inter", numel / self.m, itemsize, times)
+            self.add("all_gather", "intra", numel, itemsize, times)
+
+    def all_gather(self, level: Level, numel: float, itemsize: int, times: float = 1) -> None:
+        """Whole tensors from shards at ``level`` (I: intra AG; G: a global AG)."""
+        if level == _G:
+            self.global_("all_gather", numel, itemsize, times)
+        elif level == _I:
             self.add("all_gather", "intra", numel, itemsize, times)
 
     def reduce_scatter(self, level: Level, numel: float, itemsize: int, times: float = 1) -> None:
-        """Whole unreduced tensors to reduced shards at ``level`` (I: intra RS; G: + inter RS of 1/m)."""
-        if level in (_I, _G):
-            self.add("reduce_scatter", "intra", numel, itemsize, times)
+        """Whole unreduced tensors to reduced shards at ``level`` (I: intra RS; G: a global RS)."""
         if level == _G:
-            self.add("reduce_scatter", "inter", numel / self.m, itemsize, times)
+            self.global_("reduce_scatter", numel, itemsize, times)
+        elif level == _I:
+            self.add("reduce_scatter", "intra", numel, itemsize, times)
 
 
 @dataclass(frozen=True)
@@ -131,9 +152,12 @@ def _bucket_traffic(t: Traffic, b: Bucket, grad_accum: int, param_bytes: int, gr
         return  # frozen bucket: no gradient ever reaches it, nothing at the boundary
     t.reduce_scatter(G, psi_t, grad_bytes, times=A)
     # boundary: the accumulated gradient to the OS level, fully reduced
-    if G == _N:
-        t.add("reduce_scatter", "intra", psi_t, grad_bytes)  # to I, still partial over inter
-    if G in (_N, _I):
+    if G == _N and OS in (_G, _N):  # one global RS (to G) or AR (to N)
+        t.global_("reduce_scatter" if OS == _G else "all_reduce", psi_t, grad_bytes)
+    elif G == _N:  # OS = I: to I, still partial over inter, then the inter all-reduce
+        t.add("reduce_scatter", "intra", psi_t, grad_bytes)
+        t.add("all_reduce", "inter", psi_t / t.m, grad_bytes)
+    elif G == _I:
         if OS == _G:
             t.add("reduce_scatter", "inter", psi_t / t.m, grad_bytes)
         else:
@@ -161,11 +185,13 @@ def traffic_of(
     param_bytes: int = 2,
     grad_bytes: int = 2,
     clip: bool = True,
+    flat_below_bytes: int = 0,
 ) -> Traffic:
     """Collectives per rank for one optimizer step of ``grad_accum`` micro-steps (forward,
     backward; then, if ``clip``, ``clip_grad_norm_``; then ``step``), bucket by bucket, so that
-    counts as well as bytes match ``model.comm_stats()`` (use ``buckets_of(model)``)."""
-    t = Traffic(n, m)
+    counts as well as bytes match ``model.comm_stats()`` (use ``buckets_of(model)``, and the
+    model's ``flat_below_bytes``, ``model._paro_state.cc.flat_below_bytes``)."""
+    t = Traffic(n, m, flat_below_bytes)
     for b in buckets:
         _bucket_traffic(t, b, grad_accum, param_bytes, grad_bytes)
     if clip:
@@ -218,7 +244,9 @@ def formula_bytes(
     ``psi_kept``: parameters gathered once per micro-step instead of twice because they stay
     gathered from forward to backward (the root block's: embeddings, final norm, output layer
     of the Llama model). Returns ``{"intra", "inter", "global", "total"}``; "global" is the
-    clip-norm all-reduce (``clip=False`` drops it).
+    clip-norm all-reduce (``clip=False`` drops it). Global collectives are hierarchical, as the
+    spec has them: a model sharded with ``flat_below_bytes`` runs some flat, and only
+    ``traffic_of(buckets_of(model), ..., flat_below_bytes=)`` knows its messages' sizes.
     """
     t = traffic_of(_whole_model(strategy, psi, psi_trainable, psi_kept), n, m, grad_accum, param_bytes, grad_bytes, clip)
     out = {dim: t.bytes(dim=dim) for dim in ("intra", "inter", "global")}

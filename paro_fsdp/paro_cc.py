@@ -30,6 +30,13 @@ Semantics ("order"):
 all_reduce is elementwise, so it has no order. Sizes need not divide the chunk count (chunks
 are uneven) and all_reduce takes any numel (only a last partial row of m elements is padded).
 
+Flat where it wins: a message below ``flat_below_bytes`` (``cost.collectives.runs_flat``, the
+one rule, which the ledger follows) is one collective over mesh["inter", "intra"]._flatten()
+(dim "global"), with the nested order made by a local transpose. Measured on the emulator
+(2 x 2 gloo ranks, ``tools.bench_collectives``): flat is faster below about 1 MiB at 1 Gbit/s,
+and at nearly every size at 10 Gbit/s, where the second phase's pass over the CPU-bound intra
+links costs more than the inter bytes it saves.
+
 Every phase is one of ``MeshComm``'s per-dimension collectives, so it is recorded in the
 model's ``CommStats`` under "intra" / "inter" like any other (bytes are exactly those of the
 unchunked hierarchy; counts grow with the chunks).
@@ -66,6 +73,7 @@ from typing import Callable
 import torch
 
 from .comm import MeshComm
+from .cost.collectives import runs_flat
 from .streams import active
 
 _ops = torch.ops._c10d_functional
@@ -131,15 +139,26 @@ class ParoCC:
     ``chunk_bytes``: target bytes of the *whole* message per chunk (all-gather output,
     reduce-scatter input, all-reduce tensor); ``max_chunks`` caps the count, since every chunk
     adds a latency term per phase. ``chunks`` forces a count (benchmarks, tests).
+    ``flat_below_bytes``: messages smaller than this run as one flat collective over all ranks
+    (``cost.collectives.runs_flat``, which the ledger follows too); 0, the default: never.
     """
 
-    def __init__(self, comm: MeshComm, chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_chunks: int = DEFAULT_MAX_CHUNKS) -> None:
+    def __init__(self, comm: MeshComm, chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_chunks: int = DEFAULT_MAX_CHUNKS,
+                 flat_below_bytes: int = 0) -> None:
         if chunk_bytes <= 0 or max_chunks <= 0:
             raise ValueError(f"chunk_bytes and max_chunks must be positive, got {chunk_bytes}, {max_chunks}")
+        if flat_below_bytes < 0:
+            raise ValueError(f"flat_below_bytes must be >= 0 (0: never flat), got {flat_below_bytes}")
         self.comm = comm
         self.info = comm.info
         self.chunk_bytes = chunk_bytes
         self.max_chunks = max_chunks
+        self.flat_below_bytes = flat_below_bytes
+
+    def runs_flat(self, nbytes: int) -> bool:
+        """Whether a message of ``nbytes`` goes as one flat collective (the eager and the
+        compiled path both ask here, so both run it the same way)."""
+        return runs_flat(nbytes, self.flat_below_bytes)
 
     @property
     def stats(self):
@@ -215,6 +234,9 @@ class ParoCC:
         s = x.numel()
         if s == 0:
             return _done(x.new_empty(out_shape))
+        if self.runs_flat(n * s * x.element_size()):
+            res = self._ag(x, "global")  # flat rank order k * m + l
+            return HierPending(lambda: (_wait(res) if order == "flat" else flat_to_nested(_wait(res), g, m)).view(out_shape))
         bounds = _bounds(s, self._nchunks(n * s * x.element_size(), s, chunks))
         inter = [self._ag(x[a:b], "inter") for a, b in bounds]  # [k][j] per chunk, all in flight
 
@@ -257,6 +279,9 @@ class ParoCC:
         s = x.numel() // n
         if s == 0:
             return _done(x.new_empty(out_shape))
+        if self.runs_flat(x.numel() * x.element_size()):
+            res = self._rs(x if order == "flat" else nested_to_flat(x, g, m), "global", op)
+            return HierPending(lambda: _wait(res).view(out_shape))
         bounds = _bounds(s, self._nchunks(x.numel() * x.element_size(), s, chunks))
         src = self._blocks(x, s, order)  # [k][l][s]
         if len(bounds) == 1 and order == "nested":
@@ -296,6 +321,9 @@ class ParoCC:
         numel = x.numel()
         if numel == 0:
             return _done(t.clone())
+        if self.runs_flat(numel * x.element_size()):
+            res = self._ar(x, "global", op)
+            return HierPending(lambda: _wait(res).view(shape))
         # chunks are whole rows of m elements (the intra reduce-scatter splits each into m
         # pieces); only a last partial row is padded, so a tensor whose size m divides moves
         # exactly its own bytes (the ledger stays exact) and is never copied

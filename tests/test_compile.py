@@ -38,13 +38,13 @@ def mesh():
     release_fake_world()
 
 
-def compile_step(mesh, policy, names=(), args=TINY, last=False, cc_chunk_bytes=None, **options):
+def compile_step(mesh, policy, names=(), args=TINY, last=False, cc_chunk_bytes=None, flat_below_bytes=0, **options):
     """One forward and backward of a freshly sharded model compiled with the passes ``names``
     (``last``: as the last micro-step, whose backward also reduces to the OS level;
-    ``cc_chunk_bytes``: the model's PaRO-CC chunk size)."""
+    ``cc_chunk_bytes``: the model's PaRO-CC chunk size; ``flat_below_bytes``: paro_shard's)."""
     torch._dynamo.reset()
     counters.clear()
-    model = paro_shard(make_model(args=args), mesh, policy)
+    model = paro_shard(make_model(args=args), mesh, policy, flat_below_bytes=flat_below_bytes)
     if cc_chunk_bytes is not None:
         model._paro_state.cc.chunk_bytes = cc_chunk_bytes
     model.set_is_last_backward(last)
@@ -186,9 +186,9 @@ def test_reorder_overlaps_the_boundary_reduction_with_later_blocks(mesh):
     assert all(e.overlap == 0 for r in plain.records for e in r.after)
 
 
-def _eager_bytes(mesh, strategy):
+def _eager_bytes(mesh, strategy, flat_below_bytes=0):
     """Ring bytes per kind/dim of the eager engine: one forward, then one backward."""
-    eager = paro_shard(make_model(), mesh, strategy)
+    eager = paro_shard(make_model(), mesh, strategy, flat_below_bytes=flat_below_bytes)
     stats = eager.comm_stats()
     loss = eager(batch(0, 0, 0)).loss
     fwd = {k: v["bytes"] for k, v in stats.as_dict().items()}
@@ -216,7 +216,8 @@ def test_graph_bytes_per_dimension_equal_the_eager_engine(mesh, strategy):
 
 def test_global_collectives_follow_the_engines_paro_cc_chunking(mesh):
     """The model's one PaRO-CC decides how a global collective runs, compiled as in eager: its
-    chunk size splits the graph's collectives into more, smaller phases with the same bytes."""
+    chunk size splits the graph's collectives into more, smaller phases with the same bytes, and
+    below its flat threshold each is one flat collective."""
     record, _ = compile_step(mesh, "GGG", [])
     one = _merged(totals(record, "forward"), totals(record, "backward"))
     assert one == {"all_gather/inter": 5, "all_gather/intra": 5, "reduce_scatter/inter": 3, "reduce_scatter/intra": 3}
@@ -225,6 +226,12 @@ def test_global_collectives_follow_the_engines_paro_cc_chunking(mesh):
     assert all(counts[k] > one[k] for k in one)  # several chunks per collective
     assert _merged(totals(chunked, "forward", what="bytes"), totals(chunked, "backward", what="bytes")) == \
         _merged(totals(record, "forward", what="bytes"), totals(record, "backward", what="bytes"))
+    # below the model's flat_below_bytes each is one flat collective over all 8 ranks, as in eager
+    flat, _ = compile_step(mesh, "GGG", [], flat_below_bytes=1 << 30)
+    assert _merged(totals(flat, "forward"), totals(flat, "backward")) == {"all_gather/global": 5, "reduce_scatter/global": 3}
+    fwd, bwd = _eager_bytes(mesh, "GGG", flat_below_bytes=1 << 30)
+    for phase, eager in (("forward", fwd), ("backward", bwd)):
+        assert {k: v * 7 / 8 for k, v in totals(flat, phase, what="bytes").items()} == pytest.approx(eager)
 
 
 def test_removed_hierarchical_pass_is_named_in_the_error():

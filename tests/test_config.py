@@ -73,6 +73,7 @@ def test_print_config_round_trips(tmp_path):
         (["--parallelism.paro_strategy", "IIX"], "is not a PaRO strategy; valid: three letters of N, I, G"),
         (["--parallelism.paro_policy", "output.*=ZZZ"], "parallelism.paro_policy.output.* = \"ZZZ\""),
         (["--parallelism.paro_group_size", "3"], "paro_group_size = 3 does not divide the world size 4; valid: -1 (ranks per node) or one of [1, 2, 4]"),
+        (["--parallelism.paro_flat_below_mb", "-1"], "paro_flat_below_mb = -1.0 is invalid; valid: 0 (never flat) or a positive size in MiB"),
         (["--training.local_batch_size", "2", "--training.global_batch_size", "12"],
          "global_batch_size = 12 is not a multiple of training.local_batch_size (2) x data-parallel ranks (4) = 8; valid: -1 or a multiple of 8"),
         (["--compile.passes", "bucketing,reoder"], "compile.passes has unknown pass(es) ['reoder']; valid: any of ['bucketing', 'reorder']"),

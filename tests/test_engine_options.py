@@ -16,6 +16,7 @@ from workloads import LR, MAX_NORM, STEPS, batch, make_model, reference
 WORLD = 4
 DIVIDE = ["IIG", "GGG", "NNN"]
 LOAD = ["IIG", "GGG", "NGI"]
+FLAT = ["GGG", "NNN", "NNG"]  # global AG and RS each micro-step; the boundary's global AR; global RS and push AG
 
 
 class LayerDict(nn.ModuleDict):
@@ -102,6 +103,21 @@ def rank_main(folder: str) -> dict[str, Any]:
     except ValueError as e:
         out["divide"]["error"] = str(e)
 
+    # every global collective below flat_below_bytes runs flat: the same training, counted as
+    # the ledger counts it under the same rule
+    from paro_fsdp.ledger import buckets_of, traffic_of
+
+    out["flat"] = {}
+    for s in FLAT:
+        model, opt = shard(s, flat_below_bytes=1 << 30)
+        stats = model.comm_stats()
+        stats.reset()
+        losses = _train(model, opt, STEPS)
+        ledger = traffic_of(buckets_of(model), world, 2, 1, param_bytes=4, grad_bytes=4, flat_below_bytes=1 << 30)
+        out["flat"][s] = {"losses": losses, "params": full_params(model), "comm": stats.as_dict(),
+                          "ledger": {k: {"count": v["count"] * STEPS, "bytes": v["bytes"] * STEPS}
+                                     for k, v in ledger.as_dict().items()}}
+
     # blocks from a ModuleDict: found by default, and given explicitly as the container
     model, opt = shard("IIG", dict_model())
     out["dict_default"] = {"blocks": [b.name for b in model._paro_state.blocks], "losses": _train(model, opt, STEPS)}
@@ -186,6 +202,21 @@ def close(got_losses, ref_losses, scale: float = 1.0) -> None:
     for (loss, norm), (ref_loss, ref_norm) in zip(got_losses, ref_losses):
         assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
         assert abs(norm - scale * ref_norm) <= 1e-5 * abs(scale * ref_norm) + 1e-7, (norm, scale * ref_norm)
+
+
+@pytest.mark.parametrize("strategy", FLAT)
+def test_flat_global_collectives_train_the_same_and_match_the_ledger(got, strategy):
+    """paro_shard(flat_below_bytes=...) above every message: each global collective is one flat
+    collective over all ranks (dim "global"), training matches the single-process reference, and
+    the engine's counts equal the ledger's under the same rule."""
+    r, ref = got["flat"][strategy], reference(WORLD, 1)
+    close(r["losses"], ref["losses"])
+    for name, value in ref["params"].items():
+        torch.testing.assert_close(r["params"][name], value, rtol=0, atol=2e-5, msg=name)
+    assert set(r["comm"]) == set(r["ledger"]) and not any(k.endswith("/inter") for k in r["comm"]), r["comm"]
+    for key, want in r["ledger"].items():
+        assert r["comm"][key]["count"] == want["count"], key
+        assert r["comm"][key]["bytes"] == pytest.approx(want["bytes"], rel=0.02), key  # padded buffers
 
 
 @pytest.mark.parametrize("strategy", DIVIDE)

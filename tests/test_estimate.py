@@ -39,7 +39,7 @@ def _buckets(strategy: str, trainable_layers: int) -> list[Bucket]:
     ]
 
 
-def _check_against_ledger(row: dict, strategy: str, accum: int, trainable_layers: int) -> None:
+def _check_against_ledger(row: dict, strategy: str, accum: int, trainable_layers: int, flat_below_bytes: int = 0) -> None:
     psi = ROOT + ARGS.n_layers * LAYER
     psi_t = psi if trainable_layers == ARGS.n_layers else trainable_layers * LAYER
     assert (row["psi"], row["psi_trainable"], row["psi_kept"]) == (psi, psi_t, ROOT)
@@ -48,10 +48,10 @@ def _check_against_ledger(row: dict, strategy: str, accum: int, trainable_layers
     for k in ("P", "G", "OS", "total"):
         assert row[f"mem_{k}"] == mem[k], (strategy, k)
     fb = formula_bytes(strategy, psi, psi_t, N, M, accum, psi_kept=ROOT, param_bytes=2, grad_bytes=2)
-    for dim in ("intra", "inter", "global"):
+    for dim in ("intra", "inter", "global") if not flat_below_bytes else ():  # the spec's: all hierarchical
         assert row[f"{dim}_bytes"] == pytest.approx(fb[dim], rel=1e-12, abs=1e-9), (strategy, dim)
     # counts too, bucket by bucket: every collective the engine issued, of each kind and dim
-    expected = traffic_of(_buckets(strategy, trainable_layers), N, M, accum).as_dict()
+    expected = traffic_of(_buckets(strategy, trainable_layers), N, M, accum, flat_below_bytes=flat_below_bytes).as_dict()
     got = row["collectives"]
     assert set(got) == set(expected), strategy
     for key, e in expected.items():
@@ -65,6 +65,22 @@ def test_measured_equals_ledger_full_depth():
     for row in rows:
         assert row["layers_run"] == "4"
         _check_against_ledger(row, row["strategy"], 2, ARGS.n_layers)
+
+
+def test_flat_below_the_threshold_in_engine_and_ledger_alike():
+    """With a threshold between the root's and a layer's message (bf16: 32 KiB, 80 KiB) the
+    root's global collectives run flat and the layers' hierarchically; the engine issues and the
+    ledger counts by the same rule, collective by collective."""
+    flat = 50_000
+    assert 2 * ROOT < flat < 2 * LAYER
+    rows = estimate(ARGS, N, M, ["GGG", "NNN", "IGG", "NNG", "GNN"], grad_accum=2, full=True, flat_below_bytes=flat)
+    for row in rows:
+        _check_against_ledger(row, row["strategy"], 2, ARGS.n_layers, flat_below_bytes=flat)
+    ggg = next(r["collectives"] for r in rows if r["strategy"] == "GGG")
+    assert ggg["all_gather/global"]["count"] == 2  # the root's gather, once per micro-step
+    assert ggg["all_gather/inter"]["count"] == 2 * 2 * ARGS.n_layers  # the layers': twice per micro-step
+    plain = estimate(ARGS, N, M, ["GGG"], grad_accum=2, full=True)[0]["collectives"]
+    assert "all_gather/global" not in plain and plain["all_gather/inter"]["count"] == 2 * (2 * ARGS.n_layers + 1)
 
 
 def test_layer_extrapolation_is_exact_and_partial_training():

@@ -1,6 +1,7 @@
 """PaRO-CC (paro_fsdp/paro_cc.py) equals the flat collective over the flattened mesh, on real
 gloo ranks: 4 ranks as 2 groups x 2, and 8 ranks as 2 x 4 (the case where m > g, so a wrong
-rank order or block transpose cannot hide). Uneven sizes, forced chunk counts, fp32 and bf16.
+rank order or block transpose cannot hide). Uneven sizes, forced chunk counts, fp32 and bf16;
+and every case again below ``flat_below_bytes``, where PaRO-CC runs the flat collective itself.
 
 Why integer-valued data: a hierarchical sum adds in a different order than the flat ring, so
 random floats may differ in the last bit; small integers sum exactly in fp32 and bf16, which
@@ -68,6 +69,7 @@ def suite(payload: dict) -> dict:
     n, rank = info.n, dist.get_rank()
     assert rank == info.k * info.m + info.l  # the flat order the module promises
     cc = ParoCC(MeshComm(info.groups), chunk_bytes=256, max_chunks=5)  # small chunks: default chunking kicks in
+    flat = ParoCC(MeshComm(info.groups), chunk_bytes=256, flat_below_bytes=1 << 30)  # every case runs flat
     stats = cc.stats
     gname = info.group_names["global"]
     out: dict = {}
@@ -81,23 +83,29 @@ def suite(payload: dict) -> dict:
             x = torch.randint(-8, 9, shape, generator=gen).to(dtype)
         else:
             x = torch.randn(shape, generator=gen).to(dtype)
+        def call(c: ParoCC) -> torch.Tensor:
+            if kind == "all_gather":
+                return c.all_gather(x, order=order, chunks=ch).wait()
+            if kind == "reduce_scatter":  # the nested input holds rank (k, l)'s block at l * g + k
+                return c.reduce_scatter(flat_to_nested(x, info.g, m) if order == "nested" else x, op=op, order=order,
+                                        chunks=ch).wait()
+            return c.all_reduce(x, op=op, chunks=ch).wait()
+
         try:
             if kind == "all_gather":
                 want = ops.wait_tensor(ops.all_gather_into_tensor(x, n, gname))
-                got = cc.all_gather(x, order=order, chunks=ch).wait()
                 if order == "nested":
                     assert torch.equal(nested_to_flat(flat_to_nested(want, info.g, m), info.g, m), want)
                     want = flat_to_nested(want, info.g, m)
             elif kind == "reduce_scatter":
-                if order == "nested":  # the nested input holds rank (k, l)'s block at l * g + k
-                    want = ops.wait_tensor(ops.reduce_scatter_tensor(x, op, n, gname))
-                    got = cc.reduce_scatter(flat_to_nested(x, info.g, m), op=op, order="nested", chunks=ch).wait()
-                else:
-                    want = ops.wait_tensor(ops.reduce_scatter_tensor(x, op, n, gname))
-                    got = cc.reduce_scatter(x, op=op, order="flat", chunks=ch).wait()
+                want = ops.wait_tensor(ops.reduce_scatter_tensor(x, op, n, gname))
             else:
                 want = ops.wait_tensor(ops.all_reduce(x.clone(), op, gname))
-                got = cc.all_reduce(x, op=op, chunks=ch).wait()
+            got = call(cc)
+            flat.stats.reset()
+            got_flat = call(flat)  # below flat_below_bytes: the flat collective itself, bit for bit
+            flat_ok = torch.equal(got_flat, want) and got_flat.shape == want.shape and \
+                set(flat.stats.as_dict()) == {f"{kind}/global"} and flat.stats.count() == 1
         except Exception as e:  # noqa: BLE001 - report per case
             out[case] = {"error": f"{type(e).__name__}: {e}"}
             continue
@@ -110,6 +118,7 @@ def suite(payload: dict) -> dict:
             "max_err": err,
             "scale": want.float().abs().max().item() if want.numel() else 0.0,
             "exact": exact,
+            "flat_ok": flat_ok,
         }
     # one-level meshes (1 x n: all intra; n x 1: all inter) reduce to the plain collective
     for m_alt in (n, 1):
@@ -203,6 +212,7 @@ def _check(results: list[dict], case: tuple) -> None:
         r = res[case]
         assert "error" not in r, f"rank {rank}: {r.get('error')}"
         assert r["shape_ok"] and r["dtype_ok"], (rank, r)
+        assert r["flat_ok"], (rank, r)  # the flat branch is the flat collective, counted once as global
         if r["exact"]:
             assert r["equal"], (rank, r)
         else:

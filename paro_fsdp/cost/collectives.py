@@ -21,7 +21,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Mapping
 
-__all__ = ["DIMS", "KINDS", "CollectiveCounts", "Link", "hops", "link_seconds", "ring_bytes"]
+__all__ = ["DIMS", "KINDS", "CollectiveCounts", "Link", "hops", "link_seconds", "ring_bytes", "runs_flat"]
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 DIMS = ("intra", "inter", "global")
@@ -33,6 +33,16 @@ def ring_bytes(kind: str, nbytes: float, k: int) -> float:
     all-gather's output, the reduction's input): S(k-1)/k, doubled for an all-reduce."""
     per_rank = nbytes * (k - 1) / k
     return 2 * per_rank if kind == "all_reduce" else per_rank
+
+
+def runs_flat(nbytes: float, flat_below_bytes: float) -> bool:
+    """Whether a global collective of ``nbytes`` (the whole message: all-gather output,
+    reduction input) runs as one flat collective over all ranks instead of PaRO-CC's intra and
+    inter phases. The one rule: ``paro_cc.ParoCC`` issues by it and ``paro_fsdp.ledger`` counts by
+    it. Flat wins where a second phase's latency and its extra pass over the fast links cost more
+    than the inter bytes it saves: small messages, or inter links about as fast as intra ones
+    (``tools.bench_collectives`` measures the crossover on a cluster). 0: never flat."""
+    return 0 < nbytes < flat_below_bytes
 
 
 def hops(kind: str, k: int) -> int:

@@ -138,6 +138,7 @@ def _measure(
     micro_batch: int,
     seq_len: int,
     max_norm: float,
+    flat_below_bytes: int = 0,
 ) -> dict[str, float]:
     """One optimizer step of a fake model with ``len(pattern)`` layers (``pattern[i]``: layer i
     trainable) through the engine; the counted collectives and held bytes as a flat vector."""
@@ -148,7 +149,7 @@ def _measure(
                 p.requires_grad_(pattern[int(name.split(".")[1])])
             else:
                 p.requires_grad_(root_trainable)
-        model = paro_shard(model, mesh, strategy, mp=mp)
+        model = paro_shard(model, mesh, strategy, mp=mp, flat_below_bytes=flat_below_bytes)
         opt = ParoOptimizer(model, torch.optim.AdamW, lr=1e-4, weight_decay=0.1, fused=True)
         stats = model.comm_stats()
         stats.reset()
@@ -207,6 +208,7 @@ def estimate(
     full: bool = False,
     max_norm: float = 1.0,
     accumulate_dtype: Optional[str] = "fp32",
+    flat_below_bytes: int = 0,
 ) -> list[dict[str, Any]]:
     """Measure each strategy on a fake ``world``-rank mesh and put the spec's formulas beside it.
 
@@ -216,7 +218,8 @@ def estimate(
     optimizer step of ``grad_accum`` micro-steps; "global" is the clip-norm scalar all-reduce)
     and ``formula_*_bytes``; ``collectives`` (``{"kind/dim": {"count", "bytes"}}``); the
     parameter counts ``psi``, ``psi_trainable``, ``psi_kept`` (root, gathered once per
-    micro-step); ``layers_run``. A strategy the engine refuses (e.g. level G on a tensor whose
+    micro-step); ``layers_run``. ``flat_below_bytes``: the models' flat threshold for global
+    collectives (``paro_shard``); the formula columns stay the spec's (all hierarchical). A strategy the engine refuses (e.g. level G on a tensor whose
     rows do not nest on this mesh) gets an ``error`` entry instead of numbers.
     """
     args = flavor(model) if isinstance(model, str) else model
@@ -236,7 +239,8 @@ def estimate(
     root, layer = _param_counts(args)
     psi = root + args.n_layers * layer
     psi_t = psi if t == args.n_layers else t * layer
-    kw = dict(mesh=mesh, mp=mp, grad_accum=grad_accum, micro_batch=micro_batch, seq_len=seq_len, max_norm=max_norm)
+    kw = dict(mesh=mesh, mp=mp, grad_accum=grad_accum, micro_batch=micro_batch, seq_len=seq_len, max_norm=max_norm,
+              flat_below_bytes=flat_below_bytes)
 
     rows = []
     for name in names:

@@ -131,6 +131,10 @@ class Parallelism:
     """Per-tensor strategies: fnmatch pattern over parameter names = strategy; the first match wins"""
     paro_reshard_after_forward: bool = True
     """Free gathered block parameters after forward (re-gather in backward)"""
+    paro_flat_below_mb: float = 0
+    """Global collectives on messages below this many MiB run as one flat collective over all
+    ranks instead of PaRO-CC's intra and inter phases (0: never; measure where flat wins on your
+    cluster with tools.bench_collectives)"""
 
 
 @dataclass
@@ -538,6 +542,9 @@ def validate(cfg: JobConfig, world_size: Optional[int], local_world_size: Option
             raise ConfigError(
                 f"parallelism.paro_policy.{pattern} = {_show(strategy)} is not a PaRO strategy; valid: three letters of N, I, G, e.g. IIG"
             )
+    if p.paro_flat_below_mb < 0:
+        raise ConfigError(f"parallelism.paro_flat_below_mb = {p.paro_flat_below_mb} is invalid; valid: 0 (never flat) "
+                          "or a positive size in MiB")
     if p.paro_group_size != -1 and p.paro_group_size < 1:
         raise ConfigError(f"parallelism.paro_group_size = {p.paro_group_size} is invalid; valid: -1 (ranks per node) or a positive divisor of the world size")
     if p.paro_group_size != -1 and world_size is not None:

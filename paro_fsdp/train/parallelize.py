@@ -79,6 +79,7 @@ def parallelize(model: Llama, cfg: JobConfig, mesh: Any, device: torch.device) -
                         accumulate_dtype=DTYPES[t.mixed_precision_accumulate])
     model = paro_shard(model, mesh, paro_policy(cfg), mp=mp,
                        reshard_after_forward=cfg.parallelism.paro_reshard_after_forward,
+                       flat_below_bytes=int(cfg.parallelism.paro_flat_below_mb * 2**20),
                        param_init_fn=partial(model.init_param, seed=t.seed))
     model.init_buffers(device)
     return model
