@@ -101,7 +101,7 @@ class Trainer:
         impl = {"for-loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}[o.implementation]
         self.optimizer = ParoOptimizer(self.model, optim_cls, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                                        weight_decay=o.weight_decay, **impl)
-        if cfg.compile.enable:  # the push of updated parameters to P is a graph too
+        if cfg.compile.enable and cfg.compile.push_graph:  # the push of updated parameters to P as a graph
             self.optimizer.compile(backend=cfg.compile.backend)
         self.lr_scheduler = build_lr_scheduler(self.optimizer.inner, cfg.lr_scheduler, t.steps)
 

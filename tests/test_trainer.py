@@ -83,7 +83,8 @@ def world4_first(tmp: str) -> dict[str, Any]:
     # compiled (AOTAutograd graphs run as they are: inductor codegen costs minutes on 2 cores); its
     # step 2 is traced too (the timeline of collectives that run inside graphs)
     trainer, losses = _run(["--parallelism.paro_strategy", "IIG", "--parallelism.paro_group_size", "2",
-                            "--training.steps", "3", "--compile.enable", "--compile.backend", "aot_eager",
+                            "--training.steps", "3", "--compile.enable", "--compile.backend", "aot_eager", "--compile.scope", "model",
+                            "--compile.push_graph",
                             "--metrics.enable_tensorboard", "--profiling.enable_profiling", "--profiling.profile_freq", "2",
                             "--job.dump_folder", f"{tmp}/compiled"])
     out["compiled/IIG"] = {"losses": losses, "comm": trainer.model.comm_stats().as_dict()}

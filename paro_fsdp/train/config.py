@@ -152,12 +152,19 @@ class Compile:
     """torch.compile the model (its collectives in the graph; see passes/)"""
     backend: str = "inductor"
     """torch.compile backend: inductor (the graph passes run in it), aot_eager or eager"""
-    scope: Literal["model", "blocks"] = "model"
-    """model: one compiled forward and backward over all blocks (the reorder pass can prefetch
-    across blocks); blocks: each transformer block on its own, as torchtitan does"""
+    scope: Literal["model", "blocks"] = "blocks"
+    """blocks: each transformer block on its own, as torchtitan does (identical blocks compile
+    once: the debug model's first step 81 s cold, 10 s warm, 1.6x FSDP2 + per-block compile);
+    model: one forward and backward graph over all blocks, so the reorder pass can prefetch
+    across blocks and the root's collectives are graph nodes too (2.4x the cold compile)"""
     passes: list[str] = field(default_factory=lambda: list(GRAPH_PASSES))
     """Graph passes to run, any of: bucketing, reorder ([] for none; inductor only). Global
     collectives are PaRO-CC (intra and inter phases) in the graph without a pass"""
+    push_graph: bool = False
+    """Also compile the optimizer's push of the updated parameters to P (one graph: its
+    all-gathers merged into one per mesh dimension). Off by default: once per step it saves a
+    few collective launches, and compiling it cost as long as a block's forward and backward
+    (debug model, tools.bench_compile_time: the first step 140 s with it, 82 s without)"""
     max_prefetch_mb: float = -1
     """reorder pass: bound on gathered parameters in flight, MiB (-1: no bound, 0: no prefetch)"""
     dump_schedule: bool = False
