@@ -69,8 +69,9 @@ def _movable_chain(node: fx.Node, after: int, pos: dict[fx.Node, int], waits: se
     return sorted(chain, key=lambda n: pos[n])
 
 
-def _feeds_a_collective(wait: fx.Node) -> bool:
-    """Whether a collective reads ``wait``'s result (through cheap ops)."""
+def _collective_fed_by(wait: fx.Node) -> fx.Node | None:
+    """The collective that reads ``wait``'s result through cheap ops (a hierarchical move's
+    next phase), or None."""
     todo, seen = list(wait.users), set()
     while todo:
         n = todo.pop()
@@ -78,10 +79,10 @@ def _feeds_a_collective(wait: fx.Node) -> bool:
             continue
         seen.add(n)
         if n.target in KIND_OF:
-            return True
+            return n
         if _cheap(n):
             todo.extend(n.users)
-    return False
+    return None
 
 
 def _last_real_input(node: fx.Node, pos: dict[fx.Node, int]) -> fx.Node:
@@ -122,7 +123,7 @@ def hoist_issues(graph: fx.Graph, groups: GroupTable, max_prefetch_bytes: int | 
             i = blocks.index(c.block)
             # the first (inter) phase of a hierarchical gather goes a block further ahead than
             # its second phase and than a single-phase gather
-            ahead = i - 2 if _feeds_a_collective(c.wait) else i - 1
+            ahead = i - 2 if _collective_fed_by(c.wait) is not None else i - 1
             if i == 0 or max_prefetch_bytes == 0:
                 continue
             if ahead >= 0:
@@ -167,21 +168,7 @@ def _later_users_closure(start: fx.Node, until: fx.Node, pos: dict[fx.Node, int]
     return sorted(group, key=lambda n: pos[n])
 
 
-def _reads(node: fx.Node, source: fx.Node) -> bool:
-    """Whether ``node`` reads ``source`` through cheap ops only."""
-    todo, seen = list(node.all_input_nodes), set()
-    while todo:
-        n = todo.pop()
-        if n is source:
-            return True
-        if n not in seen and _cheap(n):
-            seen.add(n)
-            todo.extend(n.all_input_nodes)
-    return False
-
-
-def _compute_between(graph: fx.Graph, first: fx.Node, last: fx.Node) -> int:
-    pos = positions(graph)
+def _compute_between(graph: fx.Graph, pos: dict[fx.Node, int], first: fx.Node, last: fx.Node) -> int:
     return sum(1 for n in graph.nodes if n.op == "call_function" and n.target in COMPUTE and pos[first] < pos[n] < pos[last])
 
 
@@ -193,16 +180,15 @@ def defer_second_phases(graph: fx.Graph, groups: GroupTable) -> int:
     compute left to hide under (the last block of backward before the root)."""
     moved = 0
     colls = collectives(graph, groups)
+    waits = {c.node: c.wait for c in colls}
     for c in colls:
-        if c.kind == "all_gather" or not _feeds_a_collective(c.wait):
+        second = _collective_fed_by(c.wait) if c.kind != "all_gather" else None
+        if second not in waits:
             continue
         pos = positions(graph)
         nxt = next((d for d in colls if d.kind == c.kind and d.dim == c.dim and d.block != c.block
                     and pos[d.node] > pos[c.wait]), None)
-        if nxt is None:
-            continue
-        second = next((d for d in colls if d.node in c.wait.users or _reads(d.node, c.wait)), None)
-        if second is None or _compute_between(graph, nxt.node, second.wait) == 0:
+        if nxt is None or _compute_between(graph, pos, nxt.node, waits[second]) == 0:
             continue  # no compute would be left for the inter phase to hide under
         group = _later_users_closure(c.wait, nxt.node, pos)
         if group is None:
