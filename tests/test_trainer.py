@@ -22,7 +22,8 @@ if str(REPO) not in sys.path:
 
 from dist_harness import run_world  # noqa: E402
 
-FAMILIES = ("NNN", "NIG", "IIG", "GGG", "ING")
+FAMILIES = ("NNN", "IIG", "GGG")
+MORE_FAMILIES = ("NIG", "ING")  # the slow set (test_more_families_train_and_agree)
 # the debug flavor, small windows, 2 micro-steps per optimizer step on 4 ranks (1 on 2 ranks x 2)
 BASE = ["--model.flavor", "debug", "--training.seq_len", "32", "--training.local_batch_size", "2",
         "--training.global_batch_size", "16", "--training.mixed_precision_param", "float32",
@@ -122,6 +123,15 @@ def world4_first(tmp: str) -> dict[str, Any]:
     return out
 
 
+def world4_more_families(tmp: str) -> dict[str, Any]:
+    out = {}
+    for s in MORE_FAMILIES:
+        _, losses = _run(["--parallelism.paro_strategy", s, "--parallelism.paro_group_size", "2",
+                          "--training.steps", "3", "--job.dump_folder", f"{tmp}/{s}"])
+        out[s] = losses
+    return out
+
+
 def world2(tmp: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     cross = ["--parallelism.paro_strategy", "GGG", "--parallelism.paro_group_size", "1", "--checkpoint.enable",
@@ -170,6 +180,15 @@ def test_every_family_trains_and_agrees(first):
         for step in ref:  # the same math in every layout (fp32; only the summation order differs)
             assert losses[step] == pytest.approx(ref[step], rel=1e-5, abs=1e-5), (s, step)
     assert first["family/NNN"]["losses"][3] < first["family/NNN"]["losses"][1]
+
+
+@pytest.mark.slow
+def test_more_families_train_and_agree(first, tmp_path):
+    more = run_world(4, "test_trainer:world4_more_families", str(tmp_path))[0]
+    ref = first["family/NNN"]["losses"]
+    for s in MORE_FAMILIES:
+        for step in ref:
+            assert more[s][step] == pytest.approx(ref[step], rel=1e-5, abs=1e-5), (s, step)
 
 
 def test_family_comm_and_memory_follow_the_strategy(first):
