@@ -81,11 +81,11 @@ def world4_first(tmp: str) -> dict[str, Any]:
                                 "--training.steps", "3"] + extra)
         out[f"family/{s}"] = {"losses": losses, "comm": trainer.model.comm_stats().as_dict(),
                               "memory": trainer.model.memory_report(trainer.optimizer)}
-    # compiled (AOTAutograd graphs run as they are: inductor codegen costs minutes on 2 cores); its
-    # step 2 is traced too (the timeline of collectives that run inside graphs)
+    # compiled with the trainer's defaults (per block, the push eager; AOTAutograd graphs run as
+    # they are: inductor codegen costs minutes on 2 cores); its step 2 is traced too (the timeline
+    # of collectives that run inside graphs)
     trainer, losses = _run(["--parallelism.paro_strategy", "IIG", "--parallelism.paro_group_size", "2",
-                            "--training.steps", "3", "--compile.enable", "--compile.backend", "aot_eager", "--compile.scope", "model",
-                            "--compile.push_graph",
+                            "--training.steps", "3", "--compile.enable", "--compile.backend", "aot_eager",
                             "--metrics.enable_tensorboard", "--profiling.enable_profiling", "--profiling.profile_freq", "2",
                             "--job.dump_folder", f"{tmp}/compiled"])
     out["compiled/IIG"] = {"losses": losses, "comm": trainer.model.comm_stats().as_dict()}
@@ -129,6 +129,11 @@ def world4_more_families(tmp: str) -> dict[str, Any]:
         _, losses = _run(["--parallelism.paro_strategy", s, "--parallelism.paro_group_size", "2",
                           "--training.steps", "3", "--job.dump_folder", f"{tmp}/{s}"])
         out[s] = losses
+    # the whole model in one graph and the push graph (68 s of aot_eager tracing here)
+    trainer, losses = _run(["--parallelism.paro_strategy", "IIG", "--parallelism.paro_group_size", "2",
+                            "--training.steps", "3", "--compile.enable", "--compile.backend", "aot_eager",
+                            "--compile.scope", "model", "--compile.push_graph", "--job.dump_folder", f"{tmp}/compiled"])
+    out["compiled/IIG/model"] = {"losses": losses, "comm": trainer.model.comm_stats().as_dict()}
     return out
 
 
@@ -182,9 +187,13 @@ def test_every_family_trains_and_agrees(first):
     assert first["family/NNN"]["losses"][3] < first["family/NNN"]["losses"][1]
 
 
+@pytest.fixture(scope="module")
+def more(tmp_path_factory) -> dict[str, Any]:
+    return run_world(4, "test_trainer:world4_more_families", str(tmp_path_factory.mktemp("more")))[0]
+
+
 @pytest.mark.slow
-def test_more_families_train_and_agree(first, tmp_path):
-    more = run_world(4, "test_trainer:world4_more_families", str(tmp_path))[0]
+def test_more_families_train_and_agree(first, more):
     ref = first["family/NNN"]["losses"]
     for s in MORE_FAMILIES:
         for step in ref:
@@ -200,11 +209,27 @@ def test_family_comm_and_memory_follow_the_strategy(first):
     assert 0 < inter("IIG") < inter("GGG")  # IIG crosses groups once per step, GGG every micro-step
 
 
+def _eager_bytes(run: dict, key: str) -> float:
+    return run["comm"].get(key, {}).get("bytes", 0.0)
+
+
 def test_compiled_trainer_matches_eager_with_the_boundary_in_graphs(first):
     got, want = first["compiled/IIG"], first["family/IIG"]
     assert got["losses"] == pytest.approx(want["losses"], rel=1e-5)
-    # eager IIG crosses groups at the boundary (inter RS, then the push's inter AG); compiled, both
-    # are graph nodes (set_is_last_backward, optimizer.compile), so no inter traffic runs eagerly
+    # eager IIG crosses groups at the boundary (inter RS, then the push's inter AG). Compiled per
+    # block, the blocks' boundary reductions are graph nodes (only the root's runs eagerly) and
+    # the push stays eager (compile.push_graph off): the same AG bytes, fewer eager RS bytes.
+    assert 0 < _eager_bytes(got, "reduce_scatter/inter") < _eager_bytes(want, "reduce_scatter/inter")
+    assert _eager_bytes(got, "all_gather/inter") == _eager_bytes(want, "all_gather/inter") > 0
+    assert _eager_bytes(got, "reduce_scatter/intra") < _eager_bytes(want, "reduce_scatter/intra")
+
+
+@pytest.mark.slow
+def test_compiled_whole_model_and_push_graph_run_nothing_across_groups_eagerly(first, more):
+    got, want = more["compiled/IIG/model"], first["family/IIG"]
+    assert got["losses"] == pytest.approx(want["losses"], rel=1e-5)
+    # the whole model's boundary and the push are graph nodes (set_is_last_backward,
+    # optimizer.compile), so no inter traffic runs eagerly
     assert any(k.endswith("/inter") for k in want["comm"])
     assert not any(k.endswith("/inter") and v["bytes"] for k, v in got["comm"].items())
 
