@@ -54,6 +54,19 @@ def compile_step(mesh, policy, names=(), args=TINY, last=False, cc_chunk_bytes=N
     return record, model
 
 
+_COMPILED: dict = {}
+
+
+def compiled_once(mesh, policy, names=()):
+    """``compile_step(mesh, policy, names)`` and its graph breaks, for tests that only read them:
+    the same compile is shared by them (each costs seconds of tracing)."""
+    key = (policy, tuple(names))
+    if key not in _COMPILED:
+        record, model = compile_step(mesh, policy, list(names))
+        _COMPILED[key] = record, model, dict(counters["graph_break"])
+    return _COMPILED[key]
+
+
 def per_graph(record, phase, when="after"):
     """[{kind/dim: count}] for every graph of ``phase``."""
     return [passes.summary(getattr(r, when)) for r in record.records if r.phase == phase]
@@ -90,8 +103,8 @@ def _fast(cases, keep):
 
 @pytest.mark.parametrize("strategy", _fast(PAIRS, ("NII", "IGG", "GGG")))
 def test_one_collective_per_block_and_phase_in_the_graph(mesh, strategy):
-    record, model = compile_step(mesh, strategy)
-    assert dict(counters["graph_break"]) == {}
+    record, model, breaks = compiled_once(mesh, strategy)
+    assert breaks == {}
     blocks = len(model._paro_state.blocks)
     expect_fwd = _each("all_gather", strategy[0], blocks)
     # reshard after forward: the compiler recomputes each layer's gather in backward (the root
@@ -141,7 +154,7 @@ PUSH = {
 }
 
 
-@pytest.mark.parametrize("strategy", PUSH)
+@pytest.mark.parametrize("strategy", _fast(PUSH, ("IIG", "NNG", "GGG")))
 def test_compiled_push_to_p_is_one_graph_bucketed_per_dimension(mesh, strategy):
     from paro_fsdp import ParoOptimizer
 
@@ -202,7 +215,7 @@ def test_graph_bytes_per_dimension_equal_the_eager_engine(mesh, strategy):
     """Without any pass the graphs move, per kind and mesh dimension, exactly what the eager
     engine (PaRO-CC for global collectives) counts in one forward and one backward: both run the
     same moves (ParoParamGroup.gather_params / grad_buffer / reduce_grad_buffer)."""
-    record, _ = compile_step(mesh, strategy, [])
+    record, _, _ = compiled_once(mesh, strategy)
     sizes = {"intra": 4, "inter": 2}
 
     def ring(phase):
@@ -218,7 +231,7 @@ def test_global_collectives_follow_the_engines_paro_cc_chunking(mesh):
     """The model's one PaRO-CC decides how a global collective runs, compiled as in eager: its
     chunk size splits the graph's collectives into more, smaller phases with the same bytes, and
     below its flat threshold each is one flat collective."""
-    record, _ = compile_step(mesh, "GGG", [])
+    record, _, _ = compiled_once(mesh, "GGG")
     one = _merged(totals(record, "forward"), totals(record, "backward"))
     assert one == {"all_gather/inter": 5, "all_gather/intra": 5, "reduce_scatter/inter": 3, "reduce_scatter/intra": 3}
     chunked, _ = compile_step(mesh, "GGG", [], cc_chunk_bytes=4096)
