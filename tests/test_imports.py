@@ -202,3 +202,50 @@ def test_fresh_interpreter_importing_the_whole_engine_loads_no_passes_tools_or_t
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert "paro_fsdp.api" in out["engine"] and "paro_fsdp.cost.collectives" in out["engine"]
     assert out["loaded"] == [], f"importing the engine loaded {out['loaded']}"
+
+
+# ---- docs/ARCHITECTURE.md's module picture is the import graph ----------------------------------
+PICTURE_BEGIN, PICTURE_END = "<!-- import layers: begin -->", "<!-- import layers: end -->"
+
+
+def import_layers(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Modules by layer: layer 0 imports no project module, layer k only modules of layers < k
+    (and at least one of layer k - 1)."""
+    layer: dict[str, int] = {}
+
+    def of(v: str) -> int:
+        if v not in layer:
+            layer[v] = 1 + max((of(w) for w in graph[v]), default=-1)
+        return layer[v]
+
+    out: list[list[str]] = [[] for _ in range(1 + max(of(v) for v in graph))]
+    for v in sorted(graph):
+        out[layer[v]].append(v)
+    return out
+
+
+def render_layers(layers: list[list[str]], width: int = 100) -> str:
+    """Top layer first, as a picture reads; ``paro_fsdp.`` is left out of the names."""
+    lines = []
+    for k in reversed(range(len(layers))):
+        names = [m.removeprefix("paro_fsdp.") for m in layers[k]]
+        line = f"{k:>2} |"
+        for name in names:
+            if len(line) + 1 + len(name) > width:
+                lines.append(line)
+                line = "   |"
+            line += " " + name
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def test_the_architecture_picture_is_the_import_graph():
+    """docs/ARCHITECTURE.md draws the modules in layers, each importing only from layers below it;
+    regenerate the block with ``python tests/test_imports.py`` when this fails."""
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    drawn = text.split(PICTURE_BEGIN)[1].split(PICTURE_END)[0].strip().strip("`").strip()
+    assert drawn == render_layers(import_layers(import_graph())), "regenerate: python tests/test_imports.py"
+
+
+if __name__ == "__main__":
+    print(render_layers(import_layers(import_graph())))
