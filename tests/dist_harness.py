@@ -1,8 +1,8 @@
 """Run a function on N real gloo ranks in fresh processes, once per test module.
 
-Process start costs seconds per rank here, so a module spawns its world once and runs every
-case inside it; results come back from every rank (``paro_fsdp.local_world``, shared with the
-local calibration).
+A world starts in a fraction of a second (ranks fork from a server with torch imported), but
+each case's setup still costs, so a module starts its world once and runs every case inside it;
+results come back from every rank (``paro_fsdp.local_world``, shared with the local calibration).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 checkpointing, TensorBoard/profiler/metrics output, exact resume, and checkpoints that load
 under another strategy and world size (IIG on 4 ranks -> GGG on 2 ranks -> IIG on 4 ranks).
 
-Process start costs seconds per rank here, so three worlds are spawned for the whole module
+Building a trainer costs a second or more per run, so three worlds are started for the module
 (4 ranks, then 2, then 4 again) and every case runs inside them.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ BASE = ["--model.flavor", "debug", "--training.seq_len", "32", "--training.local
         "--checkpoint.enable", "false", "--comm.backend", "gloo"]
 
 
-# ---- run inside the spawned ranks ---------------------------------------------------------------
+# ---- run inside the ranks -----------------------------------------------------------------------
 def _trainer(argv: list[str]):
     from paro_fsdp.train.config import parse_args
     from train import Trainer
