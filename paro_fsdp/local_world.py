@@ -13,13 +13,13 @@ when the world starts (not as it was when the server started).
 """
 from __future__ import annotations
 
-import contextlib
 import importlib
 import io
 import os
 import socket
 import traceback
-from typing import Any, Iterator
+from typing import Any
+from unittest import mock
 
 __all__ = ["run_local_world"]
 
@@ -34,20 +34,6 @@ def _free_port() -> int:
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "paro_fsdp"]
 
 
-@contextlib.contextmanager
-def _env(**values: str) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def _context() -> Any:
     """The multiprocessing context ranks start from: a fork server with ``PRELOAD`` imported."""
     import multiprocessing.forkserver
@@ -56,7 +42,7 @@ def _context() -> Any:
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
-    with _env(OMP_NUM_THREADS="1"):  # read once, when the server's OpenMP runtime loads
+    with mock.patch.dict(os.environ, OMP_NUM_THREADS="1"):  # read once, when the server's OpenMP runtime loads
         multiprocessing.forkserver.ensure_running()
     return ctx
 
