@@ -13,6 +13,21 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+#: The torch releases this project supports and tests (``make test-compat``): lowest and highest
+#: minor release, inclusive. pyproject.toml declares the same lower bound.
+SUPPORTED_TORCH = ((2, 11), (2, 14))
+
+
+def torch_version() -> tuple[int, int]:
+    """(major, minor) of the running torch (``2.11.0+cu130`` -> (2, 11))."""
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def torch_supported() -> bool:
+    """Whether the running torch lies inside ``SUPPORTED_TORCH``."""
+    return SUPPORTED_TORCH[0] <= torch_version() <= SUPPORTED_TORCH[1]
+
 # ---- 1. gloo: the functional all-gather through the single-tensor path -----------------------
 _GLOO_LIB: torch.library.Library | None = None
 
