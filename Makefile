@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 NPROC ?= 4
 CONFIG ?= train_configs/debug_paro.toml
 
-.PHONY: install test test-all train estimate bench bench-compiled bench-fsdp2 clean
+.PHONY: install test test-all test-compat train estimate bench bench-compiled bench-fsdp2 clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -21,6 +21,18 @@ test: install
 
 test-all: install
 	$(PY) -m pytest -q tests
+
+# The compatibility subset under another torch: `make test-compat TORCH_SPEC=torch==2.11.0` builds
+# .venv-compat/torch-2.11.0 (releases other than 2.13.0 come as CUDA wheels, about 5 GB; they run
+# on CPU with gloo) and runs the tests marked `compat`: all 27 strategies exact on 2x2 with
+# accumulation, the trainer with a checkpoint resume and a compiled run, the torch workarounds.
+COMPAT_VENV = .venv-compat/$(subst ==,-,$(TORCH_SPEC))
+test-compat:
+	test -x $(COMPAT_VENV)/bin/python || python3 -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$(TORCH_SPEC)'.split('==')[-1])" 2>/dev/null \
+		|| $(COMPAT_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
+	$(COMPAT_VENV)/bin/python -m pip install -q -e '.[test,train]' "$(TORCH_SPEC)"
+	$(COMPAT_VENV)/bin/python -m pytest -q -m "compat and not slow" -p no:cacheprovider tests
 
 # The trainer resumes from the latest checkpoint in its dump folder; `make train` starts the debug
 # run afresh unless RESUME=1.
@@ -51,4 +63,4 @@ bench-fsdp2: install
 	$(PY) -m tools.bench_vs_fsdp2
 
 clean:
-	rm -rf $(VENV) outputs .pytest_cache
+	rm -rf $(VENV) .venv-compat outputs .pytest_cache

@@ -28,6 +28,14 @@ def torch_supported() -> bool:
     """Whether the running torch lies inside ``SUPPORTED_TORCH``."""
     return SUPPORTED_TORCH[0] <= torch_version() <= SUPPORTED_TORCH[1]
 
+# ---- 0. renamed collectives -------------------------------------------------------------------
+#: ``dist.all_gather_single`` (torch >= 2.13) is ``dist.all_gather_into_tensor`` of torch 2.11 and
+#: 2.12 renamed: same arguments, same ``_allgather_base`` path; 2.13 keeps the old name as a
+#: deprecated alias (a warning per call). Test: tests/test_compat.py.
+all_gather_single: Callable = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+#: ``dist.reduce_scatter_single`` (torch >= 2.13) is ``dist.reduce_scatter_tensor`` of 2.11 / 2.12.
+reduce_scatter_single: Callable = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 # ---- 1. gloo: the functional all-gather through the single-tensor path -----------------------
 _GLOO_LIB: torch.library.Library | None = None
 
@@ -37,7 +45,7 @@ def _group(group_name) -> dist.ProcessGroup:
 
 
 def _gather_into(out: torch.Tensor, shard: torch.Tensor, group_name) -> torch.Tensor:
-    work = dist.all_gather_single(out, shard.contiguous(), group=_group(group_name), async_op=True)
+    work = all_gather_single(out, shard.contiguous(), group=_group(group_name), async_op=True)
     torch._C._distributed_c10d._register_work(out, work)
     return out
 
@@ -58,7 +66,7 @@ def _all_gather_coalesced_cpu(shards: list[torch.Tensor], group_size: int, group
 def use_safe_gloo_all_gather() -> None:
     """On CPU, run the functional all-gather through gloo's single-tensor all-gather.
 
-    Bug (torch 2.13, gloo): ``_c10d_functional.all_gather_into_tensor``, which c10d routes to
+    Bug (torch 2.11 to 2.14, gloo): ``_c10d_functional.all_gather_into_tensor``, which c10d routes to
     ``allgather_into_tensor_coalesced``, runs in a gloo work item that corrupts the heap or hangs
     when it is in flight while another process group also has work in flight: exactly PaRO-CC's
     overlap of an inter and an intra phase, and prefetching. A 4-rank loop of concurrent gathers
@@ -109,19 +117,30 @@ def _overlap_module():
 
 
 _TORCH_ROOFLINE: Callable | None = None
+#: The module function inductor's overlap scheduler prices compute nodes with: torch 2.13 and
+#: 2.14 name it ``estimate_roofline_runtime_ms``; 2.11 and 2.12 ``estimate_runtime_analytical``
+#: (called for every compute node, for its log, after the custom estimate).
+ROOFLINE_NAMES = ("estimate_roofline_runtime_ms", "estimate_runtime_analytical")
+
+
+def roofline_name() -> str:
+    """Which of ``ROOFLINE_NAMES`` this torch's overlap scheduler calls."""
+    overlap = _overlap_module()
+    return next(n for n in ROOFLINE_NAMES if hasattr(overlap, n))
 
 
 def route_roofline_estimate(estimate: Callable | None) -> None:
     """Make inductor's overlap scheduler price compute with ``estimate`` (None: torch's own).
 
-    Bug (torch 2.13): the overlap scheduler (``OverlapScheduler``, through
-    ``estimate_roofline_runtime_ms``) prices every compute node with its GPU roofline before
-    consulting ``aten_distributed_optimizations.custom_runtime_estimation``; on a machine
-    without a GPU (or triton) that asks for the GPU's DRAM bandwidth and fails. The workaround
-    replaces the module's roofline function, which the scheduler looks up at call time.
-    Test: tests/test_compat.py (torch's roofline called on a CPU matmul node)."""
+    Bug (torch 2.11 to 2.14): the overlap scheduler (``OverlapScheduler``) prices every mm node
+    with its GPU roofline (2.13+: before consulting
+    ``aten_distributed_optimizations.custom_runtime_estimation``; 2.11: after it, for its log);
+    on a machine without a GPU (or triton) that asks for the GPU's DRAM bandwidth and fails. The
+    workaround replaces the module's roofline function (``roofline_name()``), which the scheduler
+    looks up at call time. Test: tests/test_compat.py (torch's roofline called on a CPU matmul node)."""
     global _TORCH_ROOFLINE
     overlap = _overlap_module()
+    name = roofline_name()
     if _TORCH_ROOFLINE is None:
-        _TORCH_ROOFLINE = overlap.estimate_roofline_runtime_ms
-    overlap.estimate_roofline_runtime_ms = _TORCH_ROOFLINE if estimate is None else estimate
+        _TORCH_ROOFLINE = getattr(overlap, name)
+    setattr(overlap, name, _TORCH_ROOFLINE if estimate is None else estimate)

@@ -11,7 +11,10 @@ import torch
 class MixedPrecision:
     """``param_dtype``: dtype of P (stored shard, all-gathers, compute).
     ``reduce_dtype``: dtype gradients travel in (every reduce-scatter / all-reduce, per micro-step
-    and at the accumulation boundary); defaults to ``param_dtype``.
+    and at the accumulation boundary); defaults to ``param_dtype``. Never float16: every
+    gradient reduction is a plain SUM over the ranks, divided by n only at the step, and an fp16
+    sum of n gradients overflows (65504) at scale where FSDP2 pre- and post-divides; bf16 has
+    fp32's range. ``param_dtype=torch.float16`` is accepted with a bf16 or fp32 ``reduce_dtype``.
     ``accumulate_dtype``: dtype of the G-level buffer that sums gradients over micro-steps;
     fp32 by default, as FSDP2 keeps its sharded gradients. Why: with A micro-steps the running
     sum grows ~A times larger than each addend, and a bf16 sum rounds away up to a quarter of a
@@ -28,6 +31,13 @@ class MixedPrecision:
             value = getattr(self, name)
             if value is not None and value not in (torch.float32, torch.bfloat16, torch.float16):
                 raise ValueError(f"MixedPrecision.{name} must be torch.float32, bfloat16 or float16, got {value}")
+        if self.grad_dtype == torch.float16:
+            given = "reduce_dtype" if self.reduce_dtype is not None else "param_dtype (reduce_dtype defaults to it)"
+            raise ValueError(f"MixedPrecision: gradients would be reduced in float16 ({given}), a plain sum over all ranks "
+                             f"that overflows at scale; set reduce_dtype=torch.bfloat16 (or torch.float32)")
+        if self.accumulate_dtype == torch.float16:
+            raise ValueError("MixedPrecision: accumulate_dtype=torch.float16 sums undivided gradients and overflows at scale; "
+                             "set accumulate_dtype=torch.float32 (the default) or torch.bfloat16")
 
     @property
     def grad_dtype(self) -> torch.dtype:

@@ -89,3 +89,30 @@ def test_every_bad_input_is_one_line(files, capsys, fresh_env):
         assert code == status and len(lines) == 1 and lines[0].startswith("train.py: error: "), (argv, code, lines)
         for needle in needles:
             assert needle in lines[0], (argv, needle, lines[0])
+
+
+@pytest.mark.parametrize("kwargs, names", [
+    (dict(param_dtype="float16"), "param_dtype (reduce_dtype defaults to it)"),
+    (dict(param_dtype="bfloat16", reduce_dtype="float16"), "reduce_dtype"),
+    (dict(param_dtype="bfloat16", accumulate_dtype="float16"), "accumulate_dtype=torch.float16"),
+])
+def test_float16_gradient_sums_are_refused_naming_bf16(kwargs, names):
+    """Gradients are summed undivided over the ranks; in fp16 that overflows at scale, so an
+    fp16 reduce or accumulate dtype is one line that names the dtype to use instead."""
+    import torch
+
+    from paro_fsdp import MixedPrecision
+
+    with pytest.raises(ValueError) as err:
+        MixedPrecision(**{k: getattr(torch, v) for k, v in kwargs.items()})
+    msg = str(err.value)
+    assert "\n" not in msg and names in msg and ("torch.bfloat16" in msg or "torch.float32" in msg), msg
+
+
+def test_float16_parameters_with_a_wider_reduce_dtype_are_accepted():
+    import torch
+
+    from paro_fsdp import MixedPrecision
+
+    mp = MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    assert mp.grad_dtype == torch.float32 and mp.acc_dtype == torch.float32

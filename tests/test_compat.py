@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.compat
+
 ROOT = Path(__file__).resolve().parent.parent
 
 _ROOFLINE = r"""
@@ -14,17 +18,20 @@ import sys
 import torch
 import torch._inductor.fx_passes.overlap_scheduling as overlap
 from torch.fx.experimental.proxy_tensor import make_fx
+from paro_fsdp._compat import roofline_name
+
+roofline = lambda node: getattr(overlap, roofline_name())(node)  # looked up at call time, as torch does
 
 gm = make_fx(lambda a, b: a @ b, tracing_mode="fake")(torch.randn(64, 32), torch.randn(32, 16))
 mm = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.mm.default)
 if sys.argv[1] == "ours":
     from passes.runtime import disable_overlap_scheduler, enable_overlap_scheduler
     estimate = enable_overlap_scheduler("a100_ib")
-    got = overlap.estimate_roofline_runtime_ms(mm)  # what the scheduler calls, by module lookup
+    got = roofline(mm)  # what the scheduler calls, by module lookup
     assert got == estimate(mm) > 0, got
     disable_overlap_scheduler()
 try:
-    overlap.estimate_roofline_runtime_ms(mm)
+    roofline(mm)
 except Exception as e:  # torch's own roofline on a machine without a GPU
     print("torch-roofline-failed", type(e).__name__)
 else:
@@ -63,3 +70,47 @@ def test_each_rank_compiles_into_its_own_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     isolate_compile_cache(0)
     assert cache_dir() == str(tmp_path / "paro-rank0")
+
+
+_RENAMED = r"""
+import os, warnings
+import torch, torch.distributed as dist
+from paro_fsdp import _compat
+
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+dist.init_process_group("gloo", rank=0, world_size=1)
+with warnings.catch_warnings():
+    warnings.simplefilter("error")  # the deprecated alias of 2.13+ warns on every call
+    out = torch.empty(3)
+    _compat.all_gather_single(out, torch.arange(3.0))
+    red = torch.empty(3)
+    _compat.reduce_scatter_single(red, torch.arange(3.0))
+assert out.tolist() == [0.0, 1.0, 2.0] and red.tolist() == [0.0, 1.0, 2.0], (out, red)
+dist.destroy_process_group()
+print("ok", torch.__version__)
+"""
+
+
+def test_renamed_collectives_resolve_on_this_torch():
+    """all_gather_single / reduce_scatter_single: the 2.13 names where torch has them (no
+    deprecation warning per call), the 2.11 / 2.12 names below that (no AttributeError)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = subprocess.run([sys.executable, "-c", _RENAMED], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env={**__import__("os").environ, "PORT": str(port)})
+    assert r.returncode == 0 and r.stdout.startswith("ok"), r.stderr[-3000:]
+
+
+def test_supported_range_matches_pyproject():
+    """SUPPORTED_TORCH's lower bound is the one pyproject.toml declares, and this torch is inside it."""
+    import re
+
+    from paro_fsdp._compat import SUPPORTED_TORCH, torch_supported
+
+    text = (ROOT / "pyproject.toml").read_text()
+    low = re.search(r'"torch>=(\d+)\.(\d+)"', text)
+    assert low and (int(low.group(1)), int(low.group(2))) == SUPPORTED_TORCH[0]
+    assert torch_supported()

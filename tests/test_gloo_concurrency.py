@@ -5,9 +5,12 @@ on another process group (see ``paro_fsdp._compat.use_safe_gloo_all_gather``): t
 rank within a few hundred iterations in 5 of 6 runs before the engine replaced that kernel."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dist_harness import run_world
+
+pytestmark = pytest.mark.compat
 
 ITERS = 1000
 

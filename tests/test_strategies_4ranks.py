@@ -10,6 +10,8 @@ from paro_fsdp import ALL_STRATEGIES, Strategy
 from paro_fsdp.ledger import formula_bytes, formula_memory
 from workloads import ODD, make_model, reference
 
+pytestmark = pytest.mark.compat  # the whole module: make test-compat's 27 strategies
+
 WORLD = 4
 CASES = [(s, 2, a) for s in ALL_STRATEGIES for a in (1, 3)]
 

@@ -5,15 +5,20 @@ accumulation, resume exactly, continue after model-only loads, and interchange c
 with FSDP2 both ways. Shims for CPU live in tests/titan_shims.py.
 
 torchtitan is the ``torchtitan`` extra (``make test`` installs it); without it this module
-fails rather than skips, unless PARO_SKIP_TORCHTITAN=1 says so on purpose."""
+fails rather than skips, unless PARO_SKIP_TORCHTITAN=1 says so on purpose, or the torch is older
+than torchtitan 0.3 allows (2.13): under 2.11 and 2.12 the plug-in cannot be installed."""
 from __future__ import annotations
 
 import os
 
 import pytest
 
+from paro_fsdp._compat import torch_version  # noqa: E402
+
 if os.environ.get("PARO_SKIP_TORCHTITAN") == "1":
     pytest.skip("PARO_SKIP_TORCHTITAN=1", allow_module_level=True)
+if torch_version() < (2, 13):
+    pytest.skip("torchtitan 0.3 needs torch >= 2.13", allow_module_level=True)
 import torchtitan  # noqa: F401,E402  (a missing extra is an error, not a skip)
 
 from dist_harness import run_world  # noqa: E402

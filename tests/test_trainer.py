@@ -176,6 +176,7 @@ def third(second, tmp) -> dict[str, Any]:
 
 
 # ---- checks -----------------------------------------------------------------------------------
+@pytest.mark.compat
 def test_every_family_trains_and_agrees(first):
     ref = first["family/NNN"]["losses"]
     assert sorted(ref) == [1, 2, 3] and all(math.isfinite(v) for v in ref.values())
@@ -213,6 +214,7 @@ def _eager_bytes(run: dict, key: str) -> float:
     return run["comm"].get(key, {}).get("bytes", 0.0)
 
 
+@pytest.mark.compat
 def test_compiled_trainer_matches_eager_with_the_boundary_in_graphs(first):
     got, want = first["compiled/IIG"], first["family/IIG"]
     assert got["losses"] == pytest.approx(want["losses"], rel=1e-5)
@@ -307,6 +309,7 @@ def test_checkpoints_pruned_and_incomplete_ones_ignored(first):
     assert "step-9.tmp" not in left and "step-12" in left  # crash debris removed, metadata-less folder skipped
 
 
+@pytest.mark.compat
 def test_resume_reproduces_the_loss_curve_exactly(first):
     full = first["resume/full"]
     resumed_from, resumed = first["resume/from3"]

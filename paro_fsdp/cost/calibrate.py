@@ -101,9 +101,10 @@ def calibrate_in_process(
 
     from ..models.llama import TransformerBlock, rope_tables
 
+    from .. import _compat
+
     # the non-deprecated names where this torch has them (same c10d collectives)
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    all_gather, reduce_scatter = _compat.all_gather_single, _compat.reduce_scatter_single
     info_dims = {d: mesh.get_group(d) for d in ("intra", "inter")}
     sizes = {d: dist.get_world_size(grp) for d, grp in info_dims.items()}
     m, g = sizes["intra"], sizes["inter"]
