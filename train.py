@@ -13,6 +13,7 @@ checkpoint (resume) -> metrics -> the training loop.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib.util
 import os
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from paro_fsdp import ParoOptimizer, init_paro_mesh
+from paro_fsdp.collective_order import CollectiveOrderCheck, CollectiveOrderError
 from paro_fsdp.mesh import device_type_for_backend, local_cuda_index
 from paro_fsdp.train.checkpoint import CheckpointError, CheckpointManager, SchedulerState, TrainState, load_model_weights
 from paro_fsdp.train.config import ConfigError, JobConfig, grad_accum_steps, group_size, help_text, parse_args, validate
@@ -45,6 +47,16 @@ REPO = Path(__file__).resolve().parent
 def _log(msg: str) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"[paro] {msg}", flush=True)
+
+
+class _LoggedOrderCheck(CollectiveOrderCheck):
+    """comm.check_collective_order's check of one step, which logs what it compared."""
+
+    def __exit__(self, *exc: Any) -> Any:
+        result = super().__exit__(*exc)
+        if exc[0] is None:
+            _log(f"collective order: {self.summary()}")
+        return result
 
 
 class Trainer:
@@ -293,7 +305,8 @@ class Trainer:
                 step = self.state.step
                 timer.start()
                 lr = self.optimizer.param_groups[0]["lr"]
-                loss, grad_norm = self.train_step()
+                with self._order_check(step):
+                    loss, grad_norm = self.train_step()
                 self.lr_scheduler.step()
                 timer.stop()
                 pending.append((step, loss, grad_norm))
@@ -323,6 +336,15 @@ class Trainer:
         _log(f"trained steps {min(self.losses)}..{steps} in {elapsed:.1f} s: loss {first:.4f} -> {last:.4f}")
         self._print_where_to_look()
         return self.losses
+
+    def _order_check(self, step: int) -> Any:
+        """With ``comm.check_collective_order``: every collective of this run's first step (with
+        compile, the second: the first compiles) compared across ranks before it is issued."""
+        first = (self.resumed_from or 0) + (2 if self.cfg.compile.enable else 1)
+        if not self.cfg.comm.check_collective_order or step != min(first, self.cfg.training.steps):
+            return contextlib.nullcontext()
+        dims = group_dims(self.model.paro_mesh_groups(), dist.group.WORLD.group_name)
+        return _LoggedOrderCheck(dims, f"step {step}")
 
     def _timeline_writer(self) -> Optional[TimelineWriter]:
         """With ``profiling.timeline``: the sink that draws each trace into this rank's TensorBoard
@@ -462,7 +484,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if trainer is None and dist.is_initialized() and not had_process_group:
             dist.destroy_process_group()
         return 2
-    except (TrainingStopped, CheckpointError) as exc:  # the same decision on every rank: rank 0 says it
+    except (TrainingStopped, CheckpointError, CollectiveOrderError) as exc:  # the same decision on every rank: rank 0 says it
         if is_rank0:
             print(f"train.py: error: {exc}", file=sys.stderr, flush=True)
         if trainer is None and dist.is_initialized() and not had_process_group:

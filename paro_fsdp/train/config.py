@@ -221,6 +221,10 @@ class Comm:
     """Collective timeout during start-up and the first step"""
     train_timeout_seconds: int = 100
     """Collective timeout after the first step"""
+    check_collective_order: bool = False
+    """Debug: before each collective of one step, compare it (kind, mesh dimension, shape, dtype)
+    across ranks and stop at the first difference with one line, instead of hanging (the first
+    step; with compile.enable the second, after compiling). One small gloo all-gather per collective"""
 
 
 @dataclass

@@ -1,0 +1,97 @@
+"""A debug check that every rank issues the same collectives in the same order.
+
+Why: a collective that one rank issues and another does not (or issues with another shape, or on
+another mesh dimension) hangs until the timeout, or on gloo can even pair with the wrong peer
+call and return garbage. The engine's eager path is the same program on every rank, but compiled
+graphs are not: per-rank compile caches, uneven layouts and recompiles can give ranks different
+graphs, and nothing else would notice before the hang.
+
+How: ``CollectiveOrderCheck`` is a dispatch mode over one step. Every ``_c10d_functional``
+collective (eager, and those inside inductor's compiled code, which call the same ops) is
+fingerprinted by kind, mesh dimension, shape and dtype -- the group's name differs between the
+ranks of different groups, its dimension does not -- and, *before* it is issued, the fingerprint
+is compared across all ranks on a gloo group of their own (the sequence's hash is logged). So a mismatch stops every rank at the first difference, with one line that names it,
+instead of hanging. The end of the step is compared too (a rank with fewer collectives meets the
+others' next one). It costs one small all-gather per collective: a debug switch for one step
+(the trainer's ``comm.check_collective_order``), not for production.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+END = "end of step"
+
+
+class CollectiveOrderError(RuntimeError):
+    """Ranks disagree on the collective sequence; the message is one line naming the first difference."""
+
+
+def fingerprint(func: Any, args: tuple, dims: dict[str, str]) -> Optional[str]:
+    """``kind over dim of dtype[shape]`` for a ``_c10d_functional`` collective, None for any other op
+    (and for ``wait_tensor``, which issues nothing)."""
+    if getattr(func, "namespace", None) != "_c10d_functional" or "wait" in func.__name__:
+        return None
+    group = next((a for a in reversed(args) if isinstance(a, str) and a in dims), None)
+    if group is None:
+        group = next((a for a in reversed(args) if isinstance(a, str)), "?")
+    first = args[0][0] if isinstance(args[0], (list, tuple)) and args[0] else args[0]
+    shape = f"{str(first.dtype).replace('torch.', '')}{list(first.shape)}" if isinstance(first, torch.Tensor) else "?"
+    count = f" x{len(args[0])}" if isinstance(args[0], (list, tuple)) else ""
+    return f"{func.__name__.split('.')[0]} over {dims.get(group, 'group ' + group)} of {shape}{count}"
+
+
+class CollectiveOrderCheck(TorchDispatchMode):
+    """Compare every collective of the enclosed code across ranks before it is issued (module
+    docstring). ``dims`` maps c10d group names to mesh dimension names (the trainer's
+    ``timeline.group_dims``); ``label`` says where in the message (e.g. "step 1")."""
+
+    def __init__(self, dims: dict[str, str], label: str = "the checked step", group: Optional[dist.ProcessGroup] = None) -> None:
+        super().__init__()
+        self.dims, self.label = dims, label
+        self.group = group if group is not None else dist.new_group(backend="gloo")
+        self.count = 0
+        self.digest = hashlib.sha256()
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Off while torch.compile traces (dynamo would otherwise run every frame eagerly), on while
+        the compiled code runs: its collectives are checked as they are issued."""
+        return True
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        fp = fingerprint(func, args, self.dims)
+        if fp is not None:
+            self._compare(fp)
+        return func(*args, **(kwargs or {}))
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Any:
+        result = super().__exit__(exc_type, exc, tb)
+        if exc_type is None:
+            self._compare(END)
+        return result
+
+    def _compare(self, fp: str) -> None:
+        self.count += 1
+        everyone: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(everyone, fp, group=self.group)
+        if any(other != fp for other in everyone):
+            raise CollectiveOrderError(describe(everyone, self.count, self.label))
+        self.digest.update(fp.encode())
+
+    def summary(self) -> str:
+        """What was checked, for the log: the count and the sequence's hash (equal on every rank)."""
+        return f"{self.count - 1} collectives in {self.label} identical on every rank (sha256 {self.digest.hexdigest()[:16]})"
+
+
+def describe(everyone: list[str], index: int, label: str) -> str:
+    """One line: the first rank that differs from rank 0 at collective ``index``, and what each issues."""
+    rank = next(r for r, other in enumerate(everyone) if other != everyone[0])
+    return (f"collective order differs across ranks in {label} at collective #{index}: rank 0 issues {everyone[0]}, "
+            f"rank {rank} issues {everyone[rank]}; every rank must run the same graphs (compile caches, layouts, "
+            f"per-rank conditions); stopped before it could hang")
+
