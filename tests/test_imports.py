@@ -130,6 +130,10 @@ def test_every_module_imports_alone_in_dependency_order():
     order = dependency_order(import_graph())
     # the torchtitan plug-in last, after the CPU shims its own tests use (torchtitan imports triton)
     order = [m for m in order if not m.startswith(OPTIONAL)] + [m for m in order if m.startswith(OPTIONAL)]
+    from paro_fsdp._compat import torch_version
+
+    if torch_version() < (2, 13):  # torchtitan 0.3 cannot be installed beside this torch
+        order = [m for m in order if not m.startswith(OPTIONAL)]
     script = ("import importlib, sys\nsys.path.insert(0, 'tests')\nfor name in sys.argv[1:]:\n"
               f"    if name.startswith({OPTIONAL!r}):\n        import titan_shims; titan_shims.install()\n"
               "    importlib.import_module(name)\n")
