@@ -7,6 +7,8 @@ Building a trainer costs a second or more per run, so three worlds are started f
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import os
@@ -84,11 +86,15 @@ def world4_first(tmp: str) -> dict[str, Any]:
     # compiled with the trainer's defaults (per block, the push eager; AOTAutograd graphs run as
     # they are: inductor codegen costs minutes on 2 cores); its step 2 is traced too (the timeline
     # of collectives that run inside graphs)
-    trainer, losses = _run(["--parallelism.paro_strategy", "IIG", "--parallelism.paro_group_size", "2",
-                            "--training.steps", "3", "--compile.enable", "--compile.backend", "aot_eager",
-                            "--metrics.enable_tensorboard", "--profiling.enable_profiling", "--profiling.profile_freq", "2",
-                            "--job.dump_folder", f"{tmp}/compiled"])
-    out["compiled/IIG"] = {"losses": losses, "comm": trainer.model.comm_stats().as_dict()}
+    # (and comm.check_collective_order: step 2, the first after compiling, compared across ranks)
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        trainer, losses = _run(["--parallelism.paro_strategy", "IIG", "--parallelism.paro_group_size", "2",
+                                "--training.steps", "3", "--compile.enable", "--compile.backend", "aot_eager",
+                                "--metrics.enable_tensorboard", "--profiling.enable_profiling", "--profiling.profile_freq", "2",
+                                "--job.dump_folder", f"{tmp}/compiled", "--comm.check_collective_order", "true"])
+    out["compiled/IIG"] = {"losses": losses, "comm": trainer.model.comm_stats().as_dict(),
+                           "order": [x for x in log.getvalue().splitlines() if "collective order" in x]}
     # a per-tensor policy and bf16 parameters
     _, losses = _run(["--parallelism.paro_strategy", "IIG", "--parallelism.paro_group_size", "2", "--training.steps", "3",
                       "--parallelism.paro_policy", "tok_embeddings.*=NIG,output.*=GGG",
@@ -218,6 +224,8 @@ def _eager_bytes(run: dict, key: str) -> float:
 def test_compiled_trainer_matches_eager_with_the_boundary_in_graphs(first):
     got, want = first["compiled/IIG"], first["family/IIG"]
     assert got["losses"] == pytest.approx(want["losses"], rel=1e-5)
+    # comm.check_collective_order compared the first compiled step's collectives (rank 0 logs it)
+    assert len(got["order"]) == 1 and "in step 2 identical on every rank" in got["order"][0], got["order"]
     # eager IIG crosses groups at the boundary (inter RS, then the push's inter AG). Compiled per
     # block, the blocks' boundary reductions are graph nodes (only the root's runs eagerly) and
     # the push stays eager (compile.push_graph off): the same AG bytes, fewer eager RS bytes.
