@@ -22,6 +22,11 @@ PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
     ("L40S", 362.0),
 )
 LOSS_RTOL, COMPILE_RTOL, FIRST_LOSS_RTOL, MEMORY_TOL = 1e-4, 1e-3, 1e-2, 0.10
+#: parts (d) and (e) against their single-process reference: (loss rel, grad norm rel, parameter
+#: abs). CPU: the tolerances of the 4-rank CPU tests; CUDA: the reference runs on the same GPU,
+#: but with other GEMM shapes (4x the batch), so a little looser -- still far below what one
+#: stale or poisoned buffer does (NaN, or AdamW steps of ~1e-3 in the wrong direction)
+STREAMS_TOL = {"cpu": (1e-5, 1e-5, 2e-5), "cuda": (1e-4, 1e-4, 1e-4)}
 
 
 def is_finite(x: Any) -> bool:
@@ -108,6 +113,37 @@ def memory_within(measured: float, expected: float, tol: float = MEMORY_TOL) -> 
     """``measured`` within ``tol`` (a fraction) of ``expected``, either way."""
     ratio = measured / expected if expected > 0 else float("inf")
     return {"ok": expected > 0 and abs(ratio - 1.0) <= tol, "ratio": ratio, "tol": tol}
+
+
+def version_check(torch_version: str, cuda_version: Optional[str], supported: tuple[tuple[int, int], tuple[int, int]],
+                  device: str) -> dict[str, Any]:
+    """The first row: the running torch (``2.11.0+cu130``) inside ``supported`` ((2, 11), (2, 14)),
+    inclusive by minor release; on a CUDA run the build must be a CUDA build (``cuda_version``,
+    torch.version.cuda, not None)."""
+    try:
+        major, minor = (int(v) for v in torch_version.split("+")[0].split(".")[:2])
+    except ValueError:
+        return {"ok": False, "why": f"cannot read the torch version {torch_version!r}"}
+    lo, hi = supported
+    inside = lo <= (major, minor) <= hi
+    cuda_ok = device != "cuda" or bool(cuda_version)
+    why = ("" if inside else f"torch {major}.{minor} is outside {lo[0]}.{lo[1]}..{hi[0]}.{hi[1]}") + (
+        "" if cuda_ok else ("; " if not inside else "") + "a CPU build of torch (torch.version.cuda is None)")
+    return {"ok": inside and cuda_ok, "why": why, "range": f"{lo[0]}.{lo[1]}..{hi[0]}.{hi[1]}"}
+
+
+def classify_syncs(sites: Iterable[tuple[str, int]], expected_file: str) -> dict[str, Any]:
+    """Synchronising CUDA calls (``set_sync_debug_mode("warn")`` warnings, each at the Python
+    ``(file, line)`` that made it) split into the expected ones (made in ``expected_file``, a path
+    suffix: the trainer's non-finite guard) and the others, counted by site."""
+    expected, other = 0, {}
+    for filename, line in sites:
+        if filename.replace("\\", "/").endswith(expected_file):
+            expected += 1
+        else:
+            key = f"{filename}:{line}"
+            other[key] = other.get(key, 0) + 1
+    return {"expected": expected, "unexpected": sum(other.values()), "sites": other}
 
 
 def check(part: str, cid: str, name: str, status: str, measured: str = "", limit: str = "", **data: Any) -> dict[str, Any]:

@@ -1,0 +1,234 @@
+"""What parts (d) and (e) train: a small Llama with an uneven vocabulary, its data, the
+single-process reference, and the stalls that make the compute stream lag the host on CUDA.
+
+The vocabulary has 258 rows, which 4 ranks do not divide, so the embedding and the output layer
+take the engine's uneven-shard (index) path; everything else divides. Every run is 3 optimizer
+steps of 2 accumulated micro-steps (AdamW, clipping at 0.5 so the clip scales), from the same
+seeded CPU init; rank r's micro-batch of (step, micro) is the same on every device, and the
+reference trains on the four ranks' micro-batches side by side.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional
+
+import torch
+
+ARGS = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=258, ffn_dim=48, max_seq_len=32)
+SEED, B, T, STEPS, ACCUM, LR, WEIGHT_DECAY, MAX_NORM = 0, 2, 8, 3, 2, 1e-3, 0.1, 0.5
+WORLD = 4  # a 2 x 2 mesh ("inter", "intra")
+
+
+# ---- the compute stream's stall: an op that sleeps on CUDA, in forward and in backward --------------
+@torch.library.custom_op("paro_gpu_check::delay", mutates_args=())
+def delay(x: torch.Tensor, cycles: int) -> torch.Tensor:
+    """``x`` (a copy), after ``torch.cuda._sleep(cycles)`` on the current stream (CUDA only; on
+    CPU just the copy). A custom op so it stays in compiled graphs; its backward sleeps too."""
+    if x.is_cuda and cycles > 0:
+        torch.cuda._sleep(cycles)
+    return x.clone()
+
+
+@delay.register_fake
+def _delay_fake(x: torch.Tensor, cycles: int) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _delay_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    ctx.cycles = inputs[1]
+
+
+def _delay_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    return delay(grad, ctx.cycles), None
+
+
+delay.register_autograd(_delay_backward, setup_context=_delay_setup)
+
+
+def add_delays(model: torch.nn.Module, cycles: int) -> None:
+    """Stall the compute stream where a missing wait would show: after the token embedding and
+    after every block's feed-forward, so in backward every gradient of a block (and the root's
+    embedding gradient) is computed behind a sleep queued after the last collective the host
+    waited for, and a reduction issued without waiting for the compute stream reads it too early.
+    In forward the same sleeps delay the blocks behind their gathers."""
+    def hook(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        return delay(out, cycles)
+
+    model.tok_embeddings.register_forward_hook(hook)
+    for layer in model.layers:
+        layer.feed_forward.register_forward_hook(hook)
+
+
+def stall(device: torch.device, cycles: int) -> None:
+    """Sleep on the current CUDA stream (nothing on CPU): before clipping and before the step, whose
+    collectives read what the compute stream just wrote."""
+    if device.type == "cuda" and cycles > 0:
+        torch.cuda._sleep(cycles)
+
+
+def cycles_per_ms(device: torch.device) -> float:
+    """Clock cycles of ``torch.cuda._sleep`` per millisecond on this GPU, measured with events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    n = 1_000_000
+    torch.cuda._sleep(n)  # warm-up
+    start.record()
+    torch.cuda._sleep(n)
+    end.record()
+    end.synchronize()
+    return n / max(start.elapsed_time(end), 1e-3)
+
+
+# ---- model, data, reference ---------------------------------------------------------------------------
+def make_model() -> torch.nn.Module:
+    from paro_fsdp.models.llama import Llama, LlamaArgs
+
+    torch.manual_seed(SEED)
+    return Llama(LlamaArgs(**ARGS))
+
+
+def batch(rank: int, step: int, micro: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(10_000 * step + 100 * micro + rank)
+    return torch.randint(0, ARGS["vocab_size"], (B, T + 1), generator=gen)
+
+
+def exact_math() -> None:
+    """No TF32 anywhere: the runs are compared to float32 tolerances."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+
+
+def reference(device: str, world: int = WORLD) -> dict[str, Any]:
+    """One process, the global batch of every micro-step = every rank's micro-batch side by side:
+    per-step losses and gradient norms, and the final parameters (on the CPU)."""
+    exact_math()
+    dev = torch.device(device)
+    model = make_model().to(dev)  # buffers computed on the CPU and moved, as paro_shard moves them
+    params = [p for p in model.parameters()]
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
+    losses, norms = [], []
+    for step in range(STEPS):
+        total = 0.0
+        for a in range(ACCUM):
+            x = torch.cat([batch(r, step, a) for r in range(world)]).to(dev)
+            loss = model(x).loss / ACCUM
+            loss.backward()
+            total += float(loss.detach())
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, MAX_NORM)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return {"losses": losses, "norms": norms,
+            "params": {n: p.detach().float().cpu() for n, p in model.named_parameters()}}
+
+
+# ---- one sharded run (inside a rank) ------------------------------------------------------------------
+def compile_first_block(model: torch.nn.Module, device: str) -> Any:
+    """``torch.compile`` of ``layers.0`` as the trainer's ``apply_compile`` compiles blocks
+    (fullgraph, the graph passes): inductor on CUDA, the passes' AOTAutograd backend on CPU (no
+    codegen: seconds instead of a minute). Returns the passes' record: every graph with
+    collectives, before and after the passes."""
+    import torch.distributed as dist
+
+    import passes
+    from paro_fsdp.traced import isolate_compile_cache
+
+    isolate_compile_cache(dist.get_rank())
+    torch._inductor.config.force_disable_caches = True  # a cache hit would skip the passes (and the record)
+    if device == "cuda":
+        record = passes.install(passes.ORDER, meshes=[model.paro_mesh_groups()])
+        backend: Any = "inductor"
+    else:
+        record = passes.ParoPasses(passes.ORDER, meshes=[model.paro_mesh_groups()])
+        backend = passes.aot_backend(record)
+    model.layers[0].compile(backend=backend, fullgraph=True)
+    return record
+
+
+def graph_collectives(record: Any) -> dict[str, int]:
+    """{phase kind/dim: count} over every graph the passes saw (after the passes)."""
+    out: dict[str, int] = {}
+    for r in record.records:
+        for e in r.after:
+            key = f"{r.phase} {e.kind}/{e.dim}"
+            out[key] = out.get(key, 0) + 1
+    return out
+
+
+def train_sharded(mesh: Any, strategy: str, device: torch.device, *, delay_cycles: int = 0, stall_cycles: int = 0,
+                  compiled: bool = False, step_hook: Optional[Callable[[int], None]] = None,
+                  guard: Any = None) -> dict[str, Any]:
+    """``strategy`` on ``mesh``: the workload's 3 steps; returns this rank's per-step losses (its
+    own micro-batches), the gradient norms, the final full parameters (on the CPU) and, when
+    ``compiled``, the collectives in the compiled block's graphs. ``step_hook(step)`` runs before
+    each step (part (e) turns the sync debug mode on there); ``guard``: a trainer
+    ``NonFiniteGuard`` that decides whether the optimizer steps, as in ``train.py``."""
+    import torch.distributed as dist
+
+    from paro_fsdp import ParoOptimizer, paro_shard
+
+    exact_math()
+    if compiled:
+        torch._dynamo.reset()  # before paro_shard: a reset drops the compile-start callback that makes its sinks
+    model = paro_shard(make_model(), mesh, strategy)
+    add_delays(model, delay_cycles)
+    record = compile_first_block(model, device.type) if compiled else None
+    opt = ParoOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY)
+    rank = dist.get_rank()
+    data = [[batch(rank, s, a).to(device) for a in range(ACCUM)] for s in range(STEPS)]
+    losses, norms = [], []
+    for step in range(STEPS):
+        if step_hook is not None:
+            step_hook(step)
+        total = torch.zeros((), device=device)
+        for a in range(ACCUM):
+            if compiled:
+                model.set_is_last_backward(a == ACCUM - 1)
+            loss = model(data[step][a]).loss / ACCUM
+            loss.backward()
+            total += loss.detach()
+        stall(device, stall_cycles)
+        norm = opt.clip_grad_norm_(MAX_NORM)
+        stall(device, stall_cycles)
+        if guard is None or guard.allows_step(step + 1, total, norm, opt):
+            opt.step()
+        opt.zero_grad()
+        losses.append(total)
+        norms.append(norm)
+    if step_hook is not None:
+        step_hook(STEPS)
+    out = {"losses": [float(x) for x in losses], "norms": [float(x) for x in norms],
+           "params": {n: p.full_tensor().detach().float().cpu() for n, p in model.named_parameters()}}
+    if record is not None:
+        out["graph_collectives"] = graph_collectives(record)
+        if device.type == "cuda":
+            import passes
+
+            passes.uninstall()
+    return out
+
+
+def _worst(values: list[float]) -> float:
+    """The largest value; inf when any is NaN or infinite (Python's max skips NaN by accident)."""
+    return math.inf if any(not math.isfinite(v) for v in values) else max(values, default=0.0)
+
+
+def compare(ref: dict[str, Any], ranks: dict[int, dict[str, Any]], tol: tuple[float, float, float]) -> dict[str, Any]:
+    """One case of every rank against the reference: the loss of each step (the mean of the ranks'
+    own losses), rank 0's gradient norms, rank 0's final parameters (max abs difference), and every
+    rank's parameters against rank 0's. ``tol``: (loss rel, norm rel, parameter abs)."""
+    loss_rtol, norm_rtol, atol = tol
+    n = len(ranks)
+    first = ranks[min(ranks)]
+    losses = [sum(r["losses"][i] for r in ranks.values()) / n for i in range(len(ref["losses"]))]
+    loss_rel = _worst([abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref["losses"])])
+    norm_rel = _worst([abs(a - b) / max(abs(b), 1e-12) for a, b in zip(first["norms"], ref["norms"])])
+    diffs = {name: float((first["params"][name] - value).abs().max()) for name, value in ref["params"].items()}
+    param_diff = _worst(list(diffs.values()))
+    worst = max(diffs, key=lambda k: diffs[k] if math.isfinite(diffs[k]) else math.inf, default="")
+    ranks_diff = _worst([float((r["params"][k] - first["params"][k]).abs().max()) for r in ranks.values()
+                         for k in first["params"]])
+    finite = all(math.isfinite(v) for v in losses + first["norms"]) and math.isfinite(param_diff) and math.isfinite(ranks_diff)
+    ok = finite and loss_rel <= loss_rtol and norm_rel <= norm_rtol and param_diff <= atol and ranks_diff <= atol
+    return {"ok": ok, "finite": finite, "loss_rel": loss_rel, "norm_rel": norm_rel, "param_diff": param_diff,
+            "worst_param": worst, "ranks_diff": ranks_diff, "losses": losses}
