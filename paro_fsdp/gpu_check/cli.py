@@ -62,10 +62,13 @@ from pathlib import Path
 from typing import Optional
 
 from .checks import FAIL, SKIP, check
-from .plan import BUDGET_S, CLI, PARTS, REPO, TIMEOUTS, build_plan, format_plan
+from .plan import BUDGET_S, CLI, PARTS, REPO, TIMEOUTS, build_plan, d_strategies, format_plan
 from .placement import worker_b
+from .plants import plant_error
+from .ranks import worker_d
 from .report import Emitter, render_details, render_table, write_json
-from .runner import device_info, run_parts
+from .runner import device_info, run_parts, version_row
+from .sanitizer import worker_e
 from .throughput import worker_c
 from .trainer import worker_a
 
@@ -73,8 +76,9 @@ from .trainer import worker_a
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog=f"python -m {CLI}", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="gpu_check.json", help="JSON results file (default: gpu_check.json)")
-    ap.add_argument("--parts", default="a,b,c", help="comma-separated parts to run: a (trainer), b (placement and "
-                    "memory), c (throughput); default a,b,c")
+    ap.add_argument("--parts", default=",".join(PARTS), help="comma-separated parts to run: a (trainer), b (placement "
+                    "and memory), c (throughput), d (4 ranks over the engine's streams), e (CUDA sanitizer, sync debug "
+                    f"mode, reserved memory); default {','.join(PARTS)}")
     ap.add_argument("--workdir", default=str(REPO / "outputs" / "gpu_check"),
                     help="logs, trainer outputs and per-part results (default: outputs/gpu_check)")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and its commands, run nothing (no GPU needed)")
@@ -84,6 +88,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--timeout-a", type=int, default=TIMEOUTS["a"], help=argparse.SUPPRESS)
     ap.add_argument("--timeout-b", type=int, default=TIMEOUTS["b"], help=argparse.SUPPRESS)
     ap.add_argument("--timeout-c", type=int, default=TIMEOUTS["c"], help=argparse.SUPPRESS)
+    ap.add_argument("--timeout-d", type=int, default=TIMEOUTS["d"], help=argparse.SUPPRESS)
+    ap.add_argument("--timeout-e", type=int, default=TIMEOUTS["e"], help=argparse.SUPPRESS)
+    # hidden: plant a bug in every run of part (d) (it must then FAIL: plants.py); part (d)'s strategies
+    ap.add_argument("--plant", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--d-strategies", default=None, help=argparse.SUPPRESS)
     # hidden: run the same plan on CPU (gloo / fake group on CPU tensors, small shapes) to exercise
     # the code on a machine without a GPU; and the worker side of one part
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help=argparse.SUPPRESS)
@@ -101,6 +110,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     if ns.c_layers is not None and ns.c_layers < 1:
         print(f"gpu_check: --c-layers {ns.c_layers} is invalid; valid: a positive number of layers", file=sys.stderr)
         return 2
+    bad = plant_error(ns.plant, ns.device)
+    try:
+        d_strategies(ns.d_strategies)
+    except ValueError as exc:
+        bad = bad or str(exc)
+    if bad:
+        print(f"gpu_check: {bad}", file=sys.stderr)
+        return 2
     workdir = Path(ns.workdir).resolve()
 
     if ns.worker:
@@ -108,7 +125,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     plans = build_plan(parts, ns.device, workdir, ns)
     if ns.dry_run:
-        print(format_plan(plans, ns.device, ns.out, workdir))
+        print(format_plan(plans, ns.device, ns.out, workdir, _version_line(version_row(ns.device))))
         return 0
 
     import torch
@@ -121,12 +138,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     t0 = time.monotonic()
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     workdir.mkdir(parents=True, exist_ok=True)
-    print(format_plan(plans, ns.device, ns.out, workdir), flush=True)
+    versions = version_row(ns.device)
+    print(format_plan(plans, ns.device, ns.out, workdir, _version_line(versions)), flush=True)
     rows, part_records = run_parts(plans, workdir)
     for key in PARTS:
         if key not in parts:
             rows.append(check(key, f"{key}.*", f"part ({key})", SKIP, "not selected (--parts)"))
     rows.sort(key=lambda r: PARTS.index(r["part"]))  # stable: plan order inside a part
+    rows.insert(0, versions)
     wall = time.monotonic() - t0
     print()
     print(render_table(rows))
@@ -144,6 +163,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0 if passed else 1
 
 
+def _version_line(row: dict) -> str:
+    return f"versions: {row['status']} {row['measured']} (supported: {row['limit']})"
+
+
 def run_worker(part: str, device: str, result: Path, workdir: Path, ns: argparse.Namespace) -> int:
     emit = Emitter(result, part)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -151,6 +174,11 @@ def run_worker(part: str, device: str, result: Path, workdir: Path, ns: argparse
         worker_a(emit, device, workdir)
     elif part == "b":
         worker_b(emit, device)
-    else:
+    elif part == "c":
         worker_c(emit, device, ns.c_layers, ns.peak_tflops)
+    elif part == "d":
+        strategies = d_strategies(ns.d_strategies) if ns.d_strategies else None
+        worker_d(emit, device, ns.timeout_d, strategies, ns.plant)
+    else:
+        worker_e(emit, device, ns.timeout_e)
     return 0

@@ -1,9 +1,14 @@
 """What ``python -m tools.gpu_check`` runs: the parts, their timeouts and shapes, the trainer
 commands of part (a), and the plan that ``--dry-run`` prints.
+
+The timeouts keep the whole run under ``BUDGET_S``: (a), (b), (d) and (e) side by side (none of
+them measures time; (d) and (e) each run four ranks on the GPU), then (c) alone. The worst case
+is the longest of the first phase plus (c) plus the two 15 s stops: 170 + 260 + 30 = 460 s.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import shlex
 import sys
 from dataclasses import dataclass, field
@@ -12,8 +17,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 #: the command line of ``cli.main``; it also runs each part (``--worker``) in its own subprocess
 CLI = "tools.gpu_check"
-PARTS = ("a", "b", "c")
-TIMEOUTS = {"a": 170, "b": 120, "c": 260}
+PARTS = ("a", "b", "c", "d", "e")
+TIMEOUTS = {"a": 170, "b": 120, "c": 260, "d": 170, "e": 150}
 EXCLUSIVE = {"c"}  # measures time: runs alone, after the others
 BUDGET_S = 8 * 60
 
@@ -93,6 +98,10 @@ def build_plan(parts: list[str], device: str, workdir: Path, opts: argparse.Name
             ], worker, [(name, argv) for name, argv in runs.items()], [
                 "fp32_gloo, fp32_nccl, bf16_nccl and compile_nccl start side by side; resume_nccl when fp32_nccl is done",
                 "losses: each run's <dump_folder>/metrics.jsonl (loss/train per step)"])
+        elif key == "d":
+            p = _plan_d(device, worker, opts)
+        elif key == "e":
+            p = _plan_e(device, worker + ["--timeout-e", str(opts.timeout_e)], opts)
         elif key == "b":
             args, b, t = B_MEMORY[device]
             p = PartPlan("b", f"engine buffers on {device} and memory, fake 8-rank process group as a 2x4 mesh",
@@ -118,14 +127,70 @@ def build_plan(parts: list[str], device: str, workdir: Path, opts: argparse.Name
     return plans
 
 
-def format_plan(plans: list[PartPlan], device: str, out: str, workdir: Path) -> str:
+def _plan_d(device: str, worker: list[str], opts: argparse.Namespace) -> PartPlan:
+    from .ranks import COMPILED, DELAY_MS, PLANTED, RESULT_MS, plan_rows
+
+    strategies = d_strategies(getattr(opts, "d_strategies", None))
+    plant = getattr(opts, "plant", None)
+    rows, worlds = plan_rows(device, strategies, plant)
+    checks = [(r.id, r.name) for r in rows]
+    if device != "cuda":
+        checks.insert(len([r for r in rows if r.id.startswith(("d.core", "d.plant"))]),
+                      ("d.plant.issue-wait", f"self-test: planted issue-wait makes {', '.join(PLANTED)} FAIL"))
+    extra = ["--timeout-d", str(opts.timeout_d)] + (["--plant", plant] if plant else []) + (
+        ["--d-strategies", ",".join(strategies)] if getattr(opts, "d_strategies", None) else [])
+    notes = [f"4 processes on the one {device} as a 2x2 mesh over gloo; every _c10d_functional collective through the "
+             "stand-in kernels (standin.py): poisoned output, the exact result written only at its wait()"
+             + (f", behind a {RESULT_MS:g} ms sleep on its own stream; the model stalls the compute stream {DELAY_MS:g} ms"
+                " per delay point" if device == "cuda" else ""),
+             f"Llama dim 32, 2 layers, vocab 258 (uneven over 4 ranks), 3 steps of A=2, AdamW, clip 0.5; "
+             f"reference: one process on {device}",
+             f"world 1: {len(worlds[0])} runs (the core strategies, then the planted self-tests); world 2: "
+             f"{len(worlds[1])} runs ({COMPILED} with layers.0 compiled "
+             + ("by inductor" if device == "cuda" else "with the passes' AOT backend") + ", then the other strategies)"]
+    if plant:
+        notes.append(f"--plant {plant}: planted in every run (expect FAIL)")
+    return PartPlan("d", f"4 ranks on one {device}: real collectives over the engine's streams (stand-in kernels)",
+                    opts.timeout_d, checks, worker + extra, notes=notes)
+
+
+def _plan_e(device: str, worker: list[str], opts: argparse.Namespace) -> PartPlan:
+    from .sanitizer import CHECKS, SKIP_WHY, STRATEGIES
+
+    notes = ([f"TORCH_CUDA_SANITIZER=1 in 4 spawned ranks (part (d)'s stand-in world) over {', '.join(STRATEGIES)}, "
+              "eager; torch.cuda.set_sync_debug_mode('warn') from step 2 with the trainer's non-finite guard; "
+              "max_memory_reserved / max_memory_allocated per run"] if device == "cuda" else [f"every row SKIP: {SKIP_WHY}"])
+    return PartPlan("e", f"CUDA sanitizer, sync debug mode and reserved memory on {device}", opts.timeout_e,
+                    list(CHECKS), worker, notes=notes)
+
+
+def d_strategies(spec: str | None) -> list[str]:
+    """Part (d)'s strategies: all 27 (None), or a comma-separated list. Raises ValueError (one line)."""
+    names = ["".join(s) for s in itertools.product("NIG", repeat=3)]  # paro_fsdp.ALL_STRATEGIES, without the engine
+    if not spec:
+        return names
+    got = [x.strip().upper() for x in spec.split(",") if x.strip()]
+    bad = [x for x in got if x not in names]
+    if bad or not got:
+        raise ValueError(f"--d-strategies {spec!r} is invalid; valid: a comma-separated list of strategies like IIG,GGG")
+    return got
+
+
+def phase_order(side: list[str], alone: list[str]) -> str:
+    """How the parts run, in words: ``a, b, d and e side by side, then c alone``."""
+    order = (", ".join(side[:-1]) + " and " + side[-1]) if len(side) > 1 else "".join(side)
+    order += " side by side" if len(side) > 1 else ""
+    return order + (", then " if side and alone else "") + " ".join(alone) + (" alone" if alone else "")
+
+
+def format_plan(plans: list[PartPlan], device: str, out: str, workdir: Path, versions: str = "") -> str:
     side = [p.key for p in plans if p.key not in EXCLUSIVE]
     alone = [p.key for p in plans if p.key in EXCLUSIVE]
     total = max([p.timeout_s for p in plans if p.key in side] or [0]) + sum(p.timeout_s for p in plans if p.key in alone)
-    order = " and ".join(side) + (" side by side" if len(side) > 1 else "")
-    order += (", then " if side and alone else "") + " ".join(alone) + (" alone" if alone else "")
-    lines = [f"gpu_check plan: device {device}; parts {', '.join(p.key for p in plans)} ({order}); "
+    lines = [f"gpu_check plan: device {device}; parts {', '.join(p.key for p in plans)} ({phase_order(side, alone)}); "
              f"at most {total} s with the timeouts; JSON to {out}, logs under {workdir}"]
+    if versions:
+        lines.append(versions)
     for p in plans:
         lines.append(f"({p.key}) {p.title} - timeout {p.timeout_s} s")
         lines.append(f"    subprocess: {shlex.join(p.worker)}")

@@ -150,11 +150,13 @@ def plan_rows(device: str, strategies: list[str], plant: Optional[str]) -> tuple
 
 class Tracker:
     """Collects the ranks' case results, compares each finished case with the reference and emits
-    a row as soon as all of its cases are in."""
+    a row of ``part`` as soon as all of its cases are in. A finished case is ``workload.compare``'s
+    result plus the seconds, the stand-in's counts and every rank's message without its
+    parameters (``ranks``); a case a rank reported as an ``error`` is not ok."""
 
-    def __init__(self, rows: list[Row], emit: Emitter, ref: dict[str, Any], tol: tuple[float, float, float],
-                 world: int) -> None:
-        self.rows, self.emit, self.ref, self.tol, self.world = rows, emit, ref, tol, world
+    def __init__(self, part: str, rows: list[Row], emit: Emitter, ref: dict[str, Any],
+                 tol: tuple[float, float, float], world: int) -> None:
+        self.part, self.rows, self.emit, self.ref, self.tol, self.world = part, rows, emit, ref, tol, world
         self.parts: dict[str, dict[int, dict[str, Any]]] = {}
         self.done: dict[str, dict[str, Any]] = {}
         self.emitted: set[str] = set()
@@ -164,13 +166,16 @@ class Tracker:
 
         got = self.parts.setdefault(msg["case"], {})
         got[rank] = msg
-        if len(got) == self.world:
-            c = compare(self.ref, got, self.tol)
-            first = got[min(got)]
-            c.update(seconds=max(m["seconds"] for m in got.values()), standin=first["standin"],
-                     graph_collectives=first.get("graph_collectives", {}))
-            self.done[msg["case"]] = c
-            self._emit_ready()
+        if len(got) < self.world:
+            return
+        errors = [m["error"] for m in got.values() if "error" in m]
+        c: dict[str, Any] = {"ok": False, "finite": False, "error": errors[0]} if errors else compare(self.ref, got, self.tol)
+        first = got[min(got)]
+        c.update(seconds=max(m.get("seconds", 0.0) for m in got.values()), standin=first.get("standin", {}),
+                 graph_collectives=first.get("graph_collectives", {}),
+                 ranks={r: {k: v for k, v in m.items() if k not in ("params", "case")} for r, m in got.items()})
+        self.done[msg["case"]] = c
+        self._emit_ready()
 
     def _emit_ready(self) -> None:
         for row in self.rows:
@@ -180,28 +185,29 @@ class Tracker:
 
     def _emit(self, row: Row, status: str, text: str) -> None:
         self.emitted.add(row.id)
-        cases = {c: {k: v for k, v in self.done[c].items() if k != "losses"} for c in row.cases if c in self.done}
-        self.emit(check("d", row.id, row.name, status, text, row.limit, cases=cases))
+        cases = {c: {k: v for k, v in self.done[c].items() if k not in ("losses", "ranks")} for c in row.cases
+                 if c in self.done}
+        self.emit(check(self.part, row.id, row.name, status, text, row.limit, cases=cases))
 
     def finish(self, case_ids: list[str], why: str) -> None:
         """Rows of these cases that never completed: FAIL with ``why`` (and what did finish)."""
         for row in self.rows:
             if row.id not in self.emitted and any(c in case_ids for c in row.cases):
                 missing = [c for c in row.cases if c not in self.done]
-                self._emit(row, FAIL, f"{why} (missing {', '.join(missing)})")
+                failed = [f"{c}: {self.done[c]['error']}" for c in row.cases if "error" in self.done.get(c, {})]
+                self._emit(row, FAIL, f"{why} (missing {', '.join(missing)})" + "".join(f"; {f}" for f in failed[:2]))
 
 
 def worker_d(emit: Emitter, device: str, timeout_s: float, strategies: Optional[list[str]] = None,
              plant: Optional[str] = None) -> None:
     """The parent of part (d): the reference (on ``device``), then the two worlds."""
-    from paro_fsdp.strategy import ALL_STRATEGIES
-
+    from .plan import d_strategies
     from .plants import plant_error
     from .workload import WORLD, reference
     from .world import run_world
 
     t0 = time.monotonic()
-    names = strategies or [str(s) for s in ALL_STRATEGIES]
+    names = strategies or d_strategies(None)
     rows, worlds = plan_rows(device, names, plant)
     if plant_error("issue-wait", device):
         emit(check("d", "d.plant.issue-wait", "self-test: planted issue-wait makes NNN, IIG, GGG FAIL", SKIP,
@@ -211,7 +217,7 @@ def worker_d(emit: Emitter, device: str, timeout_s: float, strategies: Optional[
 
         torch.cuda.set_device(0)
     ref = reference(device)
-    tracker = Tracker(rows, emit, ref, STREAMS_TOL[device], WORLD)
+    tracker = Tracker("d", rows, emit, ref, STREAMS_TOL[device], WORLD)
     payload = {"device": device, "delay_ms": DELAY_MS if device == "cuda" else 0.0,
                "result_ms": RESULT_MS if device == "cuda" else 0.0}
     for cases in worlds:

@@ -1,6 +1,6 @@
-"""The parent side of ``gpu_check``: every part in its own subprocess and process group, (a) and
-(b) side by side, then (c) alone, each with its timeout; a part that crashes or times out keeps
-the rows it reported and fails the rest.
+"""The parent side of ``gpu_check``: every part in its own subprocess and process group, (a), (b),
+(d) and (e) side by side, then (c) alone, each with its timeout; a part that crashes or times out
+keeps the rows it reported and fails the rest. And the first row: the versions.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .checks import FAIL, PASS, check
+from .checks import FAIL, PASS, check, version_check
 from .plan import EXCLUSIVE, REPO, PartPlan
 from .report import log_tail
 
@@ -33,6 +33,30 @@ def device_info(device: str) -> dict[str, Any]:
         except Exception:  # noqa: BLE001 - informational only
             pass
     return info
+
+
+def version_row(device: str) -> dict[str, Any]:
+    """The table's first row: the running torch and its CUDA (and NCCL) against the supported range
+    (``paro_fsdp._compat.SUPPORTED_TORCH``); FAIL outside it, on a CPU build of torch for a CUDA
+    run, or when the engine does not import."""
+    import torch
+
+    name = "torch and CUDA versions against the supported range"
+    cuda = torch.version.cuda
+    measured = f"torch {torch.__version__}, CUDA {cuda or 'none (a CPU build)'}"
+    if device == "cuda" and cuda:
+        try:
+            measured += ", NCCL " + ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception:  # noqa: BLE001 - informational only
+            pass
+    try:
+        from paro_fsdp._compat import SUPPORTED_TORCH
+    except Exception as exc:  # noqa: BLE001 - the row says why
+        return check("v", "v.torch", name, FAIL, f"{measured}; paro_fsdp does not import: {type(exc).__name__}: {exc}"[:300],
+                     "paro_fsdp._compat.SUPPORTED_TORCH")
+    v = version_check(torch.__version__, cuda, SUPPORTED_TORCH, device)
+    return check("v", "v.torch", name, PASS if v["ok"] else FAIL, measured + (f"; {v['why']}" if v["why"] else ""),
+                 f"torch {v.get('range', '?')}" + (", a CUDA build" if device == "cuda" else ""))
 
 
 def _read_results(path: Path) -> list[dict[str, Any]]:
@@ -68,7 +92,7 @@ def _kill(proc: subprocess.Popen) -> None:
 
 
 def run_parts(plans: list[PartPlan], workdir: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Run the parts' subprocesses ((a) and (b) side by side, then (c) alone), each in its own
+    """Run the parts' subprocesses ((a), (b), (d), (e) side by side, then (c) alone), each in its own
     process group with its timeout; return the rows and per-part records."""
     rows: dict[str, list[dict[str, Any]]] = {}
     parts: dict[str, Any] = {}

@@ -34,7 +34,7 @@ per process group:
   (``workload.delay``) so that it lags the host.
 * at ``wait()`` (current stream W; in the engine's eager path ``comm.on_side_stream`` calls
   ``wait_tensor`` inside the side-stream context, so W = S): the host waits for the input copy
-  only (an event sync, which NCCL does not need; see below), runs the gloo collective, and the
+  only (polling its event, which NCCL does not need; see below), runs the gloo collective, and the
   *result* stream -- after the poison -- sleeps (``torch.cuda._sleep``, ``result_delay_cycles``)
   and then copies the result into the output from pinned memory (non_blocking); W waits for
   that, stream-side. The engine's consumer (the compute stream) waits for an event recorded on
@@ -49,14 +49,16 @@ per process group:
 
 What it cannot show: NCCL itself (its kernels, its watchdog, real bandwidth and overlap); a buffer
 freed early *before* its ``wait()`` (the input is already on the host by the time ``wait()``
-returns on S, while NCCL may still be reading it); and the host-side synchronisation it adds
-(the event sync at ``wait()``, exempt from ``set_sync_debug_mode``) makes the host catch up with
-S at every wait, which shortens, but does not remove, the compute stream's lag (the model's
-stalls sit between the waits and the next issue).
+returns on S, while NCCL may still be reading it); and the host-side wait it adds (polling the
+input copy's event at ``wait()``; invisible to the sanitizer and the sync debug mode, which must
+judge the engine as if NCCL ran) makes the host catch up with S at every wait, which shortens,
+but does not remove, the compute stream's lag (the model's stalls sit between the waits and the
+next issue).
 """
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
@@ -191,6 +193,17 @@ def sync_debug_off() -> Iterator[None]:
     finally:
         if mode:
             torch.cuda.set_sync_debug_mode(mode)
+
+
+def host_wait(event: Any) -> None:
+    """Block the host until ``event`` completed, by polling ``query()``: unlike ``synchronize()``
+    this is invisible to the CUDA sanitizer (which would otherwise order every stream after the
+    input copy, as a real synchronisation does, hiding races that NCCL, which never synchronises
+    the host, would have) and to the sync debug mode."""
+    spins = 0
+    while not event.query():
+        spins += 1
+        time.sleep(0 if spins < 1000 else 1e-4)
 
 
 class StandIn:
@@ -354,7 +367,7 @@ class StandIn:
 
         def complete() -> Any:
             with sync_debug_off(), torch.no_grad():
-                copied.synchronize()
+                host_wait(copied)
                 result = collective(host).view(out.shape)
                 pinned = result.pin_memory()
                 result_stream.wait_event(copied)  # the poison is written before the result

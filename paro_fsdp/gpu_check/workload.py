@@ -137,6 +137,7 @@ def compile_first_block(model: torch.nn.Module, device: str) -> Any:
     torch._inductor.config.force_disable_caches = True  # a cache hit would skip the passes (and the record)
     if device == "cuda":
         record = passes.install(passes.ORDER, meshes=[model.paro_mesh_groups()])
+        torch._inductor.config.compile_threads = 2  # four ranks compile at once, beside part (a)'s compiled run
         backend: Any = "inductor"
     else:
         record = passes.ParoPasses(passes.ORDER, meshes=[model.paro_mesh_groups()])
