@@ -12,7 +12,8 @@ from .comm import CommStats, MeshComm
 from .mesh import MeshGroups, MeshInfo, mesh_device
 from .paro_cc import ParoCC
 from .mixed_precision import MixedPrecision
-from .param_group import ParamRef, ParoParamGroup
+from .layout import placements
+from .param_group import ParamRef, ParoParamGroup, drive
 from .state import ParoBlock, ParoState
 from .traced import make_sinks_on_compile
 from .strategy import Level, PolicyLike, Strategy, resolve_policy
@@ -114,6 +115,35 @@ class ParoModule:
             g.reload_master(loaded, full)
         return result
 
+    def master_state_dict(self) -> dict[str, DTensor]:
+        """What this run trains from, keyed by parameter name: each trainable parameter's fp32
+        master at its OS level, each frozen one's P-level parameter (a frozen tensor has no
+        master: P is its only copy). The values are DTensors viewing the engine's storage, so
+        DCP writes each rank's shard (an export of the exact fp32 weights, without gathering a
+        whole model anywhere) and loads in place (then call ``push_masters``)."""
+        info = self._paro_state.info
+        out: dict[str, DTensor] = {}
+        for g in self._paro_state.groups:
+            for i, ref in enumerate(g.refs):
+                if i < len(g.trainable):
+                    t = g.t_layout.tensors[i]
+                    out[ref.fqn] = DTensor.from_local(g.master[i].detach(), info.mesh, placements(g.strategy.os, info.m),
+                                                      run_check=False, shape=t.shape,
+                                                      stride=torch.empty(t.shape, device="meta").stride())
+                else:
+                    out[ref.fqn] = g.sharded_params[i].detach()
+        return out
+
+    @torch.no_grad()
+    def push_masters(self) -> None:
+        """Bring every parameter to the values of its fp32 master, as after an optimizer step
+        (spec step 5): after writing the masters in place (``master_state_dict`` loaded by DCP),
+        without it the P copies would keep their old values until the first step."""
+        groups = self._paro_state.groups
+        for g in groups:
+            g.reshard()  # a gathered copy would be stale
+        drive([g.push_params() for g in groups if g.trainable])
+
     def paro_strategies(self) -> dict[str, Strategy]:
         return {ref.fqn: g.strategy for g in self._paro_state.groups for ref in g.refs}
 
@@ -172,6 +202,8 @@ def paro_shard(
     the same initial values on every rank. It may be built on the CPU: parameters move to the
     mesh's device shard by shard (the originals are freed), module buffers move whole. The
     root's parameters stay gathered from forward to backward (as FSDP2 does for its root);
+    the root's hooks sit on the innermost module every parameter is under (a ``PeftModel``'s
+    base model), so calls that bypass the wrapper's forward (``generate``) gather them too;
     blocks are freed after forward unless ``reshard_after_forward=False``.
 
     A model on the meta device is materialised one tensor at a time: ``param_init_fn(name,
@@ -225,7 +257,10 @@ def paro_shard(
         ]
         make_sinks_on_compile(groups)
         block = ParoBlock(name, module, groups, state)
-        block.is_root = module is model
+        if module is model:
+            block.is_root = True
+            block.module = _entry_module(model)  # where the root's hooks go
+            block.cast_inputs = mp.input_dtype
         state.blocks.append(block)
     _move_buffers(model, mesh_device(info))
     state.install_hooks()
@@ -242,6 +277,26 @@ def _move_buffers(model: nn.Module, device: torch.device) -> None:
         for name, buf in module._buffers.items():
             if buf is not None and not buf.is_meta and buf.device != device:
                 module._buffers[name] = buf.to(device)
+
+
+def _entry_module(model: nn.Module) -> nn.Module:
+    """The innermost module through which every call of the model passes: the deepest one that
+    contains every module owning a parameter. The root's hooks (gather the root's groups, cast
+    inputs) go there, so a wrapper whose methods call its inner model directly still meets a
+    sharded model gathered: ``PeftModel.generate`` calls the base model's ``generate``, never
+    the ``PeftModel``'s forward. It stays the model itself when a parameter lives outside every
+    child, or two children hold parameters (GPT-2's ``lm_head``, tied to the embedding inside
+    ``transformer``, is used outside it)."""
+    owners = {id(m) for m in model.modules() if any(p is not None for p in m._parameters.values())}
+    entry = model
+    while owners:
+        for child in entry.children():
+            if owners <= {id(m) for m in child.modules()}:
+                entry = child
+                break
+        else:
+            return entry
+    return entry
 
 
 def _name_of(model: nn.Module, module: nn.Module) -> str:

@@ -20,11 +20,18 @@ class MixedPrecision:
     sum grows ~A times larger than each addend, and a bf16 sum rounds away up to a quarter of a
     late micro-step's gradient at A = 64. ``None`` accumulates in ``reduce_dtype`` (half the
     G memory, the old behaviour, an explicit choice).
+    ``cast_forward_inputs``: the floating-point tensors among the model's inputs are cast to
+    ``param_dtype`` before its forward, as FSDP2's ``MixedPrecisionPolicy.cast_forward_inputs``
+    (default True), so a bf16 model takes the fp32 features a data loader makes. Only at the
+    model's entry, not at every block: a block's fp32 inputs (RoPE tables) are deliberate. With
+    ``param_dtype=torch.float32`` (no mixed precision) nothing is cast. ``False``: inputs pass
+    as given.
     """
 
     param_dtype: torch.dtype = torch.float32
     reduce_dtype: Optional[torch.dtype] = None
     accumulate_dtype: Optional[torch.dtype] = torch.float32
+    cast_forward_inputs: bool = True
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype", "accumulate_dtype"):
@@ -38,6 +45,11 @@ class MixedPrecision:
         if self.accumulate_dtype == torch.float16:
             raise ValueError("MixedPrecision: accumulate_dtype=torch.float16 sums undivided gradients and overflows at scale; "
                              "set accumulate_dtype=torch.float32 (the default) or torch.bfloat16")
+
+    @property
+    def input_dtype(self) -> Optional[torch.dtype]:
+        """What the model's floating-point inputs are cast to (None: left as they are)."""
+        return self.param_dtype if self.cast_forward_inputs and self.param_dtype != torch.float32 else None
 
     @property
     def grad_dtype(self) -> torch.dtype:

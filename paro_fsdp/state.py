@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.autograd import Variable
+from torch.utils._pytree import tree_map
 
 from .comm import MeshComm
 from .hooks import Unshard, register_post_backward, register_pre_backward
@@ -32,6 +33,7 @@ class ParoBlock:
     def __init__(self, name: str, module: nn.Module, groups: list[ParoParamGroup], model_state: "ParoState") -> None:
         self.name, self.module, self.groups, self.model_state = name, module, groups, model_state
         self.is_root = False
+        self.cast_inputs: torch.dtype | None = None  # root only: floating inputs cast to this (MixedPrecision)
         self.traced = False  # set once torch.compile has traced this block: no eager prefetch into it
 
     def gather(self, prefetch_next: bool = True, backward: bool = False) -> None:
@@ -51,6 +53,8 @@ class ParoBlock:
                 owner._parameters[attr] = t
 
     def pre_forward(self, module: nn.Module, args: Any, kwargs: Any):
+        if self.cast_inputs is not None:
+            args, kwargs = _cast_floating((args, kwargs), self.cast_inputs)
         # Inside backward, activation checkpointing is recomputing the block (hooks included):
         # run the same autograd Functions, so the recomputation saves what the forward saved,
         # but neither record the order nor prefetch.
@@ -112,6 +116,13 @@ class ParoBlock:
             g.reduce_grads(grads[: len(g.trainable)])
             self.model_state.in_flight.append(g)
         self.release(g)
+
+
+def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    """Floating-point tensors of ``tree`` as ``dtype`` (FSDP2's ``cast_forward_inputs``); the
+    rest (token ids, masks, caches) untouched."""
+    return tree_map(lambda x: x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() and x.dtype != dtype else x,
+                    tree)
 
 
 def _in_backward() -> bool:
