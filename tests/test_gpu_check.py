@@ -1,8 +1,10 @@
 """tools/gpu_check.py (paro_fsdp/gpu_check/) on a machine without a GPU: it refuses (exit 2, one
 line), --dry-run prints the plan with its commands, the pure functions (loss comparison, MFU,
 memory tolerance, table, JSON) on real inputs with a failing case each, the parent's timeout /
-crash handling, and part (b)'s placement and memory code on CPU tensors with torch's fake process
-group (2 x 4 mesh)."""
+crash handling, part (b)'s placement and memory code on CPU tensors with torch's fake process
+group (2 x 4 mesh), and part (d) in its CPU mode (4 gloo ranks, the stand-in collectives): it
+passes, and it fails when a missing wait is planted. The stand-in itself and part (e)'s pure parts:
+tests/test_gpu_check_streams.py."""
 from __future__ import annotations
 
 import json
@@ -36,13 +38,18 @@ def test_refuses_without_cuda_in_one_line(tmp_path):
     assert not out.exists() and not (tmp_path / "w").exists()
 
 
+@pytest.mark.compat
 def test_dry_run_prints_the_plan_and_its_commands(tmp_path):
     p = _run(["--dry-run", "--out", str(tmp_path / "r.json")])
     assert p.returncode == 0, p.stderr
     text = p.stdout
-    for part in ("(a) the trainer", "(b) engine buffers on cuda", "(c) tokens/s and MFU"):
+    for part in ("(a) the trainer", "(b) engine buffers on cuda", "(c) tokens/s and MFU", "(d) 4 ranks on one cuda",
+                 "(e) CUDA sanitizer"):
         assert part in text
-    assert "a and b side by side, then c alone" in text
+    assert "a, b, d and e side by side, then c alone" in text
+    assert "at most 430 s with the timeouts" in text  # the longest of a, b, d, e (170 s) + c (260 s)
+    # the first row: the versions against the supported range (this CPU build of torch fails it for a CUDA run)
+    assert text.splitlines()[1].startswith("versions: ") and "supported: torch 2.11..2.14, a CUDA build" in text
     # part (a): the CPU reference and the NCCL runs, with the 1x1 mesh, resume and compile
     assert "train.py --job.config_file train_configs/debug_paro.toml --parallelism.paro_group_size 1" in text
     assert "-m torch.distributed.run --standalone --nproc-per-node 1 train.py" in text
@@ -51,12 +58,34 @@ def test_dry_run_prints_the_plan_and_its_commands(tmp_path):
     assert "--training.mixed_precision_param bfloat16" in text
     assert "fp32_nccl: PARO_INIT_RNG=cpu " in text  # the GPU runs start from the CPU run's weights
     for cid in ("a.fp32", "a.bf16", "a.compile", "a.resume", "b.placement", "b.mem.IIG", "b.mem.GGG", "b.mem.ING",
-                "c.fsdp2_eager", "c.paro_eager", "c.fsdp2_compiled", "c.paro_compiled"):
+                "c.fsdp2_eager", "c.paro_eager", "c.fsdp2_compiled", "c.paro_compiled", "d.core",
+                "d.plant.missing-wait", "d.plant.issue-wait", "d.compiled", "d.rest", "e.sanitizer", "e.sanitizer.plant",
+                "e.sync", "e.memory"):
         assert f"check {cid}:" in text
     assert "dim 4096, 2 layers, ffn 11008, vocab 32000" in text
     assert "dim 2048, 16 layers" in text
     assert "-m tools.gpu_check --worker b" in text
+    assert "-m tools.gpu_check --worker d" in text and "--timeout-d 170" in text
+    assert "vocab 258" in text and "behind a 4 ms sleep" in text and "compiled by inductor" in text
+    assert "TORCH_CUDA_SANITIZER=1" in text and "set_sync_debug_mode('warn') from step 2" in text
     assert not (tmp_path / "r.json").exists()
+
+
+def test_dry_run_on_cpu_and_with_a_plant(tmp_path):
+    p = _run(["--dry-run", "--device", "cpu", "--parts", "d,e", "--plant", "missing-wait", "--d-strategies", "iig,GGG"])
+    assert p.returncode == 0, p.stderr
+    text = p.stdout
+    assert "(a)" not in text and "d and e side by side" in text
+    assert "--plant missing-wait" in text and "--d-strategies IIG,GGG" in text and "planted in every run" in text
+    assert "check d.core: IIG, GGG exact" in text and "check d.rest" not in text
+    assert "with the passes' AOT backend" in text and "every row SKIP: needs CUDA" in text
+    # bad input: one line each
+    for args, words in ((["--plant", "issue-wait", "--device", "cpu"], "needs CUDA streams"),
+                        (["--plant", "typo"], "valid: missing-wait, issue-wait"),
+                        (["--d-strategies", "IIX"], "--d-strategies 'IIX' is invalid")):
+        p = _run(["--dry-run", *args])
+        lines = [x for x in p.stderr.splitlines() if x.strip()]
+        assert p.returncode == 2 and len(lines) == 1 and words in lines[0], p.stderr
 
 
 def test_parts_select_and_bad_parts_are_refused():
@@ -256,3 +285,57 @@ def test_memory_case_on_cpu_measures_peak_and_resident_states(cpu_mesh):
     assert r["resident"] == pytest.approx(r["states"], rel=0.05)
     assert r["peak"] > r["resident"] and r["expected"] == r["states"] + max(ws["working_set"], r["boundary"])
     assert r["ok"] == (abs(r["ratio"] - 1) <= checks.MEMORY_TOL)
+
+
+# ---- part (d) in its CPU mode: 4 gloo ranks, every collective through the stand-in ------------------
+class Rows(list):
+    """An Emitter stand-in: the rows a worker emits, by id."""
+
+    def __call__(self, row: dict) -> None:
+        self.append(row)
+
+    def by_id(self) -> dict:
+        return {r["id"]: r for r in self}
+
+
+def test_part_d_passes_on_cpu_and_a_planted_missing_wait_fails_it():
+    """The core strategies, the planted self-test and the compiled block pass; the same part with
+    a missing wait planted in every run fails every exactness row, with NaN in the results."""
+    from paro_fsdp.gpu_check import ranks
+
+    rows = Rows()
+    ranks.worker_d(rows, "cpu", 300, strategies=list(ranks.CORE))
+    by = rows.by_id()
+    assert set(by) == {"d.core", "d.plant.missing-wait", "d.plant.issue-wait", "d.compiled"}
+    assert by["d.core"]["status"] == checks.PASS, by["d.core"]["measured"]
+    assert by["d.core"]["measured"].startswith("6/6 exact")
+    for cid, case in by["d.core"]["data"]["cases"].items():  # every collective went through the stand-in and was waited
+        assert case["standin"]["works"] > 0 and case["standin"]["never_waited"] == 0, (cid, case["standin"])
+        assert case["param_diff"] <= checks.STREAMS_TOL["cpu"][2]
+    assert by["d.plant.missing-wait"]["status"] == checks.PASS, by["d.plant.missing-wait"]["measured"]
+    for cid, case in by["d.plant.missing-wait"]["data"]["cases"].items():
+        assert not case["ok"] and not case["finite"] and case["standin"]["never_waited"] > 0, cid
+    assert by["d.plant.issue-wait"]["status"] == checks.SKIP
+    compiled = by["d.compiled"]
+    assert compiled["status"] == checks.PASS, compiled["measured"]
+    graphs = compiled["data"]["cases"]["GGG+compiled"]["graph_collectives"]
+    assert graphs["forward all_gather/intra"] > 0 and graphs["backward reduce_scatter/inter"] > 0
+
+    planted = Rows()
+    ranks.worker_d(planted, "cpu", 300, strategies=["NNN", "IIG", "GGG"], plant="missing-wait", compiled=False)
+    by = planted.by_id()
+    assert by["d.core"]["status"] == checks.FAIL
+    assert by["d.core"]["measured"].startswith("0/3 exact") and "NaN reached" in by["d.core"]["measured"]
+    assert "d.compiled" not in by
+
+
+@pytest.mark.slow
+def test_part_d_every_strategy_on_cpu():
+    from paro_fsdp.gpu_check import ranks
+
+    rows = Rows()
+    ranks.worker_d(rows, "cpu", 600)
+    by = rows.by_id()
+    for cid in ("d.core", "d.plant.missing-wait", "d.compiled", "d.rest"):
+        assert by[cid]["status"] == checks.PASS, (cid, by[cid]["measured"])
+    assert by["d.rest"]["measured"].startswith("21/21 exact")

@@ -37,7 +37,8 @@ def init_fn(seed: int = 0, n_layers: int = 2) -> Callable[[str, Any], None]:
 
 class MemoryMeter:
     """Allocated bytes per phase, relative to the start of a session: on CUDA the caching
-    allocator's counters (``memory_allocated``, ``max_memory_allocated`` reset per phase); on CPU
+    allocator's counters (``memory_allocated``, ``max_memory_allocated`` reset per phase, and the
+    peak of ``max_memory_reserved``, absolute: what the allocator held from the driver); on CPU
     (only to exercise the code here) torch.profiler's allocation events, replayed in time order."""
 
     def __init__(self, device: str) -> None:
@@ -85,7 +86,8 @@ class MemoryMeter:
                 yield
                 torch.cuda.synchronize()
                 meter.phases[name] = {"start": start, "peak": torch.cuda.max_memory_allocated() - meter._base,
-                                      "end": torch.cuda.memory_allocated() - meter._base}
+                                      "end": torch.cuda.memory_allocated() - meter._base,
+                                      "reserved": float(torch.cuda.max_memory_reserved())}  # absolute, the allocator's pool
             else:
                 with torch.profiler.record_function(f"gpu_check::{name}"):
                     yield
@@ -192,4 +194,5 @@ def memory_case(mesh: Any, device: str, strategy: str, args: Any, batch: int, se
     if device == "cuda":
         torch.cuda.empty_cache()
     return {"strategy": strategy, "report": report, "resident": ph["step2"]["start"], "peak": ph["step2"]["peak"],
-            "peak_step1": ph["step1"]["peak"], "build_peak": ph["build"]["peak"], **exp, **within}
+            "peak_step1": ph["step1"]["peak"], "build_peak": ph["build"]["peak"], "reserved": ph["step2"].get("reserved"),
+            **exp, **within}

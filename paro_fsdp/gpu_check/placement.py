@@ -176,6 +176,7 @@ def worker_b(emit: Emitter, device: str) -> None:
             continue
         text = (f"peak {fmt_bytes(r['peak'])} = {r['ratio']:.3f} x expected {fmt_bytes(r['expected'])} (states "
                 f"{fmt_bytes(r['states'])} + {'working set' if r['working_set'] >= r['boundary'] else 'boundary'} "
-                f"{fmt_bytes(max(r['working_set'], r['boundary']))}); resident {fmt_bytes(r['resident'])}")
+                f"{fmt_bytes(max(r['working_set'], r['boundary']))}); resident {fmt_bytes(r['resident'])}"
+                + (f"; max reserved {fmt_bytes(r['reserved'])}" if r.get("reserved") else ""))
         emit(check("b", f"b.mem.{s}", name, PASS if r["ok"] else FAIL, text, f"within {MEMORY_TOL:.0%}",
                    unsharded=ws, **r))

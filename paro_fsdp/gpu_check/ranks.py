@@ -121,9 +121,11 @@ def judge_compiled(row: Row, done: dict[str, dict[str, Any]]) -> tuple[str, str]
     return (PASS if c["ok"] and has else FAIL), "graphs hold " + text
 
 
-def plan_rows(device: str, strategies: list[str], plant: Optional[str]) -> tuple[list[Row], list[list[dict[str, Any]]]]:
+def plan_rows(device: str, strategies: list[str], plant: Optional[str],
+              compiled: bool = True) -> tuple[list[Row], list[list[dict[str, Any]]]]:
     """Part (d)'s rows and the cases of its two worlds. ``strategies``: those trained exactly (the
-    core ones among them first); ``plant``: a bug planted in every case (``--plant``)."""
+    core ones among them first); ``plant``: a bug planted in every case (``--plant``);
+    ``compiled=False`` leaves out the compiled block (tests: it is the slow case on CPU)."""
     from .plants import PLANTS, plant_error
 
     core = [s for s in CORE if s in strategies]
@@ -137,15 +139,16 @@ def plan_rows(device: str, strategies: list[str], plant: Optional[str]) -> tuple
             rows.append(Row(f"d.plant.{p}", f"self-test: planted {p} makes {', '.join(PLANTED)} FAIL",
                             [c["id"] for c in cases], judge_planted, "every planted run fails"))
             world1 += cases
-    world2 = [_case(COMPILED, compiled=True)]
-    rows.append(Row("d.compiled", f"one compiled block ({COMPILED} layers.0, graph passes): collectives in graph, exact",
-                    [world2[0]["id"]], judge_compiled, "all_gather + reduce_scatter in graph"))
+    world2 = [_case(COMPILED, compiled=True)] if compiled else []
+    if compiled:
+        rows.append(Row("d.compiled", f"one compiled block ({COMPILED} layers.0, graph passes): collectives in graph, exact",
+                        [world2[0]["id"]], judge_compiled, "all_gather + reduce_scatter in graph"))
     if rest:
         rows.append(Row("d.rest", f"the other {len(rest)} strategies exact", rest, judge_exact, "loss/norm rel, param abs"))
         world2 += [_case(s) for s in rest]
     for c in world1 + world2:
         c["plant"] = c["plant"] or plant
-    return rows, [world1, world2]
+    return rows, [w for w in (world1, world2) if w]
 
 
 class Tracker:
@@ -199,8 +202,8 @@ class Tracker:
 
 
 def worker_d(emit: Emitter, device: str, timeout_s: float, strategies: Optional[list[str]] = None,
-             plant: Optional[str] = None) -> None:
-    """The parent of part (d): the reference (on ``device``), then the two worlds."""
+             plant: Optional[str] = None, compiled: bool = True) -> None:
+    """The parent of part (d): the reference (on ``device``), then the two worlds (``plan_rows``)."""
     from .plan import d_strategies
     from .plants import plant_error
     from .workload import WORLD, reference
@@ -208,7 +211,7 @@ def worker_d(emit: Emitter, device: str, timeout_s: float, strategies: Optional[
 
     t0 = time.monotonic()
     names = strategies or d_strategies(None)
-    rows, worlds = plan_rows(device, names, plant)
+    rows, worlds = plan_rows(device, names, plant, compiled)
     if plant_error("issue-wait", device):
         emit(check("d", "d.plant.issue-wait", "self-test: planted issue-wait makes NNN, IIG, GGG FAIL", SKIP,
                    "CPU has no streams: the side stream's wait for the compute stream exists on CUDA only"))
