@@ -1,0 +1,265 @@
+"""The pieces of gpu_check's parts (d) and (e) on CPU: the stand-in collectives on 4 real gloo ranks
+(poisoned until wait, exact after, eager and compiled, torch's kernels back after uninstall), the
+world launcher (messages as they come, a failing rank, a deadline), the planted bugs, the delay op,
+the comparison with the reference, and part (e)'s pure parts (the sync counter, the judges, the
+version row). Part (d) end to end: tests/test_gpu_check.py."""
+from __future__ import annotations
+
+import math
+import time
+import warnings
+
+import pytest
+import torch
+
+from dist_harness import run_world
+from paro_fsdp.gpu_check import checks, plants, sanitizer, standin, workload, world
+from paro_fsdp.gpu_check.plan import d_strategies
+
+
+# ---- the stand-in on 4 ranks -----------------------------------------------------------------------
+def standin_probe(_: object) -> dict:
+    """Every kind of stand-in op on the intra group of a 2 x 2 mesh: poisoned before wait_tensor,
+    equal to plain gloo after it."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    ops = torch.ops._c10d_functional
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("inter", "intra"))
+    intra = mesh.get_group("intra")
+    name, k, rank = intra.group_name, intra.size(), dist.get_rank()
+    x = torch.arange(6.0) + 10 * rank
+    gathered = torch.empty(6 * k)
+    dist.all_gather(list(gathered.chunk(k)), x, group=intra)
+    summed = x.clone()
+    dist.all_reduce(summed, group=intra)
+    mine = summed.chunk(k)[intra.rank()]
+    out: dict = {}
+    with standin.StandIn("cpu") as si:
+        ag = ops.all_gather_into_tensor(x, k, name)
+        out["gather"] = (bool(ag.isnan().all()), torch.equal(ops.wait_tensor(ag), gathered))
+        rs = ops.reduce_scatter_tensor(x, "avg", k, name)
+        out["reduce_scatter_avg"] = (bool(rs.isnan().all()), torch.allclose(ops.wait_tensor(rs), mine / k))
+        ar = ops.all_reduce(x, "sum", name)
+        out["all_reduce"] = (bool(ar.isnan().all()), torch.equal(ops.wait_tensor(ar), summed))
+        y = x.clone()
+        ops.all_reduce_(y, "sum", name)
+        out["all_reduce_"] = (bool(y.isnan().all()), torch.equal(ops.wait_tensor(y), summed))
+        ints = ops.all_gather_into_tensor(torch.arange(3) + rank, k, name)
+        out["int_poison"] = bool((ints == torch.iinfo(torch.int64).min).all())
+        ops.wait_tensor(ints)
+        pair = ops.all_gather_into_tensor_coalesced([x, 2 * x], k, name)
+        out["coalesced"] = (all(bool(t.isnan().all()) for t in pair),
+                            all(torch.equal(ops.wait_tensor(t), g) for t, g in zip(pair, (gathered, 2 * gathered))))
+        late = x.clone()
+        res = ops.all_gather_into_tensor(late, k, name)
+        late += 1000  # changed after the issue: the collective reads it at wait(), as late as NCCL may
+        out["reads_at_wait"] = bool((ops.wait_tensor(res) >= 1000).all())
+        f = torch.compile(lambda t: ops.wait_tensor(ops.all_gather_into_tensor(t, k, name)) * 2, backend="aot_eager",
+                          fullgraph=True)
+        out["compiled"] = torch.equal(f(x), 2 * gathered)
+        before = si.stats.snapshot()
+        ops.all_reduce(x, "sum", name)  # never waited, on every rank: never run, on any rank
+        out["never_waited"] = si.stats.since(before)["never_waited"]
+        out["issued"] = si.stats.snapshot()["issued"]
+    works = si.stats.works
+    back = ops.wait_tensor(ops.all_reduce(x, "sum", name))  # torch's kernel again
+    out["uninstalled"] = (torch.equal(back, summed), si.stats.works == works)
+    return out
+
+
+def test_standin_poisons_until_wait_and_is_exact_after():
+    for r in run_world(4, "test_gpu_check_streams:standin_probe"):
+        for key in ("gather", "reduce_scatter_avg", "all_reduce", "all_reduce_", "coalesced"):
+            assert r[key] == (True, True), (key, r[key])
+        assert r["int_poison"] and r["reads_at_wait"] and r["compiled"]
+        assert r["never_waited"] == 1
+        assert r["uninstalled"] == (True, True)
+        assert {"all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_reduce_",
+                "all_gather_into_tensor_coalesced"} <= r["issued"].keys()
+
+
+def test_poison_values_and_bad_input():
+    assert math.isnan(standin.poison_value(torch.float32)) and math.isnan(standin.poison_value(torch.bfloat16))
+    assert standin.poison_value(torch.int32) == -2**31 and standin.poison_value(torch.bool) is True
+    with pytest.raises(ValueError, match="device 'xpu' is invalid; valid: cpu, cuda"):
+        standin.StandIn("xpu")
+    with pytest.raises(ValueError, match="result_delay_cycles must be >= 0"):
+        standin.StandIn("cuda", -1)
+    with pytest.raises(ValueError, match="reduce op 'bogus' is not supported"):
+        standin.host_reduce(torch.ones(2), "bogus", None)
+
+
+# ---- the world launcher ------------------------------------------------------------------------------
+def world_target(payload: dict, send) -> dict:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    for i in range(payload["messages"]):
+        send({"rank": rank, "i": i})
+    if rank == payload.get("fail_rank"):
+        raise RuntimeError("planned failure")
+    if payload.get("hang"):
+        time.sleep(60)
+    return {"rank": rank}
+
+
+def test_world_streams_messages_and_stops_on_failure_or_deadline():
+    got: list = []
+    out = world.run_world(2, "test_gpu_check_streams:world_target", {"messages": 3}, "cpu", 60,
+                          lambda rank, msg: got.append((rank, msg["i"])))
+    assert out.done and sorted(got) == [(r, i) for r in range(2) for i in range(3)] and out.results[1] == {"rank": 1}
+    out = world.run_world(2, "test_gpu_check_streams:world_target", {"messages": 1, "fail_rank": 1, "hang": True},
+                          "cpu", 60, lambda rank, msg: None)
+    assert not out.done and not out.timed_out and "planned failure" in out.why()
+    assert out.seconds < 30  # rank 0 hangs: stopped after the grace period, not at the deadline
+    t0 = time.monotonic()
+    out = world.run_world(2, "test_gpu_check_streams:world_target", {"messages": 0, "hang": True}, "cpu", 3,
+                          lambda rank, msg: None)
+    assert out.timed_out and "deadline" in out.why() and time.monotonic() - t0 < 20
+
+
+# ---- the planted bugs ---------------------------------------------------------------------------------
+def test_plants_patch_the_engine_and_restore_it():
+    from paro_fsdp import comm, streams
+
+    wait, issue, swait = comm.Pending.wait, streams.CommStreams.issue, streams.CommStreams.wait
+    pending = comm.Pending(torch.ones(2), issued=True)
+    with plants.planted("missing-wait", "cpu"):
+        assert comm.Pending.wait is not wait and pending.wait() is pending.tensor
+        assert streams.CommStreams.wait(object()) is None
+    assert comm.Pending.wait is wait and streams.CommStreams.wait is swait and streams.CommStreams.issue is issue
+    with plants.planted(None, "cpu"):
+        assert comm.Pending.wait is wait
+    assert plants.plant_error(None, "cpu") is None and plants.plant_error("issue-wait", "cuda") is None
+    assert "needs CUDA streams" in plants.plant_error("issue-wait", "cpu")
+    assert "valid: missing-wait, issue-wait" in plants.plant_error("typo", "cuda")
+    with pytest.raises(ValueError, match="needs CUDA streams"):
+        with plants.planted("issue-wait", "cpu"):
+            pass
+
+
+def test_strategies_of_part_d():
+    from paro_fsdp import ALL_STRATEGIES
+
+    assert d_strategies(None) == [str(s) for s in ALL_STRATEGIES]
+    assert d_strategies("iig, GGG") == ["IIG", "GGG"]
+    for bad in ("IIX", ",", "IIG,NN"):
+        with pytest.raises(ValueError, match="is invalid"):
+            d_strategies(bad)
+
+
+# ---- the workload: delay op, comparison -------------------------------------------------------------
+def test_delay_op_is_a_copy_with_a_gradient_and_compiles_in_a_block():
+    x = torch.randn(3, requires_grad=True)
+    y = workload.delay(x, 0)
+    assert torch.equal(y, x) and y.data_ptr() != x.data_ptr()
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.ones(3))
+    model = workload.make_model()
+    workload.add_delays(model, 0)
+    tokens = workload.batch(0, 0, 0)
+    eager = model(tokens).loss
+    torch._dynamo.reset()
+    compiled = torch.compile(model.layers[0], backend="aot_eager", fullgraph=True)  # the hook's op stays in the graph
+    h = model.tok_embeddings(tokens[:, :-1])
+    cos, sin = model.rope_cos[: h.shape[1]], model.rope_sin[: h.shape[1]]
+    torch.testing.assert_close(compiled(h, cos, sin), model.layers[0](h, cos, sin))
+    assert torch.isfinite(eager)
+
+
+def _run_of(ref: dict, scale: float = 0.0, nan: bool = False) -> dict:
+    params = {k: v + scale for k, v in ref["params"].items()}
+    if nan:
+        params["output.weight"] = params["output.weight"].clone()
+        params["output.weight"][0, 0] = float("nan")
+    return {"losses": list(ref["losses"]), "norms": list(ref["norms"]), "params": params}
+
+
+def test_compare_against_the_reference():
+    ref = {"losses": [5.5, 5.4, 5.3], "norms": [1.0, 0.9, 0.8],
+           "params": {"output.weight": torch.zeros(4, 3), "norm.weight": torch.ones(3)}}
+    tol = checks.STREAMS_TOL["cpu"]
+    same = workload.compare(ref, {r: _run_of(ref) for r in range(4)}, tol)
+    assert same["ok"] and same["param_diff"] == 0 and same["ranks_diff"] == 0
+    off = workload.compare(ref, {0: _run_of(ref, 1e-4), **{r: _run_of(ref) for r in (1, 2, 3)}}, tol)
+    assert not off["ok"] and off["finite"] and off["param_diff"] == pytest.approx(1e-4, rel=1e-3)
+    nan = workload.compare(ref, {r: _run_of(ref, nan=(r == 3)) for r in range(4)}, tol)  # only one rank: still caught
+    assert not nan["ok"] and not nan["finite"] and nan["ranks_diff"] == math.inf
+    loss = {r: _run_of(ref) for r in range(4)}
+    loss[2]["losses"][1] = float("nan")
+    assert not workload.compare(ref, loss, tol)["finite"]
+
+
+# ---- part (e): CPU mode, sync counting, judges ---------------------------------------------------------
+class Rows(list):
+    def __call__(self, row: dict) -> None:
+        self.append(row)
+
+
+def test_part_e_skips_on_cpu_with_a_reason():
+    rows = Rows()
+    sanitizer.worker_e(rows, "cpu", 60)
+    assert [r["id"] for r in rows] == [cid for cid, _ in sanitizer.CHECKS]
+    assert all(r["status"] == checks.SKIP and "needs CUDA" in r["measured"] for r in rows)
+
+
+def test_sync_counter_records_where_each_synchronisation_was_made():
+    modes: list = []
+    counter = sanitizer.SyncCounter(1, 3, set_mode=modes.append)
+    guard = "/somewhere/" + sanitizer.GUARD_FILE
+
+    def step(n: int, extra: bool = False) -> None:
+        counter.hook(n)
+        warnings.warn_explicit("called a synchronizing CUDA operation", UserWarning, guard, 111)
+        if extra:
+            warnings.warn_explicit("called a synchronizing CUDA operation", UserWarning, "/x/paro_fsdp/optim.py", 80)
+        warnings.warn_explicit("something else", UserWarning, "/x/y.py", 1)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # step 0 is not counted (and must not leak out)
+        step(0)
+        step(1)
+        step(2, extra=True)
+        counter.hook(3)
+    assert modes == ["warn", 0]
+    got = checks.classify_syncs(counter.sites, sanitizer.GUARD_FILE)
+    assert got == {"expected": 2, "unexpected": 1, "sites": {"/x/paro_fsdp/optim.py:80": 1}}
+
+
+def _case(ok: bool = True, **rank: object) -> dict:
+    return {"ok": ok, "param_diff": 1e-7, "ranks": {r: dict(rank) for r in range(4)}}
+
+
+def test_part_e_judges():
+    guard = [("/r/" + sanitizer.GUARD_FILE, 111)] * 2
+    good = {s: _case(sanitizer=True, syncs=guard, allocated=5 << 20, reserved=20 << 20) for s in sanitizer.STRATEGIES}
+    assert sanitizer.judge_sanitizer(good)[0] == checks.PASS
+    assert sanitizer.judge_syncs(good, 2) == (checks.PASS, f"2 per run and rank, all from the non-finite guard "
+                                                           f"({sanitizer.GUARD_FILE})")
+    status, text = sanitizer.judge_memory(good)
+    assert status == checks.PASS and "NNN allocated 5.0 MiB, reserved 20.0 MiB" in text
+    off = dict(good, IIG=_case(sanitizer=False, syncs=guard))
+    assert sanitizer.judge_sanitizer(off)[0] == checks.FAIL
+    race = {"IIG": {"ok": False, "error": "CUDASanitizerErrors: detected 1 errors", "ranks": {0: {}}}}
+    assert sanitizer.judge_sanitizer(race) == (checks.FAIL, "sanitizer OFF in ['IIG']; IIG: CUDASanitizerErrors: "
+                                                            "detected 1 errors")
+    extra = dict(good, GGG=_case(syncs=guard + [("/r/paro_fsdp/optim.py", 80)]))
+    status, text = sanitizer.judge_syncs(extra, 2)
+    assert status == checks.FAIL and "other syncs 1: /r/paro_fsdp/optim.py:80 x1" in text
+    assert sanitizer.judge_syncs(dict(good, NNN=_case(syncs=guard[:1])), 2)[0] == checks.FAIL
+    assert sanitizer.judge_memory({"NNN": _case(allocated=0, reserved=0)})[0] == checks.FAIL
+    planted = {"ok": False, "ranks": {r: {"race": r < 2, "error": "CUDASanitizerErrors: x"} for r in range(4)}}
+    assert sanitizer.judge_self_test(planted) == (checks.PASS, "reported in 2/4 ranks: CUDASanitizerErrors: x")
+    assert sanitizer.judge_self_test({"ok": True, "ranks": {0: {"race": False}}})[0] == checks.FAIL
+
+
+@pytest.mark.parametrize("version, cuda, device, ok", [
+    ("2.11.0+cu130", "13.0", "cuda", True), ("2.14.1", "12.8", "cuda", True), ("2.13.0+cpu", None, "cpu", True),
+    ("2.13.0+cpu", None, "cuda", False), ("2.10.0+cu128", "12.8", "cuda", False), ("2.15.0", "13.0", "cuda", False),
+    ("nightly", "13.0", "cuda", False)])
+def test_version_row(version, cuda, device, ok):
+    got = checks.version_check(version, cuda, ((2, 11), (2, 14)), device)
+    assert got["ok"] == ok and (ok or got["why"])
+    if version == "2.10.0+cu128":
+        assert got["why"] == "torch 2.10 is outside 2.11..2.14"
