@@ -14,7 +14,7 @@ import torch
 
 from dist_harness import run_world
 from paro_fsdp.gpu_check import checks, plants, sanitizer, standin, workload, world
-from paro_fsdp.gpu_check.plan import d_strategies
+from paro_fsdp.gpu_check.ranks import d_strategies
 
 
 # ---- the stand-in on 4 ranks -----------------------------------------------------------------------

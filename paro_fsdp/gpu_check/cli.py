@@ -62,10 +62,10 @@ from pathlib import Path
 from typing import Optional
 
 from .checks import FAIL, SKIP, check
-from .plan import BUDGET_S, CLI, PARTS, REPO, TIMEOUTS, build_plan, d_strategies, format_plan
+from .plan import BUDGET_S, CLI, PARTS, REPO, TIMEOUTS, build_plan, format_plan
 from .placement import worker_b
 from .plants import plant_error
-from .ranks import worker_d
+from .ranks import d_strategies, worker_d
 from .report import Emitter, render_details, render_table, write_json
 from .runner import device_info, run_parts, version_row
 from .sanitizer import worker_e

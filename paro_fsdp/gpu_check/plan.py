@@ -8,7 +8,6 @@ is the longest of the first phase plus (c) plus the two 15 s stops: 170 + 260 + 
 from __future__ import annotations
 
 import argparse
-import itertools
 import shlex
 import sys
 from dataclasses import dataclass, field
@@ -128,7 +127,7 @@ def build_plan(parts: list[str], device: str, workdir: Path, opts: argparse.Name
 
 
 def _plan_d(device: str, worker: list[str], opts: argparse.Namespace) -> PartPlan:
-    from .ranks import COMPILED, DELAY_MS, PLANTED, RESULT_MS, plan_rows
+    from .ranks import COMPILED, DELAY_MS, PLANTED, RESULT_MS, d_strategies, plan_rows
 
     strategies = d_strategies(getattr(opts, "d_strategies", None))
     plant = getattr(opts, "plant", None)
@@ -162,18 +161,6 @@ def _plan_e(device: str, worker: list[str], opts: argparse.Namespace) -> PartPla
               "max_memory_reserved / max_memory_allocated per run"] if device == "cuda" else [f"every row SKIP: {SKIP_WHY}"])
     return PartPlan("e", f"CUDA sanitizer, sync debug mode and reserved memory on {device}", opts.timeout_e,
                     list(CHECKS), worker, notes=notes)
-
-
-def d_strategies(spec: str | None) -> list[str]:
-    """Part (d)'s strategies: all 27 (None), or a comma-separated list. Raises ValueError (one line)."""
-    names = ["".join(s) for s in itertools.product("NIG", repeat=3)]  # paro_fsdp.ALL_STRATEGIES, without the engine
-    if not spec:
-        return names
-    got = [x.strip().upper() for x in spec.split(",") if x.strip()]
-    bad = [x for x in got if x not in names]
-    if bad or not got:
-        raise ValueError(f"--d-strategies {spec!r} is invalid; valid: a comma-separated list of strategies like IIG,GGG")
-    return got
 
 
 def phase_order(side: list[str], alone: list[str]) -> str:

@@ -14,6 +14,7 @@ decides (a consumer that skips ``wait()`` reads NaN).
 """
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -29,6 +30,18 @@ COMPILED = "GGG"
 #: compute stream's lag between a collective's wait and its consumer (a stall and a block)
 DELAY_MS, RESULT_MS = 1.0, 4.0
 MARGIN_S = 10.0  # left of the part's timeout to report what did not finish
+
+
+def d_strategies(spec: str | None) -> list[str]:
+    """Part (d)'s strategies: all 27 (None), or a comma-separated list. Raises ValueError (one line)."""
+    names = ["".join(s) for s in itertools.product("NIG", repeat=3)]  # paro_fsdp.ALL_STRATEGIES, without the engine
+    if not spec:
+        return names
+    got = [x.strip().upper() for x in spec.split(",") if x.strip()]
+    bad = [x for x in got if x not in names]
+    if bad or not got:
+        raise ValueError(f"--d-strategies {spec!r} is invalid; valid: a comma-separated list of strategies like IIG,GGG")
+    return got
 
 
 # ---- inside a rank ----------------------------------------------------------------------------------
@@ -204,7 +217,6 @@ class Tracker:
 def worker_d(emit: Emitter, device: str, timeout_s: float, strategies: Optional[list[str]] = None,
              plant: Optional[str] = None, compiled: bool = True) -> None:
     """The parent of part (d): the reference (on ``device``), then the two worlds (``plan_rows``)."""
-    from .plan import d_strategies
     from .plants import plant_error
     from .workload import WORLD, reference
     from .world import run_world
