@@ -1,6 +1,7 @@
 """``python -m tools.gpu_check``: one command that checks the CUDA + NCCL path on one GPU (the
 trainer against CPU gloo, every engine buffer on the device, memory against ``memory_report``,
-tokens/s and MFU against FSDP2). ``cli.py`` says what each part checks.
+tokens/s and MFU against FSDP2, four ranks over the engine's streams with stand-in collectives, the
+CUDA sanitizer and the sync debug mode). ``cli.py`` says what each part checks.
 
   cli.py         the command line: parse, plan, run the parts, print the table, write the JSON
   plan.py        the parts, their timeouts and shapes, the trainer commands of part (a), --dry-run
@@ -11,6 +12,12 @@ tokens/s and MFU against FSDP2). ``cli.py`` says what each part checks.
   placement.py   part (b): every buffer of all 27 strategies on the device (fake 2 x 4 world)
   memory.py      part (b)'s memory cases, and the Llama shapes and seeded init (b) and (c) share
   throughput.py  part (c): tokens/s and MFU, PaRO vs FSDP2, eager and compiled
+  ranks.py       part (d): four gloo ranks on one device as 2 x 2, every strategy against one process
+  standin.py     part (d), (e): stand-in kernels for the functional collectives (poisoned until wait)
+  plants.py      part (d): the planted missing waits its self-test rows must catch
+  workload.py    part (d), (e): the uneven-vocabulary Llama, its reference, the compute-stream stalls
+  world.py       part (d), (e): the ranks (spawned on CUDA), results streamed back, a deadline
+  sanitizer.py   part (e): TORCH_CUDA_SANITIZER, set_sync_debug_mode, max_memory_reserved
 
 Nothing of the engine imports this package.
 """

@@ -1,16 +1,19 @@
 """One command that checks the CUDA + NCCL path on one GPU, in under 8 minutes on an H200.
 
-    python -m tools.gpu_check [--out gpu_check.json] [--parts a,b,c] [--workdir outputs/gpu_check]
+    python -m tools.gpu_check [--out gpu_check.json] [--parts a,b,c,d,e] [--workdir outputs/gpu_check]
     python -m tools.gpu_check --dry-run        # the plan and every command it would run; no GPU needed
 
 Why: ``torchrun --nproc-per-node 8 train.py --job.config_file train_configs/llama7b_paro.toml``
 is what users run on CUDA clusters, and none of that path had run on a GPU when this was written
 (the machine it was built on has no GPU). One GPU cannot show NCCL across ranks, but it can show
 everything else: the trainer with NCCL, every engine buffer on the device, memory against the
-engine's own accounting and throughput against FSDP2. Each part runs in its own subprocess with a
-timeout, so a crash or a hang in one part does not hide the others; (a) and (b) run side by side
-(neither measures time), then (c) alone. The table shows PASS / FAIL / SKIP and what was measured;
-``--out`` gets the same as JSON, and ``--workdir`` keeps every subprocess's log.
+engine's own accounting and throughput against FSDP2, and, with four processes sharing the GPU
+over gloo and stand-in collectives, that the engine's streams order every collective. Each part
+runs in its own subprocess with a timeout, so a crash or a hang in one part does not hide the
+others; (a), (b), (d) and (e) run side by side (none measures time), then (c) alone. The first row
+is the torch / CUDA / NCCL versions against ``paro_fsdp._compat.SUPPORTED_TORCH``. The table shows
+PASS / FAIL / SKIP and what was measured; ``--out`` gets the same as JSON, and ``--workdir`` keeps
+every subprocess's log.
 
 (a) The trainer on 1 GPU: ``train.py`` with the debug Llama (``train_configs/debug_paro.toml``, IIG,
     ``--parallelism.paro_group_size 1``: a 1 x 1 mesh), as subprocesses: the CPU reference with
@@ -45,10 +48,26 @@ timeout, so a crash or a hang in one part does not hide the others; (a) and (b) 
     GPU's dense bf16 peak (H100/H200: 989 TFLOP/s; ``--peak-tflops`` for others). All variants start
     from the same weights and data, so their first losses must agree (relative 1e-2).
 
-Time budget on an H200 (estimates: the path has not run yet): (a) ~2 min and (b) ~1 min side by
-side, then (c) ~3-4 min, most of it compiling 16 blocks. The timeouts (170, 120 and 260 s, and at
-most 15 s to stop a part) keep the whole run under 8 minutes; a part that times out keeps the
-checks it finished. If (c) runs out of time, ``--parts c --c-layers 8`` halves the compile work.
+(d) Four processes on the one GPU as a 2 x 2 mesh over gloo (NCCL refuses two ranks on one GPU);
+    the check registers stand-in kernels for the ``_c10d_functional`` collectives (``standin.py``:
+    poisoned outputs, the exact gloo result written at ``wait()``, in NCCL's stream order behind a
+    sleep) and stalls the compute stream, so a missing wait or a side stream that does not wait for
+    the compute stream changes the numbers. Every strategy (the core six first) trains 3 steps of
+    A = 2 on a Llama with a 258-row vocabulary (uneven shards) against one process; one compiled
+    block (GGG ``layers.0``, inductor + the passes) must hold collectives in its graphs and match
+    too; the planted missing waits (``plants.py``) must FAIL (self-test rows; ``--plant`` plants
+    one in every run). ``ranks.py`` says more.
+(e) ``TORCH_CUDA_SANITIZER=1`` in part (d)'s four ranks over NNN, IIG, GGG (and the planted missing
+    wait, which it must report), ``set_sync_debug_mode("warn")`` from step 2 (only the non-finite
+    guard's read expected), ``max_memory_reserved`` beside ``max_memory_allocated``
+    (``sanitizer.py``). SKIP on CPU.
+
+Time budget on an H200 (estimates: the path has not run yet): (a) ~2 min, (b) ~1 min, (d) ~2 min
+(compiling one block in four ranks is most of it) and (e) ~1-2 min side by side, then (c) ~3-4
+min, most of it compiling 16 blocks. The timeouts (170, 120, 170, 150, then 260 s, and at most
+15 s to stop a part: 460 s at worst) keep the whole run under 8 minutes; a part that times out
+keeps the checks it finished. If (c) runs out of time, ``--parts c --c-layers 8`` halves the
+compile work.
 
 Without a visible CUDA device it refuses (exit code 2, one line). Exit code 1 when a check fails.
 """
