@@ -20,6 +20,7 @@ import os
 import socket
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Optional
 
@@ -33,8 +34,8 @@ from paro_fsdp.mesh import device_type_for_backend, local_cuda_index
 from paro_fsdp.train.checkpoint import CheckpointError, CheckpointManager, SchedulerState, TrainState, load_model_weights
 from paro_fsdp.train.config import ConfigError, JobConfig, grad_accum_steps, group_size, help_text, parse_args, validate
 from paro_fsdp.train.data import build_dataloader, describe
-from paro_fsdp.train.faults import (NonFiniteGuard, TrainingStopped, collective_failure, nonfinite_masters, restart_store,
-                                    set_collective_timeout)
+from paro_fsdp.train.faults import (NonFiniteGuard, TrainingStopped, collective_failure, nonfinite_masters, report_sigterm,
+                                    restart_store, set_collective_timeout, sigterm_line)
 from paro_fsdp.train.lr import build_lr_scheduler
 from paro_fsdp.train.metrics import CommMeter, MetricsLogger, StepTimer, build_profiler, flops_per_token
 from paro_fsdp.train.parallelize import DTYPES, apply_compile, build_model, check_policy, model_args, parallelize
@@ -132,7 +133,7 @@ class Trainer:
             raise ConfigError(str(exc)) from None
         self.initial_load = None  # model weights only, when there is nothing to resume
         if self.resumed_from is None and c.initial_load_path:
-            self.initial_load = load_model_weights(self.model, c.initial_load_path, c.verify)
+            self.initial_load = load_model_weights(self.model, c.initial_load_path, c.verify, warn=_log)
 
         # ---- metrics, profiler ---------------------------------------------------------------
         if cfg.metrics.enable_tensorboard and importlib.util.find_spec("tensorboard") is None:
@@ -238,6 +239,8 @@ class Trainer:
         for name in self.checkpointer.removed:
             _log(f"removed {self.checkpointer.folder}/{name}: a save or prune that did not finish (the run stopped "
                  f"while writing it)")
+        for line in self.checkpointer.notes:  # damaged folders moved aside, later steps a resume replaces
+            _log(line)
         if self.resumed_from is not None:
             _log(f"resumed from {self.checkpointer.folder}/step-{self.resumed_from}")
         elif self.initial_load:
@@ -459,11 +462,17 @@ def run_estimate(cfg: JobConfig, world: Optional[int]) -> int:
     return 0
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: Optional[list[str]] = None, as_script: bool = False) -> int:
+    """The command line; ``as_script`` (``python train.py``, torchrun's workers): a SIGTERM ends
+    the process with one line and exit status 1 (``faults.report_sigterm``)."""
     argv = sys.argv[1:] if argv is None else argv
     is_rank0 = os.environ.get("RANK", "0") == "0"
     had_process_group = dist.is_initialized()
     trainer, failed = None, True
+    said = lambda: True  # noqa: E731 - under as_script: report_sigterm's (False: a SIGTERM's line is being written)
+    if as_script:
+        rank = int(os.environ.get("RANK", "0"))
+        said = report_sigterm(lambda: sigterm_line(rank, trainer.state.step if trainer is not None else 0), _error_line)
     try:
         cfg, cli = parse_args(argv)
         if cli.help:
@@ -485,8 +494,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             dist.destroy_process_group()
         return 2
     except (TrainingStopped, CheckpointError, CollectiveOrderError) as exc:  # the same decision on every rank: rank 0 says it
-        if is_rank0:
-            print(f"train.py: error: {exc}", file=sys.stderr, flush=True)
+        if said() and is_rank0:
+            _error_line(str(exc))
         if trainer is None and dist.is_initialized() and not had_process_group:
             dist.destroy_process_group()
         return 1
@@ -495,12 +504,37 @@ def main(argv: Optional[list[str]] = None) -> int:
         line = collective_failure(exc, int(os.environ.get("RANK", "0")), step, _timeout_of(trainer))
         if line is None:
             raise
-        print(f"train.py: error: {line}", file=sys.stderr, flush=True)  # every rank: the survivors say who saw what
+        if said():
+            _error_line(line)  # every rank: the survivors say who saw what
         return 1
     finally:
         if trainer is not None:
             trainer.close(failed=failed)
     return 0
+
+
+def _error_line(message: str) -> None:
+    """``train.py: error: <message>`` on stderr in one ``write`` of the whole line: survivors of a
+    lost peer all report at once, and ``print`` (two writes, unbuffered under torchrun's
+    ``PYTHONUNBUFFERED``) let two ranks' lines run together. One write to a pipe of at most
+    PIPE_BUF (4096) bytes is never interleaved; the message is cut below that."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    line = " ".join(f"train.py: error: {message}".split("\n"))[:3000] + "\n"
+    os.write(sys.stderr.fileno(), line.encode("utf-8", "replace"))
+
+
+def _leave(code: int) -> None:
+    """End the process with ``code``. A process group that is still initialised here belongs to
+    a run that failed (``Trainer.close(failed=True)`` leaves it: a peer may be gone): tearing it
+    down in the interpreter's exit can block on that peer or abort the process from a backend
+    thread (``terminate called without an active exception``, SIGABRT instead of the exit
+    status), so such a process leaves with ``os._exit`` once its output is flushed."""
+    if dist.is_initialized():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 def _timeout_of(trainer: Optional[Trainer]) -> float:
@@ -510,5 +544,16 @@ def _timeout_of(trainer: Optional[Trainer]) -> float:
     return c.train_timeout_seconds if trainer.state.step > (trainer.resumed_from or 0) + 1 else c.init_timeout_seconds
 
 
+def _run_as_script() -> None:
+    """``main`` as the process: the exit status, or a bug's traceback and status 1, through
+    ``_leave`` (never a teardown of a failed process group)."""
+    try:
+        code = main(as_script=True)
+    except BaseException:  # noqa: BLE001 - a bug (or Ctrl-C): its traceback must be seen, then leave
+        traceback.print_exc()
+        code = 1
+    _leave(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _run_as_script()

@@ -107,6 +107,27 @@ def test_no_full_unpickler_anywhere_in_the_project():
     assert len(files) > 30
 
 
+def test_every_checkpoint_load_goes_through_safe_load():
+    """DCP's ``load`` (its own reader unpickles ``.metadata`` with a full unpickler, its planner
+    every non-tensor value) is called in one place only: ``checkpoint_files.safe_load``. The
+    trainer's resume, ``checkpoint.initial_load_path`` and the torchtitan plug-in call that."""
+    files = [REPO / "train.py"] + [p for d in ("paro_fsdp", "passes", "tools") for p in (REPO / d).rglob("*.py")]
+    calls, users = [], set()
+    for path in files:
+        rel = str(path.relative_to(REPO))
+        tree = ast.parse(path.read_text(), rel)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.distributed.checkpoint"):
+                assert not {a.name for a in node.names} & {"load", "load_state_dict"}, f"{rel}:{node.lineno}"
+        for node, owner, name in _calls(tree):
+            if owner == "dcp" and name in ("load", "load_state_dict"):
+                calls.append(rel)
+            if name == "safe_load":
+                users.add(rel)
+    assert calls == ["paro_fsdp/train/checkpoint_files.py"], calls
+    assert {"paro_fsdp/train/checkpoint.py", "paro_fsdp/integrations/torchtitan.py"} <= users, users
+
+
 def test_a_full_disk_is_named_whichever_rank_saw_it():
     """A full disk reaches one rank as ENOSPC and another as torch's zip writer's short-write
     check; the save error names the disk, not the zip writer (seen on a CI machine)."""

@@ -88,7 +88,8 @@ def world4(tmp: str) -> dict[str, Any]:
     _poison_embedding(t, {3}, rank=1)
     losses = t.train()
     out["nan/skip"] = {"losses": losses, "skipped": t.guard.skipped, "masters": _masters(t),
-                       "saved": sorted(os.listdir(f"{tmp}/nan/checkpoint"))}
+                       "saved": sorted(os.listdir(f"{tmp}/nan/checkpoint")), "lr_steps": t.lr_scheduler.last_epoch,
+                       "adam_steps": sorted({float(st["step"]) for st in t.optimizer.inner.state.values()})}
     t.close()
     t = _trainer(["--training.steps", "2", "--checkpoint.enable", "false"])
     t.train()
@@ -151,8 +152,9 @@ def world4(tmp: str) -> dict[str, Any]:
     dist.barrier()
     out["ck/vocab"] = _error(lambda: _trainer(ck + ["--model.vocab_size", "300"]))
     t = _trainer(ck + ["--checkpoint.load_step", "2"])  # the fix the messages name works
-    out["ck/earlier"] = t.resumed_from
+    out["ck/earlier"] = (t.resumed_from, t.checkpointer.notes)
     t.close()
+    out.update(_bad_folders(tmp, f"{tmp}/ck/checkpoint"))
 
     # a full disk: a tmpfs with room for one checkpoint, not two
     size = sum(f.stat().st_size for f in Path(folder).iterdir())
@@ -179,6 +181,62 @@ def world4(tmp: str) -> dict[str, Any]:
     else:
         out["disk"] = None
     dist.barrier()
+    return out
+
+
+def _bad_folders(tmp: str, sound: str) -> dict[str, Any]:
+    """Copies of a sound checkpoint folder (steps 2 and 4) made hostile or damaged, each resumed
+    by the real trainer on every rank. The hostile ``.metadata`` runs ``touch ran-<pid>`` if
+    unpickled by anything but the safe reader; its manifest is rewritten to match."""
+    import contextlib
+    import io
+    import json
+    import zlib
+
+    import torch.distributed as dist
+
+    from hostile_pickles import cases
+
+    rank0, out = dist.get_rank() == 0, {}
+
+    def copy(name: str, damage) -> list[str]:
+        if rank0:
+            shutil.copytree(sound, f"{tmp}/{name}/checkpoint")
+            damage(f"{tmp}/{name}/checkpoint/step-4")
+        dist.barrier()
+        return ["--training.steps", "4", "--job.dump_folder", f"{tmp}/{name}", "--checkpoint.enable", "--checkpoint.interval", "2"]
+
+    def hostile(folder: str) -> None:
+        data = cases()["p4-GLOBAL-dotted"](f"{tmp}/hostile/ran-$$")  # $$: the pid of each rank's shell
+        Path(f"{folder}/.metadata").write_bytes(data)
+        manifest = json.loads(Path(f"{folder}/paro_manifest.json").read_text())
+        manifest["files"][".metadata"] = {"bytes": len(data), "crc32": zlib.crc32(data)}
+        Path(f"{folder}/paro_manifest.json").write_text(json.dumps(manifest))
+
+    args = copy("hostile", hostile)
+    out["hostile/resume"] = _error(lambda: _trainer(args))
+    out["hostile/initial"] = _error(lambda: _trainer(["--training.steps", "1", "--job.dump_folder", f"{tmp}/hostile_init",
+                                                      "--checkpoint.initial_load_path", f"{tmp}/hostile/checkpoint/step-4"]))
+    dist.barrier()
+    out["hostile/ran"] = sorted(n for n in os.listdir(f"{tmp}/hostile") if n.startswith("ran-"))
+
+    # the latest without .metadata: named in the log, moved aside, never overwritten; step 2 resumes
+    args = copy("nometa", lambda folder: os.remove(f"{folder}/.metadata"))
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        t = _trainer(args)
+    out["nometa/resume"] = (t.resumed_from, log.getvalue().splitlines() if rank0 else None)
+    t.train()
+    t.close()
+    out["nometa/after"] = sorted(os.listdir(f"{tmp}/nometa/checkpoint"))
+    out["nometa/kept"] = sorted(os.listdir(f"{tmp}/nometa/checkpoint/step-4.damaged"))
+
+    # the latest without its manifest: refused naming the flag; the flag loads it
+    args = copy("nomanifest", lambda folder: os.remove(f"{folder}/paro_manifest.json"))
+    out["nomanifest/refused"] = _error(lambda: _trainer(args))
+    t = _trainer(args + ["--checkpoint.verify", "false"])
+    out["nomanifest/unverified"] = t.resumed_from
+    t.close()
     return out
 
 
@@ -216,20 +274,30 @@ def test_killed_while_saving_then_hung_rank_restarts_and_continues_exactly(world
         n = len(run.lines)
         run.signal(2, 0, signal.SIGKILL)
         killed = time.monotonic()
-        i, _ = run.wait_for(r"another rank died", after=n)  # a survivor says so in one line
+        i, _ = run.wait_for(r"another rank died|stopped by SIGTERM", after=n)  # a survivor says so in one line
         i, resumed = run.wait_for(r"resumed from .*/step-4$", after=i)
         restart_s = resumed - killed
+        kill_window = [line for _, line in run.lines[n:i]]
         # attempt 1: rank 1 hangs after step 10
         i, _ = run.wait_for(rf"^step\s+10/{STEPS}", after=i)
+        n = len(run.lines)
         run.signal(1, 1, signal.SIGSTOP)
         stopped = time.monotonic()
         i, timed_out = run.wait_for(r"collective timed out after 5 s \(comm.train_timeout_seconds\)", after=i)
         run.signal(1, 1, signal.SIGCONT)  # lets it take torchrun's SIGTERM now, not after torchrun's grace period
         i, _ = run.wait_for(r"resumed from .*/step-8$", after=i)
+        hang_window = [line for _, line in run.lines[n:i]]
         assert run.finish() == 0, run.output()[-4000:]
     finally:
         run.stop()
     assert timed_out - stopped < timeout_s + 10
+    # every survivor ends with its own one line (its failure, or torchrun's SIGTERM), whole, and no traceback
+    for window, survivors, gone in ((kill_window, {0, 1, 3}, 2), (hang_window, {0, 2, 3}, 1)):
+        said = [line for line in window if "train.py: error" in line]
+        assert all(line.startswith("train.py: error: rank ") and line.count("train.py:") == 1 for line in said), said
+        ranks = sorted(int(line.split()[3]) for line in said)
+        assert sorted(set(ranks) - {gone}) == sorted(survivors) and ranks.count(gone) <= 1 and len(set(ranks)) == len(ranks), said
+        assert not [line for line in window if "Traceback" in line or "terminate called" in line], window
     attempts = losses_by_attempt(f"{dump}/metrics.jsonl")
     assert [min(a) for a in attempts] == [1, 5, 9] and max(attempts[-1]) == STEPS
     for a in attempts:  # bit-identical to the uninterrupted run, before and after each restart
@@ -258,6 +326,48 @@ def test_killed_mid_step_restarts_from_latest_checkpoint(world, tmp):
         assert a == {s: world["reference"][s] for s in a}
 
 
+def test_every_timeout_text_is_named_a_timeout():
+    """gloo fails the other operations pending on a pair that timed out with "Application timeout
+    caused pair closure": unrecognised, it left a traceback and an unclean exit (seen in a hang)."""
+    from paro_fsdp.train.faults import collective_failure
+
+    for text in ("[../gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 5000ms for recv operation to complete",
+                 "Application timeout caused pair closure",
+                 "[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, OpType=ALLREDUCE)"):
+        line = collective_failure(RuntimeError(text), 3, 7, 5.0)
+        assert line and line.startswith("rank 3 at step 7: a collective timed out after 5 s"), text
+    assert collective_failure(RuntimeError("Connection closed by peer [127.0.0.1]:1"), 0, 1, 5.0).startswith(
+        "rank 0 at step 1: another rank died")
+    assert collective_failure(RuntimeError("shape mismatch"), 0, 1, 5.0) is None  # a bug keeps its traceback
+
+
+def test_sigterm_while_blocked_in_a_collective_wait_says_one_line_and_exits_1(tmp_path):
+    """torchrun SIGTERMs every rank once one failed; a rank blocked in C++ (here a store wait,
+    the GIL released, as in a collective's wait) still says why it stops, exits 1, and says it
+    once even when its own line was written first (``said``)."""
+    script = f"""
+import datetime, os, sys, time
+sys.path.insert(0, {str(REPO)!r})
+import torch.distributed as dist
+from paro_fsdp.train.faults import report_sigterm
+said = report_sigterm(lambda: "stopped: rank 0", lambda line: os.write(2, (line + "\\n").encode()))
+if sys.argv[1] == "said":
+    assert said()
+    os.write(2, b"own line\\n")
+store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=datetime.timedelta(seconds=120))
+print("waiting", flush=True)
+store.wait(["never"])
+"""
+    for mode in ("blocked", "said"):
+        proc = subprocess.Popen([sys.executable, "-c", script, mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "waiting"
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 1, (mode, proc.returncode, err)
+        assert err.splitlines() == (["stopped: rank 0"] if mode == "blocked" else ["own line"]), (mode, err)
+
+
 # ---- non-finite steps ---------------------------------------------------------------------------
 def test_nan_step_is_skipped_named_and_leaves_the_weights(world):
     import torch
@@ -268,6 +378,8 @@ def test_nan_step_is_skipped_named_and_leaves_the_weights(world):
     for k, v in world["nan/two_steps"].items():  # step 3 changed nothing: the weights of a 2-step run
         torch.testing.assert_close(got["masters"][k], v, rtol=0, atol=0, msg=k)
     assert got["saved"] == ["step-3"]  # saved after the last step, with finite masters
+    # the lr schedule follows the step number (3 steps), Adam's step count the updates made (2)
+    assert got["lr_steps"] == 3 and got["adam_steps"] == [2.0], (got["lr_steps"], got["adam_steps"])
 
 
 def test_nan_stop_and_consecutive_limit(world):
@@ -291,13 +403,51 @@ def test_damaged_checkpoint_names_the_file_and_the_earlier_step(world):
         assert msg.startswith("CheckpointError: checkpoint ") and "step-4 is damaged: " in msg, msg
         assert what in msg and "--checkpoint.load_step 2" in msg and "\n" not in msg, msg
     assert "truncated" in world["ck/truncated"]
-    assert world["ck/earlier"] == 2
+    assert world["ck/earlier"][0] == 2
 
 
 def test_checkpoint_of_another_vocabulary_is_refused(world):
+    """The hint fits the cause: an earlier step of the same run has the same vocabulary, so the
+    fix is this model's options or another folder, never ``--checkpoint.load_step``."""
     msg = world["ck/vocab"]
     assert "does not fit this model" in msg and ("output.weight" in msg or "tok_embeddings.weight" in msg), msg
-    assert "its vocabulary has 258 rows, this model 300" in msg and "--checkpoint.load_step 2" in msg
+    assert "its vocabulary has 258 rows, this model 300" in msg and "\n" not in msg, msg
+    assert "model.tokenizer, model.vocab_size" in msg and "set job.dump_folder to another folder" in msg, msg
+    assert "--checkpoint.load_step" not in msg, msg
+
+
+def test_an_earlier_step_names_the_later_ones_it_replaces(world):
+    resumed_from, notes = world["ck/earlier"]
+    assert resumed_from == 2
+    assert len(notes) == 1 and notes[0].startswith("checkpoint.load_step 2: the later checkpoints step-4 in "), notes
+    assert "will be overwritten or pruned as this run saves" in notes[0]
+
+
+def test_hostile_checkpoint_runs_nothing_on_any_rank(world):
+    """A ``.metadata`` whose dotted GLOBAL reaches ``os.system`` (the manifest rewritten to match)
+    is refused on all 4 ranks in one line, at resume and as ``initial_load_path``; no rank ran it."""
+    for key in ("hostile/resume", "hostile/initial"):
+        msg = world[key]
+        assert msg.startswith("CheckpointError: checkpoint") and " is refused: " in msg and "\n" not in msg, msg
+        assert "global torch.distributed.checkpoint.metadata os.system: a dotted name" in msg, msg
+    assert "--checkpoint.load_step 2" in world["hostile/resume"]
+    assert world["hostile/ran"] == []
+
+
+def test_latest_without_metadata_is_named_moved_aside_and_kept(world):
+    resumed_from, log = world["nometa/resume"]
+    assert resumed_from == 2
+    named = [line for line in log if "step-4 is damaged (no .metadata: DCP cannot load it)" in line]
+    assert len(named) == 1 and "moved aside to " in named[0] and named[0].endswith("so that no save overwrites it"), log
+    assert world["nometa/after"] == ["step-2", "step-4", "step-4.damaged"]  # step 4 retrained and saved beside it
+    assert "__1_0.distcp" in world["nometa/kept"] and ".metadata" not in world["nometa/kept"]
+
+
+def test_latest_without_manifest_is_refused_naming_the_flag(world):
+    msg = world["nomanifest/refused"]
+    assert msg.startswith("CheckpointError: checkpoint ") and "step-4 has no paro_manifest.json" in msg, msg
+    assert "load it unverified with --checkpoint.verify false, or load an earlier one with --checkpoint.load_step 2" in msg
+    assert world["nomanifest/unverified"] == 4
 
 
 def test_full_disk_keeps_the_previous_checkpoint(world):

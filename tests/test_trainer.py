@@ -314,7 +314,8 @@ def test_checkpoints_pruned_and_incomplete_ones_ignored(first):
     assert first["resume/kept"] == ["step-3", "step-4", "step-5", "step-6"]
     resumed_from, losses, left = first["resume/latest"]
     assert resumed_from == 6 and losses == {}
-    assert "step-9.tmp" not in left and "step-12" in left  # crash debris removed, metadata-less folder skipped
+    assert "step-9.tmp" not in left and "step-12" not in left  # crash debris removed; the metadata-less folder
+    assert "step-12.damaged" in left  # is moved aside (named in the log), never loaded nor overwritten
 
 
 @pytest.mark.compat

@@ -24,6 +24,10 @@ loop. What changes, and why:
 - ``ParoTrainer`` tells the model which micro-batch is the last (``set_is_last_backward``), and
   computes torchtitan's chunked loss unchunked: the chunks call ``lm_head`` outside the model's
   forward, where its sharded weight is not gathered.
+- Its checkpointer reads through ``paro_fsdp.train.checkpoint_files.safe_load`` (``safe_dcp_load``),
+  with or without ``paro.enable``: torchtitan's own ``dcp.load`` unpickles ``.metadata`` and
+  every non-tensor value with a full unpickler, so a crafted resume or ``initial_load_path``
+  folder would run code on every rank.
 
 Not supported (a clear error at start-up): tensor, pipeline, context and expert parallelism,
 HSDP replicate degrees (PaRO's group size replaces them), and optimizer param groups by regex
@@ -48,8 +52,9 @@ from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.trainer import Trainer
 
 from paro_fsdp import MixedPrecision, ParoOptimizer, init_paro_mesh, paro_shard
+from paro_fsdp.train.checkpoint_files import safe_load
 
-__all__ = ["ParoConfig", "ParoOptimizersContainer", "ParoTrainer", "parallelize_paro",
+__all__ = ["ParoConfig", "ParoOptimizersContainer", "ParoTrainer", "parallelize_paro", "safe_dcp_load",
            "llama3_debug_paro", "llama3_8b_paro", "llama3_70b_paro", "to_paro"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -278,10 +283,31 @@ class ParoOptimizersContainer(OptimizersContainer):
 
 
 # ---- the trainer ----------------------------------------------------------------------------
+def safe_dcp_load(checkpointer: Any, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool,
+                  from_quantized: bool) -> None:
+    """torchtitan 0.3's ``CheckpointManager.dcp_load``, step for step, with ``safe_load`` in place
+    of ``dcp.load``: DCP folders through the safe reader and planner, Hugging Face safetensors
+    through torch's ``HuggingFaceStorageReader`` (tensors and a JSON header) with the safe planner."""
+    from torchtitan.components.checkpointer.base import MODEL
+
+    if from_hf:
+        adapter = checkpointer.sd_adapter
+        if adapter is None:
+            raise ValueError("loading a checkpoint in HF safetensors format needs the model's state dict adapter")
+        hf_state_dict = adapter.to_hf(state_dict)
+        safe_load(hf_state_dict, storage_reader=adapter.get_hf_storage_reader(checkpoint_id, from_quantized))
+        checkpointer.states[MODEL].load_state_dict(adapter.from_hf(hf_state_dict))
+    else:
+        safe_load(state_dict, checkpoint_id)
+        if MODEL in checkpointer.states:  # torchtitan flattens the model's states into state_dict
+            checkpointer.states[MODEL].load_state_dict(state_dict)
+
+
 class ParoTrainer(Trainer):
     """torchtitan's ``Trainer`` with a ``paro`` config section. With ``paro.enable`` it swaps
     in ``parallelize_paro`` and ``ParoOptimizersContainer``, marks the last micro-batch of each
-    step, and logs the norm the container clipped by; without, it is torchtitan's trainer."""
+    step, and logs the norm the container clipped by; without, it is torchtitan's trainer.
+    Either way its checkpoints are read with ``safe_dcp_load`` (no code runs from a folder)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
@@ -311,6 +337,7 @@ class ParoTrainer(Trainer):
                 # not gathered its weight: compute the same loss unchunked
                 config.loss = config.loss.loss_fn
         super().__init__(config)
+        self._read_checkpoints_safely()
         if config.paro.enable:
             self.titan_log = self.metrics_processor.log
 
@@ -320,6 +347,12 @@ class ParoTrainer(Trainer):
                                       extra_metrics=extra_metrics)
 
             self.metrics_processor.log = log_paro_norm
+
+    def _read_checkpoints_safely(self) -> None:
+        """Route the checkpointer's loads (resume, ``initial_load_path``, HF) through
+        ``safe_dcp_load``; it is set up in ``Trainer.__init__`` and loads only in ``train()``."""
+        if callable(getattr(self.checkpointer, "dcp_load", None)):  # the DCP checkpointer (the only one that loads in 0.3)
+            self.checkpointer.dcp_load = partial(safe_dcp_load, self.checkpointer)
 
     def train_step(self, data_iterator: Any) -> None:
         self._micro = 0

@@ -20,13 +20,22 @@ is renamed to ``.tmp`` before it is deleted, for the same reason.
 Why verified: each save also writes a manifest of file sizes and CRC32s, checked before a
 load, and the checkpoint's shapes are compared with this model's (checkpoint_files.py), so a
 damaged file or another model's checkpoint stops the run with one line, never loads partly.
+A ``step-<N>`` folder without the manifest is refused (``--checkpoint.verify false`` loads it
+unverified): this trainer never renames a folder into place before its manifest is written, so
+one without it was copied incompletely or written by something else.
+
+Why damage is moved aside: a ``step-<N>`` folder without DCP's ``.metadata`` cannot be loaded by
+anyone. Skipping it silently would resume from an earlier step and, N steps later, overwrite
+the evidence; so it is renamed ``step-<N>.damaged`` (never loaded, never pruned, never
+overwritten), the log says so in one line, and the run resumes from the latest complete one.
 """
 from __future__ import annotations
 
 import os
 import re
 import shutil
-from typing import Any, Optional
+import warnings
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -35,8 +44,8 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .checkpoint_files import (CheckpointError, SafeLoadPlanner, SafeReader, disk_failure, first_line, shape_problem, verify,
-                               write_manifest)
+from .checkpoint_files import (MANIFEST, CheckpointError, SafeReader, disk_failure, first_line, safe_load, shape_problem,
+                               verify, write_manifest)
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -80,16 +89,41 @@ class TrainState:
             torch.cuda.set_rng_state(state["rng_cuda"].cpu(), self.device)
 
 
-def list_checkpoints(folder: str) -> dict[int, str]:
-    """Complete checkpoints in ``folder``: step -> path (a ``.tmp`` folder is never complete)."""
-    out = {}
+def scan_checkpoints(folder: str) -> tuple[dict[int, str], dict[int, tuple[str, str]]]:
+    """The ``step-<N>`` entries of ``folder``: (complete: step -> path, damaged: step -> (path,
+    why it cannot be loaded)). Complete means DCP's ``.metadata`` is there (a ``.tmp`` folder,
+    a save in progress, is neither); whether its files are intact is ``verify``'s question."""
+    complete: dict[int, str] = {}
+    damaged: dict[int, tuple[str, str]] = {}
     if os.path.isdir(folder):
         for name in os.listdir(folder):
             m = _STEP_DIR.match(name)
+            if not m:
+                continue
             path = os.path.join(folder, name)
-            if m and os.path.isfile(os.path.join(path, ".metadata")):
-                out[int(m.group(1))] = path
-    return dict(sorted(out.items()))
+            if not os.path.isdir(path):
+                damaged[int(m.group(1))] = (path, "not a folder")
+            elif not os.path.isfile(os.path.join(path, ".metadata")):
+                damaged[int(m.group(1))] = (path, "no .metadata: DCP cannot load it")
+            else:
+                complete[int(m.group(1))] = path
+    return dict(sorted(complete.items())), dict(sorted(damaged.items()))
+
+
+def list_checkpoints(folder: str) -> dict[int, str]:
+    """Complete checkpoints in ``folder``: step -> path (see ``scan_checkpoints``)."""
+    return scan_checkpoints(folder)[0]
+
+
+def move_aside(path: str) -> str:
+    """Rename ``path`` to ``<path>.damaged`` (``.damaged-2``, ... if taken) and return the new
+    path: out of every step listing, kept for inspection."""
+    target, n = f"{path}.damaged", 1
+    while os.path.lexists(target):
+        n += 1
+        target = f"{path}.damaged-{n}"
+    os.rename(path, target)
+    return target
 
 
 class CheckpointManager:
@@ -102,12 +136,16 @@ class CheckpointManager:
         self.states, self.verify = states, verify
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.removed: list[str] = []  # leftovers of a save (or prune) that crashed, removed here
+        self.notes: list[str] = []  # one line each, for the log: damaged folders moved aside, steps a resume replaces
         if self.enabled and self.rank == 0:
             os.makedirs(self.folder, exist_ok=True)
             for name in sorted(os.listdir(self.folder)):
                 if name.endswith(".tmp"):
                     shutil.rmtree(os.path.join(self.folder, name), ignore_errors=True)
                     self.removed.append(name)
+            for path, why in scan_checkpoints(self.folder)[1].values():
+                self.notes.append(f"checkpoint {path} is damaged ({why}): not loaded; moved aside to {move_aside(path)} "
+                                  f"so that no save overwrites it")
         self._barrier()
 
     def _barrier(self) -> None:
@@ -130,10 +168,19 @@ class CheckpointManager:
                 f"valid: -1 or one of {sorted(found)}"
             )
         path = found[step]
-        others = [s for s in found if s != step]
-        fix = (f"load an earlier one with --checkpoint.load_step {max(others)} (complete: {others}), or move {path} away"
-               if others else f"move {path} away to start from step 0")
-        _checked_load(path, lambda metadata: (self.states, "optimizer.master."), self.verify, f"checkpoint {path}", f"; {fix}")
+        earlier = [s for s in found if s < step]
+        damage_fix = (f"; load an earlier one with --checkpoint.load_step {max(earlier)} (complete: {earlier}), "
+                      f"or move {path} away" if earlier else f"; move {path} away to start from step 0")
+        later = [s for s in found if s > step]
+        if later:
+            self.notes.append(f"checkpoint.load_step {step}: the later checkpoints {', '.join(f'step-{s}' for s in later)} "
+                              f"in {self.folder} will be overwritten or pruned as this run saves (move them away to keep them)")
+        unverified_fix = "; load it unverified with --checkpoint.verify false, or " + (
+            f"load an earlier one with --checkpoint.load_step {max(earlier)}" if earlier else f"move {path} away to start from step 0")
+        misfit_fix = (f"; use the model options of the run that wrote it ({_MODEL_KEYS}), or set job.dump_folder to another "
+                      f"folder to train this model from step 0 (an earlier step of that run has the same shapes)")
+        _checked_load(path, lambda metadata: (self.states, "optimizer.master."), self.verify, f"checkpoint {path}",
+                      damage_fix=damage_fix, misfit_fix=misfit_fix, unverified_fix=unverified_fix, warn=None)
         return step
 
     def latest_hint(self) -> str:
@@ -177,11 +224,18 @@ class CheckpointManager:
         return final
 
 
-def load_model_weights(model: torch.nn.Module, path: str, verify_files: bool = True) -> str:
+_MODEL_KEYS = "model.flavor, model.tokenizer, model.vocab_size"  # what decides a checkpoint's shapes
+
+
+def load_model_weights(model: torch.nn.Module, path: str, verify_files: bool = True,
+                       warn: Optional[Callable[[str], None]] = None) -> str:
     """Load model weights only from the DCP folder ``path`` into a ``paro_shard`` model, whose
     ``load_state_dict`` then refreshes the fp32 masters (else the next step would push the old
     masters back). Keys are parameter names, or ``optimizer.master.<name>`` in a checkpoint of
-    this trainer (its fp32 masters: exact). Returns which of the two it was. Collective."""
+    this trainer (its fp32 masters: exact). Returns which of the two it was. Collective.
+
+    A folder without this trainer's manifest (torchtitan's, plain DCP's) loads, since that is
+    what such folders are; ``warn`` gets one line saying its files could not be verified."""
     if not os.path.isfile(os.path.join(path, ".metadata")):
         raise CheckpointError(f"checkpoint.initial_load_path = {path!r} is not a DCP checkpoint folder (no .metadata); "
                               f"valid: a folder written by torch.distributed.checkpoint, e.g. a step-N folder")
@@ -194,26 +248,41 @@ def load_model_weights(model: torch.nn.Module, path: str, verify_files: bool = T
         own[0] = any(k.startswith("optimizer.master.") for k in metadata.state_dict_metadata)
         return ({"optimizer": {"master": weights}}, "optimizer.master.") if own[0] else (weights, "")
 
-    _checked_load(path, target, verify_files, f"checkpoint.initial_load_path {path}", "")
+    _checked_load(path, target, verify_files, f"checkpoint.initial_load_path {path}", damage_fix="",
+                  misfit_fix=f"; point it at a checkpoint of this model, or use the model options of the run that wrote it "
+                             f"({_MODEL_KEYS})",
+                  unverified_fix=None, warn=warn or (lambda line: warnings.warn(line, stacklevel=3)))
     model.load_state_dict(weights, strict=False)
     return "the fp32 masters of a paro-fsdp checkpoint" if own[0] else "model weights"
 
 
-def _checked_load(path: str, target, verify_files: bool, what: str, fix: str) -> None:
+def _checked_load(path: str, target: Callable[[Any], tuple[Any, str]], verify_files: bool, what: str, *, damage_fix: str,
+                  misfit_fix: str, unverified_fix: Optional[str], warn: Optional[Callable[[str], None]]) -> None:
     """Verify ``path`` against its manifest, compare its shapes with the state ``target(metadata)``
-    returns (with the key prefix to compare), then load it with the safe reader and planner.
-    Every failure is one ``CheckpointError`` starting with ``what`` and ending with ``fix``. Collective."""
+    returns (with the key prefix to compare), then load it with ``safe_load``. Every failure is
+    one ``CheckpointError`` starting with ``what`` and ending with the fix that fits its cause:
+    ``damage_fix`` (damaged files), ``misfit_fix`` (another model). Without a manifest (and
+    ``verify_files``): refused with ``unverified_fix``, or, given ``warn``, loaded after one
+    warning line. Collective."""
+    if verify_files and not os.path.isfile(os.path.join(path, MANIFEST)):
+        if warn is None:
+            raise CheckpointError(f"{what} has no {MANIFEST}, so its files cannot be verified (this trainer writes one with "
+                                  f"every save: the folder was copied incompletely or written by another tool){unverified_fix}")
+        warn(f"{what} has no {MANIFEST} (folders written by torchtitan or plain DCP have none): its files could not be "
+             f"verified against checksums; loading it, its shapes checked (--checkpoint.verify true)")
     problem = verify(path) if verify_files else None
     if problem:
-        raise CheckpointError(f"{what} is damaged: {problem}{fix}")
+        raise CheckpointError(f"{what} is damaged: {problem}{damage_fix}")
     reader = SafeReader(path)
-    metadata = reader.read_metadata()
+    try:
+        metadata = reader.read_metadata()
+    except CheckpointError as exc:
+        raise CheckpointError(f"{what} is refused: {exc}{damage_fix}") from None
     state, scope = target(metadata)
     problem = shape_problem(metadata, state, scope)
     if problem:
-        raise CheckpointError(f"{what} does not fit this model: {problem}{fix}")
+        raise CheckpointError(f"{what} does not fit this model: {problem}{misfit_fix}")
     try:
-        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
+        safe_load(state, storage_reader=reader)
     except CheckpointException as exc:  # DCP wraps every rank's failure (ours included)
-        raise CheckpointError(f"{what} failed to load: {first_line(exc)}{fix}") from None
-
+        raise CheckpointError(f"{what} failed to load: {first_line(exc)}{damage_fix}") from None

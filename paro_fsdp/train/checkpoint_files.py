@@ -3,21 +3,27 @@ shapes, and nothing in it that executes code.
 
 Why: DCP stores no checksums, so a truncated or bit-flipped shard loads as wrong weights, and a
 checkpoint of a larger model loads silently into the matching subset of a smaller one. DCP also
-unpickles ``.metadata`` and every non-tensor value with a full unpickler, so a crafted folder
-could run code; here ``.metadata`` is read by an unpickler that knows only DCP's own metadata
-classes, and every non-tensor value must pass ``torch.load(weights_only=True)`` first.
+unpickles ``.metadata`` and every non-tensor value with a full unpickler, and a pickle can call
+anything it can name: a crafted folder would run code on every rank. So ``safe_load`` is the
+one way this project reads a checkpoint (the trainer's resume, ``checkpoint.initial_load_path``,
+the torchtitan plug-in, safetensors): ``.metadata`` is unpickled by an unpickler that resolves
+only the exact classes DCP's metadata is made of (looked up in a table, never imported or
+reached through an attribute), and every non-tensor value is deserialised by
+``torch.load(weights_only=True)`` alone, its result handed to DCP's planner.
 """
 from __future__ import annotations
 
 import io
 import json
 import os
+import pathlib
 import pickle
 import zlib
 from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
@@ -45,41 +51,98 @@ class CheckpointError(RuntimeError):
 
 
 # ---- .metadata without arbitrary code --------------------------------------------------------
-_ALLOWED = {
-    "torch.distributed.checkpoint.metadata": None,  # any class defined there
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},
-    "torch": {"Size"},
-    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
-    "collections": {"OrderedDict"},
-}
+def _metadata_globals() -> dict[tuple[str, str], Any]:
+    """(module, name) -> object for every global a DCP ``.metadata`` pickle names, and nothing
+    else: DCP's metadata dataclasses, the file system writer's ``_StorageInfo``, ``torch.Size``,
+    the real ``torch.dtype`` objects, the layout lookup ``torch.serialization._get_layout`` (a
+    dict lookup of torch's layouts) and the path classes of ``StorageMeta.checkpoint_id``.
+
+    Why a table: ``pickle.Unpickler.find_class`` imports the module and, from protocol 4 on,
+    follows dotted names, so allowing "a module" allows everything it imports (``os.system`` is
+    an attribute of DCP's metadata module). Each object here only stores its arguments when
+    called (REDUCE / NEWOBJ / OBJ / INST) or when given state (BUILD), and an argument that
+    would do more needs a global of its own, which is refused."""
+    from torch.distributed.checkpoint import filesystem, metadata as md
+
+    table: dict[tuple[str, str], Any] = {}
+    for cls in (md.Metadata, md.MetadataIndex, md.StorageMeta, md.TensorProperties, md.TensorStorageMetadata,
+                md.BytesStorageMetadata, md.ChunkStorageMetadata, md._MEM_FORMAT_ENCODING):  # noqa: SLF001
+        table["torch.distributed.checkpoint.metadata", cls.__name__] = cls
+    table["torch.distributed.checkpoint.filesystem", "_StorageInfo"] = filesystem._StorageInfo  # noqa: SLF001
+    table["torch.serialization", "_get_layout"] = torch.serialization._get_layout  # noqa: SLF001
+    table["torch", "Size"] = torch.Size
+    table.update({("torch", name): value for name, value in vars(torch).items() if isinstance(value, torch.dtype)})
+    # checkpoint_id as saved on either OS (a WindowsPath cannot be instantiated on Linux: its pure twin)
+    for name, cls in (("PosixPath", pathlib.PurePosixPath if os.name == "nt" else pathlib.PosixPath),
+                      ("PurePosixPath", pathlib.PurePosixPath), ("WindowsPath", pathlib.PureWindowsPath),
+                      ("PureWindowsPath", pathlib.PureWindowsPath)):
+        table["pathlib", name] = table["pathlib._local", name] = cls  # pathlib._local: Python 3.13's module
+    return table
+
+
+_METADATA_GLOBALS = _metadata_globals()
 
 
 class _MetadataUnpickler(pickle.Unpickler):
+    """Resolves a global only through ``_METADATA_GLOBALS``: nothing is imported and no
+    attribute is followed, whatever the opcode (GLOBAL, STACK_GLOBAL, INST, OBJ, EXT*) or the
+    pickle protocol. Persistent ids stay refused (``pickle.Unpickler``'s default)."""
+
     def find_class(self, module: str, name: str) -> Any:
-        allowed = _ALLOWED.get(module, set())
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if module in _ALLOWED and (allowed is None or name in allowed):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP metadata")
+        if "." in name:
+            raise pickle.UnpicklingError(f"global {module} {name}: a dotted name (an attribute of an attribute), "
+                                         f"never part of DCP metadata")
+        try:
+            return _METADATA_GLOBALS[module, name]
+        except KeyError:
+            raise pickle.UnpicklingError(f"global {module}.{name} is not part of DCP metadata") from None
+
+
+def read_metadata_file(path: str | os.PathLike) -> Metadata:
+    """The ``Metadata`` in the DCP ``.metadata`` file ``path``, read with ``_MetadataUnpickler``
+    and checked for what DCP would trust next: that every storage entry names a file inside
+    the folder (a crafted entry could make the reader feed any file on the machine into the
+    weights). Raises ``CheckpointError`` (one line) for anything else."""
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot be read ({first_line(exc)})") from None
+    except Exception as exc:  # noqa: BLE001 - whatever a malformed pickle raises: refused, one line
+        raise CheckpointError(f"{path}: not a DCP metadata file this trainer will read ({first_line(exc)})") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"{path}: holds a {type(metadata).__name__}, not DCP metadata")
+    problem = _metadata_problem(metadata)
+    if problem:
+        raise CheckpointError(f"{path}: not a DCP metadata file this trainer will read ({problem})")
+    return metadata
+
+
+def _metadata_problem(metadata: Metadata) -> Optional[str]:
+    """Why DCP must not act on ``metadata`` (None: its containers have DCP's types and every
+    storage entry is a file inside the checkpoint folder)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    if not isinstance(metadata.state_dict_metadata, dict):
+        return "state_dict_metadata is not a dict"
+    if not isinstance(metadata.storage_data, dict):
+        return "storage_data is not a dict"
+    for info in metadata.storage_data.values():
+        if not isinstance(info, _StorageInfo) or not isinstance(info.relative_path, str):
+            return f"a storage entry is a {type(info).__name__}, not a file's place"
+        if os.path.isabs(info.relative_path) or os.path.normpath(info.relative_path).split(os.sep)[0] == "..":
+            return f"storage entry {info.relative_path!r} lies outside the checkpoint folder"
+    return None
 
 
 class SafeReader(FileSystemReader):
-    """``FileSystemReader`` whose ``.metadata`` is unpickled with an allow-list of DCP's classes."""
+    """``FileSystemReader`` whose ``.metadata`` is read by ``read_metadata_file``."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
-        try:
-            with self.fs.create_stream(path, "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as exc:
-            raise CheckpointError(f"{path}: not a DCP metadata file this trainer will read ({exc})") from None
-        if not isinstance(metadata, Metadata):
-            raise CheckpointError(f"{path}: holds a {type(metadata).__name__}, not DCP metadata")
-        # what FileSystemReader.read_metadata does after unpickling
         from torch.distributed.checkpoint.metadata import StorageMeta
 
+        metadata = read_metadata_file(self._get_metadata_path(kwargs.get("rank")))
+        # what FileSystemReader.read_metadata does after unpickling
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -87,17 +150,53 @@ class SafeReader(FileSystemReader):
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
-    """Non-tensor values (step counters, param groups) are plain data: loadable with
-    ``weights_only=True``, which is checked before DCP's own (full) unpickling runs."""
+    """Non-tensor values (step counters, param groups, RNG states) are plain data: deserialised
+    by ``torch.load(weights_only=True)`` only, and the result stored where
+    ``DefaultLoadPlanner.load_bytes`` would store its own (full) unpickling's result."""
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        from torch.distributed.checkpoint._traverse import set_element
+
+        fqn = read_item.dest_index.fqn
         try:
-            torch.load(value, weights_only=True)
+            obj = torch.load(value, weights_only=True)
         except Exception:  # noqa: BLE001 - any refusal: the value is not plain data
-            raise CheckpointError(f"checkpoint value {read_item.dest_index.fqn} is not plain data (torch.load with "
-                                  f"weights_only=True refuses it); it is not unpickled") from None
-        value.seek(0)
-        super().load_bytes(read_item, value)
+            raise CheckpointError(f"checkpoint value {fqn} is not plain data (torch.load with weights_only=True "
+                                  f"refuses it); it is not unpickled") from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
+def _hf_reader_types() -> tuple[type, ...]:
+    try:
+        from torch.distributed.checkpoint import HuggingFaceStorageReader
+    except ImportError:  # a torch without it
+        return ()
+    return (HuggingFaceStorageReader,)
+
+
+def safe_load(state: dict[str, Any], path: Optional[str] = None, *, storage_reader: Any = None) -> None:
+    """Load the checkpoint folder ``path`` (or what ``storage_reader`` reads) into ``state``,
+    in place, as ``dcp.load`` does: the one entry point through which this project reads a
+    checkpoint, so no load can run code. ``storage_reader``: a ``SafeReader``, or torch's
+    ``HuggingFaceStorageReader`` (safetensors: tensors and a JSON header, no pickle); any other
+    reader would unpickle ``.metadata`` itself and is refused. Collective under a process group.
+    Raises ``CheckpointError`` (hostile or malformed ``.metadata``) or DCP's
+    ``CheckpointException`` (it wraps what failed on each rank)."""
+    if storage_reader is None:
+        if path is None:
+            raise TypeError("safe_load needs a path or a storage_reader")
+        storage_reader = SafeReader(path)
+    elif not isinstance(storage_reader, (SafeReader, *_hf_reader_types())):
+        raise TypeError(f"safe_load reads with SafeReader or HuggingFaceStorageReader, not {type(storage_reader).__name__}: "
+                        f"another reader may unpickle .metadata with a full unpickler")
+    if isinstance(storage_reader, SafeReader) and os.path.isfile(storage_reader._get_metadata_path()):  # noqa: SLF001
+        # a refusal surfaces here as one CheckpointError; inside dcp.load it would become a
+        # fallback to rank-local metadata and a multi-line CheckpointException
+        storage_reader.read_metadata()
+    dcp.load(state, storage_reader=storage_reader, planner=SafeLoadPlanner())
 
 
 def first_line(exc: BaseException, prefer: type[BaseException] = BaseException) -> str:
@@ -198,8 +297,8 @@ def shape_problem(metadata: Metadata, states: dict[str, Any], scope: str = "opti
         if theirs[key] != ours[key]:
             hint = ""
             if key.endswith(("tok_embeddings.weight", "output.weight")) and theirs[key][1:] == ours[key][1:]:
-                hint = (f": its vocabulary has {theirs[key][0]} rows, this model {ours[key][0]}; model.tokenizer and "
-                        f"model.vocab_size must be those of the run that wrote it")
+                hint = (f": its vocabulary has {theirs[key][0]} rows, this model {ours[key][0]} (another model.tokenizer "
+                        f"or model.vocab_size)")
             return f"{key} is {list(theirs[key])} there, {list(ours[key])} here{hint}"
     extra = sorted(k for k in theirs if k.startswith(scope) and k not in ours)
     if extra:

@@ -28,7 +28,7 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 FLAVOR_NAMES = ("debug", "llama7b", "llama13b", "llama65b")  # paro_fsdp.models.llama.FLAVORS
-MODEL_NAMES = ("llama",)
+MODEL_NAMES = ("llama", "hf")
 
 
 class ConfigError(ValueError):
@@ -51,13 +51,29 @@ class Job:
 @dataclass
 class Model:
     name: str = "llama"
-    """Model family; one of: llama"""
+    """Model family; one of: llama (this trainer's Llama, from scratch), hf (a Hugging Face model folder, model.hf_path)"""
     flavor: str = "debug"
-    """Model size: debug, llama7b, llama13b, llama65b"""
-    tokenizer: str = "byte"
-    """"byte" (UTF-8 bytes + BOS/EOS, 258 ids) or the path of a HuggingFace tokenizer.json"""
+    """Model size: debug, llama7b, llama13b, llama65b (model.name = llama)"""
+    hf_path: str = ""
+    """model.name = hf: the folder save_pretrained wrote (config.json + *.safetensors, one file or shards) to fine-tune"""
+    tokenizer: str = "auto"
+    """"auto" (model.name = llama: "byte"; hf: the tokenizer.json of model.hf_path), "byte" (UTF-8 bytes + BOS/EOS,
+    258 ids) or the path of a HuggingFace tokenizer.json"""
     vocab_size: int = -1
     """Embedding rows; -1: the flavor's, widened to the tokenizer's vocabulary if that is larger"""
+
+
+@dataclass
+class Peft:
+    lora_rank: int = 0
+    """LoRA adapters (peft) of this rank on a model.name = hf model, its base weights frozen; 0: train every weight"""
+    lora_alpha: float = 16.0
+    """LoRA scaling numerator (the update is scaled by lora_alpha / lora_rank)"""
+    lora_dropout: float = 0.0
+    """Dropout on the adapters' input"""
+    target_modules: list[str] = field(default_factory=list)
+    """Module names the adapters wrap; []: peft's default for the architecture (its attention projections: q_proj,
+    v_proj for Llama and Qwen2, c_attn for GPT-2)"""
 
 
 @dataclass
@@ -211,6 +227,12 @@ class Checkpoint:
     """With no checkpoint to resume from: start from the model weights of this DCP folder (keys =
     parameter names, as torchtitan's model-only checkpoints, or a step-N folder of this trainer:
     its fp32 masters); the optimizer, lr schedule and data start fresh"""
+    last_save_in_hf: bool = False
+    """After the last step also write the weights as a Hugging Face folder (step-N-hf next to the checkpoints:
+    config.json + safetensors that AutoModelForCausalLM.from_pretrained loads; with [peft], the adapter folder
+    step-N-hf-adapter that PeftModel.from_pretrained loads)"""
+    export_dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype of the weights checkpoint.last_save_in_hf writes"""
 
 
 @dataclass
@@ -231,6 +253,7 @@ class Comm:
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
+    peft: Peft = field(default_factory=Peft)
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)
@@ -482,6 +505,15 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def tokenizer_spec(cfg: JobConfig) -> str:
+    """What ``model.tokenizer = "auto"`` means for this model: bytes for the trainer's Llama, the
+    model folder (its tokenizer.json) for a Hugging Face model."""
+    spec = cfg.model.tokenizer
+    if spec == "auto":
+        return cfg.model.hf_path if cfg.model.name == "hf" else "byte"
+    return spec
+
+
 def group_size(cfg: JobConfig, world_size: int, local_world_size: Optional[int] = None) -> int:
     """The resolved paro group size (-1 -> ranks per node)."""
     m = cfg.parallelism.paro_group_size
@@ -511,6 +543,24 @@ def validate(cfg: JobConfig, world_size: Optional[int], local_world_size: Option
         raise ConfigError(f"model.name = {_show(m.name)} is not a known model; valid: {', '.join(MODEL_NAMES)}")
     if m.flavor not in FLAVOR_NAMES:
         raise ConfigError(f"model.flavor = {_show(m.flavor)} is not a known flavor; valid: {', '.join(FLAVOR_NAMES)}")
+    if m.name == "hf" and not m.hf_path:
+        raise ConfigError("model.name = \"hf\" needs model.hf_path; valid: the folder save_pretrained wrote "
+                          "(config.json + *.safetensors)")
+    if m.name != "hf" and m.hf_path:
+        raise ConfigError(f"model.hf_path = {_show(m.hf_path)} is read only with model.name = \"hf\"; valid: "
+                          f"--model.name hf, or no model.hf_path")
+    if m.name == "hf" and m.vocab_size != -1:
+        raise ConfigError(f"model.vocab_size = {m.vocab_size}: a Hugging Face model's vocabulary is its config.json's; "
+                          f"valid: -1 with model.name = \"hf\"")
+    pf = cfg.peft
+    if pf.lora_rank < 0:
+        raise ConfigError(f"peft.lora_rank = {pf.lora_rank} is invalid; valid: 0 (no LoRA) or a positive rank, e.g. 8")
+    if pf.lora_rank and m.name != "hf":
+        raise ConfigError("peft.lora_rank > 0 fine-tunes a Hugging Face model; valid: --model.name hf --model.hf_path DIR, "
+                          "or peft.lora_rank = 0")
+    positive("peft.lora_alpha", pf.lora_alpha)
+    if not 0.0 <= pf.lora_dropout < 1.0:
+        raise ConfigError(f"peft.lora_dropout = {pf.lora_dropout} is out of range; valid: a number in [0, 1)")
     if m.vocab_size != -1 and m.vocab_size < 1:
         raise ConfigError(f"model.vocab_size = {m.vocab_size} is invalid; valid: -1 (from flavor and tokenizer) or a positive integer")
     for key in ("local_batch_size", "seq_len", "steps"):

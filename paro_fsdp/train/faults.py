@@ -8,15 +8,23 @@ Why each piece exists:
 - ``collective_failure``: a dead peer or a collective timeout surfaces as a long backend
   traceback on every surviving rank; one line that says which it was, and that torchrun's
   restart resumes from the latest checkpoint, is what an operator needs at 3 a.m.
+- ``report_sigterm``: when one rank fails, torchrun SIGTERMs the others within 0.1 s; a survivor
+  still waiting for its own collective timeout would die without a word (or, torn down by the
+  interpreter, abort from a backend thread), so it says in one line why it stopped.
 - ``NonFiniteGuard``: one bad batch must not poison the fp32 masters (and every checkpoint after
   it). The loss and the gradient norm are already global (all-reduced), so every rank takes the
-  same decision without another collective.
+  same decision without another collective. The lr schedule still advances on a skipped step:
+  it is a function of the step number (as torchtitan's, and as PyTorch's GradScaler recipe, which
+  skips only ``optimizer.step()``), so a run with skips ends its schedule at ``training.steps``
+  and a resume's lr equals the uninterrupted run's; Adam's own step count does not advance.
 """
 from __future__ import annotations
 
 import datetime
 import os
-from typing import Optional
+import signal
+import threading
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -63,7 +71,10 @@ def set_collective_timeout(timeout: datetime.timedelta) -> int:
 # ---- a failed collective, in one line -----------------------------------------------------------
 _PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused",
               "Socket closed", "NCCL communicator was aborted", "ncclRemoteError")
-_TIMED_OUT = ("Timed out waiting", "timed out", "Timeout", "Watchdog caught collective operation timeout")
+# matched in lower case: gloo says "Timed out waiting ... for recv", and, for the other operations
+# pending on a pair that timed out, "Application timeout caused pair closure"; NCCL's watchdog
+# "Watchdog caught collective operation timeout"
+_TIMED_OUT = ("timed out", "timeout")
 
 
 def collective_failure(exc: BaseException, rank: int, step: int, timeout_s: float) -> Optional[str]:
@@ -79,7 +90,7 @@ def collective_failure(exc: BaseException, rank: int, step: int, timeout_s: floa
                "otherwise rerun the same command")
     if any(s in text for s in _PEER_GONE):
         return f"rank {rank} at step {step}: another rank died or closed its connection ({_first_line(text)}); {restart}"
-    if any(s in text for s in _TIMED_OUT):
+    if any(s in text.lower() for s in _TIMED_OUT):
         return (f"rank {rank} at step {step}: a collective timed out after {timeout_s:g} s "
                 f"(comm.train_timeout_seconds): another rank is hung or far slower; find it (py-spy dump, or its "
                 f"last log line), raise comm.train_timeout_seconds if it is only slow; {restart}")
@@ -89,6 +100,53 @@ def collective_failure(exc: BaseException, rank: int, step: int, timeout_s: floa
 def _first_line(text: str) -> str:
     line = text.strip().splitlines()[0] if text.strip() else text
     return line if len(line) <= 160 else line[:157] + "..."
+
+
+# ---- stopped by torchrun ------------------------------------------------------------------------
+def report_sigterm(describe: Callable[[], str], write_line: Callable[[str], None]) -> Callable[[], bool]:
+    """On SIGTERM: ``write_line(describe())`` once, then leave with exit status 1 (``os._exit``:
+    a process group whose peer failed cannot be torn down safely). Returns ``said``: call it
+    before the process writes its own last line; True: write it, and a SIGTERM after it
+    (torchrun's, while this rank is still closing) ends the process without a second line;
+    False: a SIGTERM's line is being written, write nothing. Call from the main thread.
+
+    Why a thread: Python runs a signal handler only between bytecodes of the main thread, and a
+    survivor is blocked in a collective's C++ wait (the GIL released) until its own timeout, by
+    which time torchrun has SIGTERMed it. CPython's C-level handler writes the signal number to
+    the wakeup fd at once; a daemon thread waiting on that fd reports. (A process stopped by
+    SIGSTOP, or stuck in the kernel, takes no signal at all: torchrun SIGKILLs it 30 s later.)"""
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    once = threading.Lock()  # held: the process said its last line (or is saying it)
+
+    def leave() -> None:
+        if once.acquire(blocking=False):
+            try:
+                write_line(describe())
+            finally:
+                os._exit(1)
+        os._exit(1)
+
+    def watch() -> None:
+        while True:
+            data = os.read(read_fd, 64)
+            if not data:
+                return
+            if signal.SIGTERM in data:
+                leave()
+
+    signal.signal(signal.SIGTERM, lambda signum, frame: leave())
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    threading.Thread(target=watch, name="paro-sigterm", daemon=True).start()
+    return lambda: once.acquire(blocking=False)
+
+
+def sigterm_line(rank: int, step: int) -> str:
+    """What a rank stopped by SIGTERM says: torchrun sends it to every worker once one failed
+    (that one's own line says why) and at each restart; a scheduler sends it to cancel."""
+    return (f"rank {rank} at step {step}: stopped by SIGTERM (torchrun stops every rank once one fails, whose own line "
+            f"says why; or the job was cancelled); under torchrun --max-restarts N the group restarts and resumes from "
+            f"the latest checkpoint")
 
 
 # ---- non-finite loss or gradient norm ----------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Build the model for a config: Llama args, activation checkpointing, then PaRO sharding.
+"""Build the model for a config: Llama args (or a Hugging Face folder, ``hf_model``), activation
+checkpointing, then PaRO sharding.
 
 Activation checkpointing wraps each block's whole ``__call__``, engine hooks included: in
 backward the recomputation re-runs the engine's pre-forward hook, which sees it is inside backward
@@ -26,7 +27,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def model_args(cfg: JobConfig, tokenizer_vocab: int) -> LlamaArgs:
     """The flavor's shapes, with the vocabulary widened to the tokenizer's and RoPE tables long
-    enough for ``seq_len``."""
+    enough for ``seq_len``; for ``model.name = "hf"`` the folder's shapes (``hf_model.shape_args``)."""
+    if cfg.model.name == "hf":
+        from . import hf_model
+
+        return hf_model.shape_args(cfg, tokenizer_vocab)
     base = flavor(cfg.model.flavor)
     vocab = cfg.model.vocab_size if cfg.model.vocab_size != -1 else max(base.vocab_size, tokenizer_vocab)
     if vocab < tokenizer_vocab:
@@ -56,32 +61,58 @@ class _CheckpointedCall:
             return checkpoint(nn.Module.__call__, self, *args, use_reentrant=False, **kwargs)
 
 
-def apply_activation_checkpointing(model: Llama) -> None:
-    for block in model.layers:
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks that are checkpointed, sharded as units and compiled one by one: the Llama's
+    ``layers``, a Hugging Face model's decoder layers (``integrations.hf.decoder_blocks``)."""
+    if isinstance(model, Llama):
+        return list(model.layers)
+    from paro_fsdp.integrations.hf import decoder_blocks
+
+    return decoder_blocks(model)
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    for block in transformer_blocks(model):
         cls = block.__class__
         block.__class__ = type(f"Checkpointed{cls.__name__}", (_CheckpointedCall, cls), {})
 
 
-def build_model(cfg: JobConfig, args: LlamaArgs, device: torch.device) -> Llama:
+def build_model(cfg: JobConfig, args: LlamaArgs, device: torch.device) -> nn.Module:
     """The model on the meta device: ``parallelize`` materialises it shard by shard, so no rank
     ever holds the whole model (65B included)."""
+    if cfg.model.name == "hf":
+        from . import hf_model
+
+        return hf_model.build_meta_model(cfg)
     with torch.device("meta"):
         return Llama(args)
 
 
-def parallelize(model: Llama, cfg: JobConfig, mesh: Any, device: torch.device) -> nn.Module:
+def parallelize(model: nn.Module, cfg: JobConfig, mesh: Any, device: torch.device) -> nn.Module:
     """Activation checkpointing (if asked), then ``paro_shard`` with the config's policy. Each
-    parameter is initialised from (``training.seed``, its name), identically on every rank."""
+    parameter is initialised from (``training.seed``, its name), identically on every rank; a
+    Hugging Face model's weights are then read from its folder, each rank reading its shards."""
     if cfg.activation_checkpoint.mode == "full":
         apply_activation_checkpointing(model)
     t = cfg.training
     mp = MixedPrecision(param_dtype=DTYPES[t.mixed_precision_param], reduce_dtype=DTYPES[t.mixed_precision_reduce],
                         accumulate_dtype=DTYPES[t.mixed_precision_accumulate])
-    model = paro_shard(model, mesh, paro_policy(cfg), mp=mp,
+    hf = cfg.model.name == "hf"
+    if hf:
+        from paro_fsdp.integrations.hf import init_for_load
+
+        init, blocks = init_for_load(t.seed), transformer_blocks(model)
+    else:
+        init, blocks = partial(model.init_param, seed=t.seed), None
+    model = paro_shard(model, mesh, paro_policy(cfg), mp=mp, blocks=blocks,
                        reshard_after_forward=cfg.parallelism.paro_reshard_after_forward,
-                       flat_below_bytes=int(cfg.parallelism.paro_flat_below_mb * 2**20),
-                       param_init_fn=partial(model.init_param, seed=t.seed))
-    model.init_buffers(device)
+                       flat_below_bytes=int(cfg.parallelism.paro_flat_below_mb * 2**20), param_init_fn=init)
+    if hf:
+        from . import hf_model
+
+        hf_model.load(model, cfg, device)
+    else:
+        model.init_buffers(device)
     return model
 
 
@@ -106,7 +137,7 @@ def apply_compile(model: nn.Module, cfg: JobConfig) -> Any:
     if c.scope == "model":
         model.compile(backend=c.backend)
     else:
-        for block in model.layers:
+        for block in transformer_blocks(model):
             block.compile(backend=c.backend, fullgraph=True)
     return record
 
@@ -116,8 +147,13 @@ def check_policy(cfg: JobConfig, args: LlamaArgs) -> Optional[str]:
     any memory is spent); return the engine's error message, or None."""
     from paro_fsdp.strategy import resolve_policy
 
-    with torch.device("meta"):
-        names = list(Llama(args).named_parameters())
+    if cfg.model.name == "hf":
+        from . import hf_model
+
+        names = list(hf_model.build_meta_model(cfg).named_parameters())
+    else:
+        with torch.device("meta"):
+            names = list(Llama(args).named_parameters())
     try:
         resolve_policy(paro_policy(cfg), names)
     except (ValueError, TypeError) as exc:

@@ -1,0 +1,370 @@
+"""Hugging Face causal LMs, and peft LoRA adapters on them, under ``paro_shard`` (extra
+``paro-fsdp[hf]``): a model folder in, the trained weights out as a folder transformers loads.
+
+    config = read_config(folder)                 # config.json: data, read by AutoConfig, never remote code
+    model = build_meta(config)                   # on the meta device: no memory yet
+    model = add_lora(model, rank=8)              # optional: peft's LoRA, base weights frozen
+    model = paro_shard(model, mesh, "ING", blocks=decoder_blocks(model), param_init_fn=init_for_load(seed))
+    materialise_buffers(model, device)           # RoPE tables, computed as transformers does
+    load_weights(model, folder)                  # each rank reads only its own shards of the safetensors
+    ...                                          # train
+    save_model(model, out) / save_adapter(model, out)   # from_pretrained / PeftModel.from_pretrained load it
+
+Why this order: a model built whole on every rank (``from_pretrained``) holds it n times; built
+on the meta device, ``paro_shard`` materialises one tensor at a time and ``load_weights`` reads
+through torch's ``HuggingFaceStorageReader`` (safetensors slices: JSON headers and raw tensors,
+nothing that runs code) into the fp32 masters at the OS level and the frozen parameters at the P
+level, so no rank ever holds the whole model and the masters are as exact as the file. The
+export writes the same DTensors with ``HuggingFaceStorageWriter``: each rank its shards, then
+rank 0 joins them tensor by tensor into files of at most 5 GB and the index transformers reads.
+
+Loading goes through ``paro_fsdp.train.checkpoint_files.safe_load``, the one entry point through
+which the project reads any checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import zlib
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from paro_fsdp.train.checkpoint_files import first_line, safe_load
+
+__all__ = ["HFModelError", "read_config", "weight_files", "build_meta", "decoder_blocks", "add_lora", "lora_targets",
+           "init_for_load", "materialise_buffers", "stored_shapes", "check_weights", "load_weights", "save_model",
+           "save_adapter", "base_name", "count_trainable", "SHARD_BYTES"]
+
+SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size ("5GB")
+INDEX = "model.safetensors.index.json"
+
+
+class HFModelError(ValueError):
+    """A model folder or LoRA setting that cannot work, in one line naming the fix."""
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+# ---- the folder -------------------------------------------------------------------------------
+def read_config(path: str) -> Any:
+    """The folder's ``config.json`` as a transformers config, checked to be a causal LM that
+    this transformers knows. Read as data (``trust_remote_code=False``, no hub access): a folder
+    whose model needs its own Python code is refused, not run."""
+    if not os.path.isdir(path):
+        raise HFModelError(f"model.hf_path = {path!r} is not a folder; valid: a model folder as save_pretrained "
+                           f"writes it (config.json and *.safetensors)")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise HFModelError(f"model.hf_path = {path!r} has no config.json; valid: a folder save_pretrained wrote "
+                           f"(e.g. AutoModelForCausalLM.from_pretrained(NAME).save_pretrained({path!r}))")
+    import transformers
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise HFModelError(f"{path}/config.json is not a JSON object ({first_line(exc)}); valid: the config.json "
+                           f"save_pretrained writes") from None
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=False, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise HFModelError(f"{path}/config.json: model_type {model_type!r} is not an architecture transformers "
+                           f"{transformers.__version__} knows ({first_line(exc)}); valid: a model transformers "
+                           f"implements (llama, qwen2, mistral, gpt2, ...), or a newer transformers "
+                           f"(pip install -U transformers); code shipped with a model is never run") from None
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise HFModelError(f"{path}/config.json: model_type {config.model_type!r} has no causal language model in "
+                           f"transformers {transformers.__version__} (AutoModelForCausalLM); valid: a decoder LM "
+                           f"such as llama, qwen2, mistral, gpt2")
+    return config
+
+
+def weight_files(path: str) -> list[str]:
+    """The folder's ``*.safetensors`` (one file, or the shards of ``max_shard_size``)."""
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        pickled = [f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth"))]
+        hint = (f" ({pickled[0]} is a pickle, which is never read: it can run code)" if pickled else "")
+        raise HFModelError(f"model.hf_path = {path!r} holds no *.safetensors{hint}; valid: a folder save_pretrained "
+                           f"wrote, whose weights are safetensors (transformers' default)")
+    return files
+
+
+def build_meta(config: Any) -> nn.Module:
+    """``AutoModelForCausalLM.from_config`` on the meta device, parameters in fp32 (the engine
+    casts P to the run's dtype; the masters are fp32 anyway). Costs no memory."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def _pretrained(model: nn.Module) -> nn.Module:
+    """The transformers model inside a ``PeftModel`` (or the model itself)."""
+    return model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+
+
+def decoder_blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks, as transformers names them for device placement
+    (``_no_split_modules``: ``LlamaDecoderLayer``, ``GPT2Block``, ...), outermost only; else the
+    elements of the largest ``nn.ModuleList``. What ``paro_shard(blocks=)``, activation
+    checkpointing and per-block compile take: the default blocks would also make every
+    ``ModuleDict`` peft adds (``lora_A``, ``lora_B``) a block of its own."""
+    names = set(getattr(_pretrained(model), "_no_split_modules", None) or ())
+    blocks: list[nn.Module] = []
+    inside: set[int] = set()
+    for m in model.modules():
+        if id(m) in inside:
+            continue
+        if type(m).__name__ in names:
+            blocks.append(m)
+            inside |= {id(x) for x in m.modules()}
+    if blocks:
+        return blocks
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        raise HFModelError(f"{type(model).__name__}: no transformer blocks found (no _no_split_modules, no ModuleList)")
+    return list(max(lists, key=lambda m: sum(p.numel() for p in m.parameters())))
+
+
+# ---- LoRA -------------------------------------------------------------------------------------
+def lora_targets(model: nn.Module) -> list[str]:
+    """peft's default LoRA targets for this architecture (its attention projections: ``q_proj``
+    and ``v_proj`` for Llama and Qwen2, ``c_attn`` for GPT-2)."""
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
+
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in DEFAULTS:
+        raise HFModelError(f"peft.target_modules: peft has no default for model_type {model_type!r}; valid: name the "
+                           f"modules, e.g. --peft.target_modules {','.join(_linear_names(model)[:4])}")
+    return list(DEFAULTS[model_type])
+
+
+def _linear_names(model: nn.Module) -> list[str]:
+    """Distinct last names of the modules LoRA could wrap (for error messages)."""
+    seen: dict[str, None] = {}
+    for name, m in model.named_modules():
+        if name and (isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"):
+            seen.setdefault(name.rpartition(".")[2], None)
+    return list(seen)
+
+
+def add_lora(model: nn.Module, rank: int, alpha: float = 16.0, dropout: float = 0.0,
+             target_modules: Optional[Iterable[str]] = None, base_path: str = "") -> nn.Module:
+    """peft's ``get_peft_model`` with a ``LoraConfig``: the base weights frozen
+    (``requires_grad=False``: ``paro_shard`` gives them no gradient buffer and no optimizer
+    state), the adapters trainable. Call it on the meta model, before ``paro_shard``;
+    ``init_for_load`` then draws the adapters as peft does. ``target_modules`` None: peft's
+    default for the architecture."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = list(target_modules) if target_modules else lora_targets(model)
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
+                        task_type="CAUSAL_LM", base_model_name_or_path=base_path or None)
+    try:
+        return get_peft_model(model, config)
+    except ValueError as exc:  # peft: "Target modules {...} not found in the base model"
+        raise HFModelError(f"peft.target_modules = {targets} matches no module of {type(model).__name__} "
+                           f"({first_line(exc)[:120]}); valid: names of its linear layers, e.g. "
+                           f"{','.join(_linear_names(model)[:8])}") from None
+
+
+def count_trainable(model: nn.Module) -> tuple[int, int]:
+    """(trainable, all) parameter elements."""
+    params = list(model.parameters())
+    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+
+
+def init_for_load(seed: int) -> Callable[[str, torch.Tensor], None]:
+    """``paro_shard``'s ``param_init_fn`` for a model whose weights ``load_weights`` reads
+    next: zeros, except peft's adapters, drawn as peft draws them (``lora_A`` Kaiming-uniform
+    with a = sqrt(5), ``lora_B`` zero; an embedding's A zero and B normal) from a generator
+    seeded by (seed, name), so every rank draws the same values in any order."""
+
+    def init(name: str, tensor: torch.Tensor) -> None:
+        with torch.no_grad():
+            gen = torch.Generator(device=tensor.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            if ".lora_A." in name:
+                nn.init.kaiming_uniform_(tensor, a=math.sqrt(5), generator=gen)
+            elif ".lora_embedding_B." in name:
+                nn.init.normal_(tensor, generator=gen)
+            else:
+                tensor.zero_()
+
+    return init
+
+
+def materialise_buffers(model: nn.Module, device: torch.device) -> None:
+    """Buffers left on the meta device (RoPE's ``inv_freq``) allocated on ``device`` and filled
+    by the model's own ``_init_weights``, as transformers fills them after a meta-device load.
+    A buffer it does not fill is refused rather than left as garbage."""
+    pretrained = _pretrained(model)
+    for name, module in model.named_modules():
+        meta = [k for k, b in module._buffers.items() if b is not None and b.is_meta]
+        if not meta:
+            continue
+        if any(p is not None for p in module._parameters.values()):
+            raise HFModelError(f"{name} ({type(module).__name__}) has buffers {meta} that transformers initialises with "
+                               f"the module's parameters; not supported on the meta device")
+        for k in meta:
+            module._buffers[k] = torch.full_like(module._buffers[k], float("nan"), device=device)
+        pretrained._init_weights(module)
+        for k in meta:
+            b = module._buffers[k]
+            if b.is_floating_point() and torch.isnan(b).any():
+                raise HFModelError(f"buffer {name}.{k} of {type(module).__name__}: transformers' _init_weights does not "
+                                   f"compute it on a model built on the meta device; not supported")
+
+
+# ---- loading: each rank reads its shards ---------------------------------------------------------
+def base_name(fqn: str) -> Optional[str]:
+    """The name a parameter has in the base model's safetensors: a ``PeftModel``'s
+    ``base_model.model.`` prefix and the ``.base_layer`` of a wrapped layer dropped; None for
+    the adapters (they are not in the base model's files)."""
+    if ".lora_" in fqn or ".lora_magnitude_vector" in fqn:
+        return None
+    return fqn.removeprefix("base_model.model.").replace(".base_layer.", ".")
+
+
+def _reader(path: str) -> Any:
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    return HuggingFaceStorageReader(path)
+
+
+def stored_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in the folder's safetensors (their JSON headers only)."""
+    weight_files(path)
+    metadata = _reader(path).read_metadata()
+    return {k: tuple(m.size) for k, m in metadata.state_dict_metadata.items()}
+
+
+def check_weights(names: dict[str, tuple[int, ...]], path: str, key: Callable[[str], Optional[str]] = base_name) -> None:
+    """Raise ``HFModelError`` unless the folder holds every tensor the model will load
+    (``names``: parameter name -> shape, e.g. of the meta model) with its shape: a partial load
+    is never silent."""
+    stored = stored_shapes(path)
+    wanted = {key(n): s for n, s in names.items() if key(n) is not None}
+    missing = [n for n in wanted if n not in stored]
+    if missing:
+        raise HFModelError(f"model.hf_path = {path!r} lacks {len(missing)} of the {len(wanted)} tensors its config.json "
+                           f"describes, e.g. {missing[0]}; valid: a folder whose safetensors match its config.json "
+                           f"(as save_pretrained writes them)")
+    for n, shape in wanted.items():
+        if tuple(stored[n]) != tuple(shape):
+            raise HFModelError(f"model.hf_path = {path!r}: {n} is {list(stored[n])} in the safetensors, {list(shape)} by "
+                               f"its config.json; valid: a folder whose safetensors match its config.json")
+
+
+def load_weights(model: nn.Module, path: str, key: Callable[[str], Optional[str]] = base_name) -> int:
+    """Read the folder's safetensors into a ``paro_shard`` model: trainable parameters into
+    their fp32 masters (as exact as the file), frozen ones into P; each rank reads only the
+    slices it holds (``HuggingFaceStorageReader`` through ``safe_load``), then P takes the
+    masters' values. ``key``: parameter name -> name in the files (None: not loaded, e.g. the
+    adapters). Returns the number of tensors loaded. Collective."""
+    targets = {key(fqn): v for fqn, v in model.master_state_dict().items() if key(fqn) is not None}
+    check_weights({k: tuple(v.shape) for k, v in targets.items()}, path, key=lambda n: n)
+    safe_load(targets, storage_reader=_reader(path))
+    model.push_masters()
+    return len(targets)
+
+
+# ---- the export -------------------------------------------------------------------------------
+def _file_index(values: dict[str, DTensor], dtype: torch.dtype, max_bytes: int) -> dict[str, int]:
+    """Tensor -> output file (1..k), in order, each file at most ``max_bytes`` (a larger tensor
+    gets a file of its own), as ``save_pretrained(max_shard_size=)`` splits."""
+    index, size, out = 1, 0, {}
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    for name, v in values.items():
+        nbytes = v.numel() * itemsize
+        if size and size + nbytes > max_bytes:
+            index, size = index + 1, 0
+        out[name] = index
+        size += nbytes
+    return out
+
+
+def _write_safetensors(values: dict[str, DTensor], folder: str, dtype: torch.dtype, max_bytes: int) -> None:
+    """Every rank writes its shards of ``values`` (DCP), rank 0 joins them into whole tensors in
+    ``folder`` (files of at most ``max_bytes`` and ``model.safetensors.index.json``), one tensor
+    in memory at a time, and drops the shards. Collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    state = {k: v.to(dtype) for k, v in values.items()}
+    writer = HuggingFaceStorageWriter(folder, fqn_to_index_mapping=_file_index(state, dtype, max_bytes),
+                                      save_distributed=True, enable_consolidation=True)
+    dcp.save(state, storage_writer=writer)
+    _barrier()
+    if _rank() == 0:
+        shutil.rmtree(os.path.join(folder, "sharded"), ignore_errors=True)
+
+
+def _prepare(out_dir: str) -> str:
+    tmp = out_dir.rstrip("/") + ".tmp"
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier()
+    return tmp
+
+
+def _publish(tmp: str, out_dir: str) -> str:
+    """Rename the finished folder into place (rank 0): a crash mid-export leaves ``.tmp``."""
+    _barrier()
+    if _rank() == 0:
+        if os.path.exists(out_dir):
+            shutil.rmtree(out_dir)
+        os.rename(tmp, out_dir)
+    _barrier()
+    return out_dir
+
+
+def save_model(model: nn.Module, out_dir: str, config: Any, *, dtype: torch.dtype = torch.float32,
+               values: Optional[dict[str, DTensor]] = None, extra_files: Iterable[str] = (),
+               max_shard_bytes: int = SHARD_BYTES) -> str:
+    """Write a folder ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads: ``config``
+    (``dtype`` recorded in it) and the weights in ``dtype`` as safetensors, from the fp32
+    masters (frozen weights from P), no rank holding more than its shards and one tensor.
+    ``values``: the tensors to write under their Hugging Face names (default: the model's own
+    ``master_state_dict``); ``extra_files``: copied in (tokenizer files). Collective; returns
+    ``out_dir``."""
+    values = model.master_state_dict() if values is None else values
+    tmp = _prepare(out_dir)
+    _write_safetensors(values, tmp, dtype, max_shard_bytes)
+    if _rank() == 0:
+        config.dtype = dtype
+        config.save_pretrained(tmp)
+        for f in extra_files:
+            shutil.copy(f, tmp)
+    return _publish(tmp, out_dir)
+
+
+def save_adapter(model: nn.Module, out_dir: str, *, dtype: torch.dtype = torch.float32) -> str:
+    """Write the LoRA adapter of a ``paro_shard``-ed ``PeftModel`` as ``save_pretrained`` does
+    (``adapter_config.json`` + ``adapter_model.safetensors``, peft's key names), which
+    ``PeftModel.from_pretrained(base, out_dir)`` loads. Collective; returns ``out_dir``."""
+    from peft import get_peft_model_state_dict
+
+    adapter = get_peft_model_state_dict(model, state_dict=model.master_state_dict(), save_embedding_layers=False)
+    tmp = _prepare(out_dir)
+    _write_safetensors(adapter, tmp, dtype, SHARD_BYTES * 100)  # one file: peft reads no index
+    if _rank() == 0:
+        os.rename(os.path.join(tmp, "model-00001-of-00001.safetensors"), os.path.join(tmp, "adapter_model.safetensors"))
+        os.remove(os.path.join(tmp, INDEX))
+        model.peft_config[model.active_adapter].save_pretrained(tmp)
+    return _publish(tmp, out_dir)

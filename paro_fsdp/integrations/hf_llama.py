@@ -1,0 +1,72 @@
+"""The trainer's own Llama (``paro_fsdp/models/llama.py``) under Hugging Face names, so its runs
+open in transformers as a ``LlamaForCausalLM``.
+
+Names map one to one (``layers.N.attention.wq`` -> ``model.layers.N.self_attn.q_proj``, ...). One
+layout differs: RoPE. Ours rotates interleaved pairs (x[2i], x[2i+1]) of each head (Meta's
+original code); transformers' Llama rotates halves (x[i], x[i + head_dim/2]) (``rotate_half``).
+The same attention comes out when the rows of ``wq`` and ``wk`` are permuted within each head
+(the permutation of transformers' own ``convert_llama_weights_to_hf``): row ``2i + c`` of a
+head becomes row ``c * head_dim/2 + i``. That moves rows across shard boundaries, so those two
+tensors are gathered whole (one at a time) before they are written; every other tensor is
+written from its shards as it is.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+
+from paro_fsdp.models.llama import LlamaArgs
+
+__all__ = ["llama_config", "hf_name", "hf_values", "rope_to_halves"]
+
+_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight"}
+_LAYER = {"attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight": "self_attn.k_proj.weight",
+          "attention.wv.weight": "self_attn.v_proj.weight", "attention.wo.weight": "self_attn.o_proj.weight",
+          "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w2.weight": "mlp.down_proj.weight",
+          "feed_forward.w3.weight": "mlp.up_proj.weight", "attention_norm.weight": "input_layernorm.weight",
+          "ffn_norm.weight": "post_attention_layernorm.weight"}
+
+
+def llama_config(args: LlamaArgs) -> Any:
+    """The ``LlamaConfig`` of the same model."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.ffn_dim,
+                       num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads,
+                       num_key_value_heads=args.n_kv_heads or args.n_heads, head_dim=args.dim // args.n_heads,
+                       rms_norm_eps=args.norm_eps, max_position_embeddings=args.max_seq_len,
+                       rope_parameters={"rope_type": "default", "rope_theta": args.rope_theta},
+                       tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+                       architectures=["LlamaForCausalLM"])
+
+
+def hf_name(name: str) -> str:
+    if name in _TOP:
+        return _TOP[name]
+    layers, i, rest = name.split(".", 2)
+    if layers != "layers" or rest not in _LAYER:
+        raise KeyError(f"{name} has no Hugging Face Llama name")
+    return f"model.layers.{i}.{_LAYER[rest]}"
+
+
+def rope_to_halves(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Rows of a q / k projection from interleaved RoPE pairs to transformers' halves."""
+    head_dim = w.shape[0] // n_heads
+    return w.view(n_heads, head_dim // 2, 2, w.shape[1]).transpose(1, 2).reshape(w.shape)
+
+
+def hf_values(model: torch.nn.Module, args: LlamaArgs) -> dict[str, DTensor]:
+    """The ``paro_shard``-ed Llama's fp32 masters (``master_state_dict``) under Hugging Face
+    names and layouts, for ``integrations.hf.save_model``. Collective (``wq`` and ``wk`` are
+    gathered)."""
+    out: dict[str, DTensor] = {}
+    for name, value in model.master_state_dict().items():
+        heads = {"wq": args.n_heads, "wk": args.n_kv_heads or args.n_heads}.get(name.rsplit(".", 2)[-2])
+        if heads is not None:
+            whole = rope_to_halves(value.full_tensor(), heads)
+            value = DTensor.from_local(whole, value.device_mesh, [Replicate()] * value.device_mesh.ndim, run_check=False)
+        out[hf_name(name)] = value
+    return out

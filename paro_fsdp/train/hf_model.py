@@ -1,0 +1,121 @@
+"""The trainer's Hugging Face path: ``--model.name hf --model.hf_path DIR`` (and ``[peft]``).
+
+The pieces are ``paro_fsdp.integrations.hf``'s; this module decides them from the config: the
+model's shapes for the log line, the FLOP count and the advisor; the meta model (with LoRA);
+its weights read after sharding; the loss; the export at the end. Every problem of the folder
+(no config.json, an architecture transformers does not know, weights that do not match, a
+tokenizer larger than the embedding, LoRA targets that match nothing) is an ``HFModelError``:
+one line naming the fix, which the trainer prints before exiting with status 2.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from paro_fsdp.integrations import hf
+from paro_fsdp.integrations.hf import HFModelError
+from paro_fsdp.models.llama import LlamaArgs
+
+from .config import JobConfig, tokenizer_spec
+
+__all__ = ["HFModelError", "shape_args", "build_meta_model", "load", "architecture", "loss", "export", "TOKENIZER_FILES"]
+
+# what a model folder carries besides the weights, copied into the export so it loads as a whole
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
+
+
+def _text_config(config: Any) -> Any:
+    return config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+
+
+def shape_args(cfg: JobConfig, tokenizer_vocab: int) -> LlamaArgs:
+    """The folder's model as ``LlamaArgs`` shapes (what the log line, the FLOP count and the
+    advisor read), after checking that the tokenizer's ids fit its embedding and the sequence
+    its positions."""
+    path = cfg.model.hf_path
+    c = _text_config(hf.read_config(path))
+    hf.weight_files(path)
+    vocab = int(c.vocab_size)
+    if tokenizer_vocab > vocab:
+        raise HFModelError(f"the tokenizer ({tokenizer_spec(cfg)}) has {tokenizer_vocab} ids, more than the {vocab} rows "
+                           f"of {path}'s embedding: ids from {vocab} on index outside it; valid: the model's own "
+                           f"tokenizer (model.tokenizer = \"auto\": its folder's tokenizer.json) or one of at most "
+                           f"{vocab} ids")
+    positions = getattr(c, "max_position_embeddings", None)
+    if positions and cfg.training.seq_len > positions:
+        raise HFModelError(f"training.seq_len = {cfg.training.seq_len} exceeds the {positions} positions of {path} "
+                           f"(max_position_embeddings); valid: at most {positions}")
+    dim, heads = int(c.hidden_size), int(c.num_attention_heads)
+    return LlamaArgs(dim=dim, n_layers=int(c.num_hidden_layers), n_heads=heads,
+                     n_kv_heads=getattr(c, "num_key_value_heads", None) or heads, vocab_size=vocab,
+                     ffn_dim=int(getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * dim),
+                     norm_eps=float(getattr(c, "rms_norm_eps", None) or getattr(c, "layer_norm_epsilon", 1e-5)),
+                     max_seq_len=int(positions or cfg.training.seq_len))
+
+
+def build_meta_model(cfg: JobConfig) -> nn.Module:
+    """The folder's model on the meta device, with peft's LoRA when ``peft.lora_rank`` > 0;
+    its weights are checked against the safetensors' headers here, before any memory is spent."""
+    path, p = cfg.model.hf_path, cfg.peft
+    model = hf.build_meta(hf.read_config(path))
+    if p.lora_rank:
+        model = hf.add_lora(model, p.lora_rank, p.lora_alpha, p.lora_dropout, p.target_modules or None, base_path=path)
+    hf.check_weights({n: tuple(t.shape) for n, t in model.named_parameters()}, path)
+    return model
+
+
+def load(model: nn.Module, cfg: JobConfig, device: torch.device) -> None:
+    """After ``paro_shard``: the buffers (RoPE tables), then the folder's weights, each rank
+    reading only its shards. Collective."""
+    hf.materialise_buffers(model, device)
+    hf.load_weights(model, cfg.model.hf_path)
+
+
+def architecture(model: nn.Module) -> str:
+    """The transformers class of the (sharded, maybe LoRA-wrapped) model, e.g. LlamaForCausalLM."""
+    from paro_fsdp.api import ParoModule
+
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    return next(c.__name__ for c in type(base).__mro__ if not issubclass(c, ParoModule))
+
+
+def loss(model: nn.Module, window: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy of a ``[B, T + 1]`` window, as the trainer's Llama computes it
+    (the model's logits, upcast to fp32, against the window shifted by one)."""
+    out = model(input_ids=window[:, :-1], use_cache=False)
+    return F.cross_entropy(out.logits.float().flatten(0, 1), window[:, 1:].flatten())
+
+
+def export(model: nn.Module, cfg: JobConfig, args: LlamaArgs, step: int) -> tuple[str, str]:
+    """``checkpoint.last_save_in_hf``: the trained weights as a Hugging Face folder next to the
+    checkpoints; returns (path, how to load it). A LoRA run writes its adapter; the trainer's
+    Llama is written as a ``LlamaForCausalLM``. Collective."""
+    base = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder, f"step-{step}-hf")
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.checkpoint.export_dtype]
+    tokenizer = tokenizer_spec(cfg)
+    if cfg.model.name == "hf":
+        path = cfg.model.hf_path
+        if cfg.peft.lora_rank:
+            out = hf.save_adapter(model, base + "-adapter", dtype=dtype)
+            return out, (f"PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({os.path.abspath(path)!r}), "
+                         f"{os.path.abspath(out)!r})")
+        extras = [os.path.join(path, f) for f in TOKENIZER_FILES if os.path.isfile(os.path.join(path, f))]
+        if tokenizer != path and os.path.exists(tokenizer):  # --model.tokenizer: the one it trained with
+            extras = [f for f in extras if "tokenizer" not in os.path.basename(f)] + [_tokenizer_file(tokenizer)]
+        out = hf.save_model(model, base, hf.read_config(path), dtype=dtype, extra_files=extras)
+    else:
+        from paro_fsdp.integrations.hf_llama import hf_values, llama_config
+
+        extras = [_tokenizer_file(tokenizer)] if tokenizer != "byte" else []
+        out = hf.save_model(model, base, llama_config(args), dtype=dtype, values=hf_values(model, args),
+                            extra_files=extras)
+    return out, f"AutoModelForCausalLM.from_pretrained({os.path.abspath(out)!r})"
+
+
+def _tokenizer_file(spec: str) -> str:
+    return os.path.join(spec, "tokenizer.json") if os.path.isdir(spec) else spec
