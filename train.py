@@ -32,7 +32,8 @@ from paro_fsdp import ParoOptimizer, init_paro_mesh
 from paro_fsdp.collective_order import CollectiveOrderCheck, CollectiveOrderError
 from paro_fsdp.mesh import device_type_for_backend, local_cuda_index
 from paro_fsdp.train.checkpoint import CheckpointError, CheckpointManager, SchedulerState, TrainState, load_model_weights
-from paro_fsdp.train.config import ConfigError, JobConfig, grad_accum_steps, group_size, help_text, parse_args, validate
+from paro_fsdp.train.config import (ConfigError, JobConfig, grad_accum_steps, group_size, help_text, parse_args,
+                                    tokenizer_spec, validate)
 from paro_fsdp.train.data import build_dataloader, describe
 from paro_fsdp.train.faults import (NonFiniteGuard, TrainingStopped, collective_failure, nonfinite_masters, report_sigterm,
                                     restart_store, set_collective_timeout, sigterm_line)
@@ -82,9 +83,15 @@ class Trainer:
             torch.backends.cudnn.benchmark = False
 
         # ---- tokenizer and data --------------------------------------------------------------
+        if cfg.model.name == "hf":  # the folder first: without a model its tokenizer does not matter
+            _check_hf_folder(cfg)
         try:
-            self.tokenizer = build_tokenizer(cfg.model.tokenizer)
+            self.tokenizer = build_tokenizer(tokenizer_spec(cfg))
         except (FileNotFoundError, RuntimeError) as exc:
+            if cfg.model.name == "hf" and cfg.model.tokenizer == "auto" and isinstance(exc, FileNotFoundError):
+                raise ConfigError(f"model.hf_path = {cfg.model.hf_path!r} has no tokenizer.json (model.tokenizer = "
+                                  f"\"auto\" reads the folder's); valid: --model.tokenizer PATH (a tokenizer.json, or the "
+                                  f"folder holding one)") from None
             raise ConfigError(str(exc)) from None
         try:
             self.data = build_dataloader(t.dataset, t.dataset_path, self.tokenizer, t.seq_len, t.local_batch_size,
@@ -95,17 +102,20 @@ class Trainer:
         self.tokens_per_step = global_batch * t.seq_len
 
         # ---- model, sharded with PaRO --------------------------------------------------------
-        try:
+        try:  # a Hugging Face folder's problems (hf_model.HFModelError) are ValueErrors: one line each
             self.model_args = model_args(cfg, self.tokenizer.vocab_size)
+            if cfg.parallelism.paro_strategy.strip().lower() == "auto":
+                self._choose_strategy()
+            problem = check_policy(cfg, self.model_args)
+            if problem:
+                raise ConfigError(problem)
+            model = build_model(cfg, self.model_args, self.device)
+            self.model = parallelize(model, cfg, self.mesh, self.device)
+        except ConfigError:
+            raise
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        if cfg.parallelism.paro_strategy.strip().lower() == "auto":
-            self._choose_strategy()
-        problem = check_policy(cfg, self.model_args)
-        if problem:
-            raise ConfigError(problem)
-        model = build_model(cfg, self.model_args, self.device)
-        self.model = parallelize(model, cfg, self.mesh, self.device)
+        self.forward_loss = _hf_loss() if cfg.model.name == "hf" else (lambda model, batch: model(batch).loss)
         self.compiled = apply_compile(self.model, cfg) if cfg.compile.enable else None
 
         # ---- optimizer on the fp32 master shards, lr schedule ----------------------------------
@@ -154,7 +164,8 @@ class Trainer:
         try:
             self.metrics = MetricsLogger(
                 cfg, self.rank, self.device, t.steps, self.tokens_per_step, self.world_size, run_name,
-                flops_per_token=flops_per_token(a.num_params(), a.n_layers, a.dim, t.seq_len, a.vocab_size * a.dim),
+                flops_per_token=flops_per_token(sum(p.numel() for p in self.model.parameters()), a.n_layers, a.dim,
+                                                t.seq_len, a.vocab_size * a.dim),
                 param_dtype=DTYPES[t.mixed_precision_param])
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
@@ -183,7 +194,7 @@ class Trainer:
             strategy, table = choose_strategy(
                 self.model_args, self.world_size, self.group_size, t.local_batch_size, self.grad_accum, t.seq_len,
                 dtype[t.mixed_precision_param], cluster, reduce_dtype=dtype[t.mixed_precision_reduce],
-                activation_checkpoint=self.cfg.activation_checkpoint.mode,
+                trainable_fraction=self._trainable_fraction(), activation_checkpoint=self.cfg.activation_checkpoint.mode,
                 reshard_after_forward=p.paro_reshard_after_forward)
         except AdvisorError as exc:
             raise ConfigError(f"parallelism.paro_strategy = \"auto\": {exc}") from None
@@ -192,6 +203,15 @@ class Trainer:
         p.paro_strategy = choice[0]
         _log(f"paro_strategy = auto ({source}):\n{table}")
         _log(f"paro_strategy = auto: training with {choice[0]}")
+
+    def _trainable_fraction(self) -> float:
+        """Trainable share of the weights (LoRA: the adapters'), from the model on the meta device."""
+        if not self.cfg.peft.lora_rank:
+            return 1.0
+        from paro_fsdp.integrations.hf import count_trainable
+
+        trainable, total = count_trainable(build_model(self.cfg, self.model_args, self.device))
+        return trainable / total
 
     def _init_distributed(self) -> torch.device:
         backend = self.cfg.comm.backend
@@ -229,7 +249,13 @@ class Trainer:
         strategies = sorted({str(s) for s in self.model.paro_strategies().values()})
         _log(f"{cfg.job.description} | world {self.world_size} = {self.world_size // self.group_size} groups x "
              f"{self.group_size} | strategy {', '.join(strategies)} | {dist.get_backend()} on {self.device.type}")
-        _log(f"model {cfg.model.name}/{cfg.model.flavor}: {n_params / 1e6:,.2f}M params, vocab {a.vocab_size}, "
+        trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        what = (f"hf {cfg.model.hf_path} ({_hf_architecture(self.model)})" if cfg.model.name == "hf"
+                else f"{cfg.model.name}/{cfg.model.flavor}")
+        lora = (f", LoRA rank {cfg.peft.lora_rank} on {cfg.peft.target_modules or 'peft default targets'}"
+                if cfg.peft.lora_rank else "")
+        _log(f"model {what}: {n_params / 1e6:,.2f}M params, {trainable:,} of them trained "
+             f"({100 * trainable / n_params:.2f}%{lora}), vocab {a.vocab_size}, "
              f"seq {cfg.training.seq_len} | params {cfg.training.mixed_precision_param}, grads "
              f"{cfg.training.mixed_precision_reduce} (accumulated in {cfg.training.mixed_precision_accumulate}), master fp32 "
              f"| activation checkpoint {cfg.activation_checkpoint.mode}")
@@ -263,7 +289,7 @@ class Trainer:
             if self.device.type == "cuda":  # a copy from pageable memory may block the host
                 batch = batch.pin_memory()
             batch = batch.to(self.device, non_blocking=True)
-            loss = self.model(batch).loss / self.grad_accum
+            loss = self.forward_loss(self.model, batch) / self.grad_accum
             loss.backward()
             total += loss.detach().float()
         max_norm = self.cfg.training.max_norm if self.cfg.training.max_norm > 0 else float("inf")
@@ -338,6 +364,11 @@ class Trainer:
         first, last = self.losses[min(self.losses)], self.losses[max(self.losses)]
         _log(f"trained steps {min(self.losses)}..{steps} in {elapsed:.1f} s: loss {first:.4f} -> {last:.4f}")
         self._print_where_to_look()
+        if cfg.checkpoint.last_save_in_hf:
+            from paro_fsdp.train.hf_model import export
+
+            path, how = export(self.model, cfg, self.model_args, steps)
+            _log(f"Hugging Face export (checkpoint.last_save_in_hf): {os.path.abspath(path)}   load it with {how}")
         return self.losses
 
     def _order_check(self, step: int) -> Any:
@@ -422,7 +453,7 @@ def run_estimate(cfg: JobConfig, world: Optional[int]) -> int:
     m = group_size(cfg, world, local_world_size=min(8, world))
     accum = grad_accum_steps(cfg, world)
     try:
-        args = model_args(cfg, build_tokenizer(cfg.model.tokenizer).vocab_size)
+        args = model_args(cfg, build_tokenizer(tokenizer_spec(cfg)).vocab_size)
     except (FileNotFoundError, RuntimeError, ValueError) as exc:
         print(f"train.py: error: {exc}", file=sys.stderr)
         return 2
@@ -511,6 +542,28 @@ def main(argv: Optional[list[str]] = None, as_script: bool = False) -> int:
         if trainer is not None:
             trainer.close(failed=failed)
     return 0
+
+
+def _check_hf_folder(cfg: JobConfig) -> None:
+    from paro_fsdp.integrations.hf import HFModelError, read_config, weight_files
+
+    try:
+        read_config(cfg.model.hf_path)
+        weight_files(cfg.model.hf_path)
+    except HFModelError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _hf_loss() -> Any:
+    from paro_fsdp.train.hf_model import loss
+
+    return loss
+
+
+def _hf_architecture(model: torch.nn.Module) -> str:
+    from paro_fsdp.train.hf_model import architecture
+
+    return architecture(model)
 
 
 def _error_line(message: str) -> None:
