@@ -66,7 +66,7 @@ def test_dry_run_prints_the_plan_and_its_commands(tmp_path):
     assert "dim 2048, 16 layers" in text
     assert "-m tools.gpu_check --worker b" in text
     assert "-m tools.gpu_check --worker d" in text and "--timeout-d 170" in text
-    assert "vocab 258" in text and "behind a 4 ms sleep" in text and "compiled by inductor" in text
+    assert "vocab 258" in text and "behind a 2 ms sleep" in text and "compiled by inductor" in text
     assert "TORCH_CUDA_SANITIZER=1" in text and "set_sync_debug_mode('warn') from step 2" in text
     assert not (tmp_path / "r.json").exists()
 
