@@ -100,6 +100,17 @@ def world4(payload: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def world4_compiled(payload: dict[str, Any]) -> dict[str, Any]:
+    """Per-block compile (AOTAutograd graphs, no inductor codegen) of a Hugging Face model's
+    decoder layers, with activation checkpointing, against the same run eager."""
+    tmp, folder = payload["tmp"], payload["folders"]["qwen2"]
+    argv = ["--model.name", "hf", "--model.hf_path", folder, "--parallelism.paro_strategy", "IIG",
+            "--activation_checkpoint.mode", "full"]
+    return {"eager": _run(argv + ["--job.dump_folder", f"{tmp}/eager"], probe=False)["losses"],
+            "compiled": _run(argv + ["--job.dump_folder", f"{tmp}/compiled", "--compile.enable", "--compile.backend",
+                                     "aot_eager"], probe=False)["losses"]}
+
+
 # ---- the world, once per module -----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, str]:
@@ -203,3 +214,11 @@ def test_bad_folder_or_setting_is_one_line(world, case, needles):
     assert len(lines) == 1 and lines[0].startswith("train.py: error: "), err
     for needle in needles:
         assert needle in lines[0], lines[0]
+
+
+@pytest.mark.slow
+def test_compiled_blocks_match_eager(folders, tmp_path):
+    got = run_world(4, "test_hf_trainer:world4_compiled", {"tmp": str(tmp_path), "folders": folders})[0]
+    assert sorted(got["compiled"]) == list(range(1, STEPS + 1))
+    for step, loss in got["eager"].items():
+        assert got["compiled"][step] == pytest.approx(loss, rel=1e-5), step
