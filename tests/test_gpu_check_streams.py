@@ -79,6 +79,109 @@ def test_standin_poisons_until_wait_and_is_exact_after():
                 "all_gather_into_tensor_coalesced"} <= r["issued"].keys()
 
 
+class _FakeEvent:
+    def __init__(self, stream: "_FakeStream") -> None:
+        self.stream = stream
+
+    def query(self) -> bool:
+        return True
+
+
+class _FakeStream:
+    """A CUDA stream's interface on CPU: records what is done on or to it (every op runs at once)."""
+
+    log: list = []
+    current: list = []
+
+    def __init__(self, name: str = "") -> None:
+        self.name = name or f"s{len(_FakeStream.log)}"
+
+    def wait_stream(self, other: "_FakeStream") -> None:
+        _FakeStream.log.append((self.name, "waits for stream", other.name))
+
+    def wait_event(self, event: _FakeEvent) -> None:
+        _FakeStream.log.append((self.name, "waits for event of", event.stream.name))
+
+    def record_event(self) -> _FakeEvent:
+        _FakeStream.log.append((self.name, "records", ""))
+        return _FakeEvent(self)
+
+
+def cuda_branch_probe(_: object) -> dict:
+    """The stand-in's CUDA code path on CPU tensors, with torch.cuda's streams, sleep and pinned
+    memory replaced by fakes that record the order of operations."""
+    import contextlib
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    ops = torch.ops._c10d_functional
+    issuing = _FakeStream("side")
+    _FakeStream.current[:] = [issuing]
+    streams = iter([_FakeStream("input"), _FakeStream("result")])
+
+    @contextlib.contextmanager
+    def on(stream):
+        _FakeStream.current.append(stream)
+        try:
+            yield
+        finally:
+            _FakeStream.current.pop()
+
+    def sleep(cycles: int) -> None:
+        _FakeStream.log.append((_FakeStream.current[-1].name, "sleeps", str(cycles)))
+
+    si = standin.StandIn("cuda", 7)
+    with mock.patch.multiple(torch.cuda, current_stream=lambda device=None: _FakeStream.current[-1],
+                             Stream=lambda device=None: next(streams), stream=on, _sleep=sleep,
+                             get_sync_debug_mode=lambda: 1, set_sync_debug_mode=lambda mode: _FakeStream.log.append(
+                                 ("host", "sync debug", str(mode)))), \
+            mock.patch.object(standin, "pinned_empty", lambda shape, dtype: torch.empty(shape, dtype=dtype)), \
+            mock.patch.object(torch.Tensor, "pin_memory", lambda self: self.clone()):
+        lib = torch.library.Library("_c10d_functional", "IMPL")
+        for name, fn in si._kernels().items():  # the CUDA kernels, registered for CPU tensors
+            lib.impl(name, si._counted(name, fn), "CPU", allow_override=True)
+        world = dist.group.WORLD
+        x = torch.arange(4.0) + 10 * dist.get_rank()
+        out = ops.all_gather_into_tensor(x, 2, world.group_name)
+        poisoned = bool(out.isnan().all())
+        at_issue = list(_FakeStream.log)
+        _FakeStream.log.clear()
+        result = ops.wait_tensor(out).clone()
+        at_wait = list(_FakeStream.log)
+        lib._destroy()
+    return {"poisoned": poisoned, "result": result, "at_issue": at_issue, "at_wait": at_wait}
+
+
+def test_standin_cuda_path_orders_its_streams_as_nccl():
+    """At the issue the input stream waits for the issuing one (and records after copying the input
+    and poisoning the output); at wait() the result stream waits for that, sleeps, writes, records,
+    and the waiting stream waits for it; the sync debug mode is off meanwhile."""
+    results = run_world(2, "test_gpu_check_streams:cuda_branch_probe")
+    for r in results:
+        assert r["poisoned"] and torch.equal(r["result"], torch.cat([torch.arange(4.0), torch.arange(4.0) + 10]))
+        assert r["at_issue"] == [("input", "waits for stream", "side"), ("input", "records", "")]
+        assert r["at_wait"] == [("host", "sync debug", "0"), ("result", "waits for event of", "input"),
+                                ("result", "sleeps", "7"), ("result", "records", ""), ("host", "sync debug", "1"),
+                                ("side", "waits for event of", "result")]
+
+
+def test_the_cuda_apis_parts_d_and_e_call_exist_in_this_torch():
+    """What the CUDA paths call (they cannot run here): present in every supported torch."""
+    import torch.cuda._sanitizer as csan
+
+    for owner, names in ((torch.cuda, ("current_stream", "stream", "Stream", "Event", "_sleep", "get_sync_debug_mode",
+                                       "set_sync_debug_mode", "max_memory_reserved", "max_memory_allocated",
+                                       "reset_peak_memory_stats", "set_device", "init", "synchronize")),
+                         (torch.cuda.Stream, ("wait_stream", "wait_event", "record_event")),
+                         (torch.cuda.Event, ("query", "synchronize", "elapsed_time", "record")),
+                         (torch.cuda.nccl, ("version",)), (csan.cuda_sanitizer, ("enabled",)),
+                         (torch._C._distributed_c10d, ("_register_work",))):
+        missing = [n for n in names if not hasattr(owner, n)]
+        assert not missing, (owner, missing)
+    assert csan.CUDASanitizerErrors.__name__ == "CUDASanitizerErrors"
+
+
 def test_poison_values_and_bad_input():
     assert math.isnan(standin.poison_value(torch.float32)) and math.isnan(standin.poison_value(torch.bfloat16))
     assert standin.poison_value(torch.int32) == -2**31 and standin.poison_value(torch.bool) is True

@@ -195,6 +195,11 @@ def sync_debug_off() -> Iterator[None]:
             torch.cuda.set_sync_debug_mode(mode)
 
 
+def pinned_empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """Page-locked host memory, so that copies to and from the GPU are asynchronous."""
+    return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+
 def host_wait(event: Any) -> None:
     """Block the host until ``event`` completed, by polling ``query()``: unlike ``synchronize()``
     this is invisible to the CUDA sanitizer (which would otherwise order every stream after the
@@ -333,7 +338,7 @@ class StandIn:
     def _launch(self, pg: dist.ProcessGroup, out: torch.Tensor, x: torch.Tensor,
                 collective: Callable[[torch.Tensor], torch.Tensor], inplace: bool = False) -> torch.Tensor:
         """Poison ``out``, register the Work that completes it, return it."""
-        if out.device.type == "cuda":
+        if self.device == "cuda":
             complete = self._issue_cuda(out, x, collective, pg.group_name)
         else:
             complete = self._issue_cpu(out, x, collective, inplace)
@@ -359,7 +364,7 @@ class StandIn:
         in_stream, result_stream = self._streams_of(out, group)
         in_stream.wait_stream(issuing)
         with torch.no_grad(), torch.cuda.stream(in_stream):
-            host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+            host = pinned_empty(x.shape, x.dtype)
             host.copy_(x, non_blocking=True)  # x may be out itself (in-place ops): read before the poison
             out.fill_(poison_value(out.dtype))
             copied = in_stream.record_event()
