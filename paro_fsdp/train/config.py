@@ -222,7 +222,9 @@ class Checkpoint:
     load_step: int = -1
     """Resume from this step's checkpoint; -1: the latest complete one (if any)"""
     verify: bool = True
-    """Check every file of a checkpoint against the sizes and CRC32 checksums written with it before loading"""
+    """Check every file of a checkpoint against the sizes and CRC32 checksums written with it (paro_manifest.json)
+    before loading; a step-N folder without that manifest is refused (false: load it unverified), an
+    initial_load_path folder without one (torchtitan's, plain DCP's) loads with a warning"""
     initial_load_path: str = ""
     """With no checkpoint to resume from: start from the model weights of this DCP folder (keys =
     parameter names, as torchtitan's model-only checkpoints, or a step-N folder of this trainer:
