@@ -307,6 +307,57 @@ def test_part_e_skips_on_cpu_with_a_reason():
     assert all(r["status"] == checks.SKIP and "needs CUDA" in r["measured"] for r in rows)
 
 
+def fake_cuda_rank_main(payload: dict, send) -> dict:
+    """Part (e)'s rank on CPU: the CUDA calls faked (the stand-in and the mesh on the CPU, memory
+    counters, the sanitizer on), the guard's read reported as a synchronisation while the sync
+    debug mode is on, and the planted run ended by a sanitizer error, as CUDA's would be."""
+    import contextlib
+    from unittest import mock
+
+    import torch.cuda._sanitizer as csan
+    import torch.distributed.device_mesh as device_mesh
+
+    from paro_fsdp.gpu_check import ranks
+    from paro_fsdp.train import faults
+
+    real_mesh, real_standin, real_guard = device_mesh.init_device_mesh, standin.StandIn, faults.NonFiniteGuard.allows_step
+    mode = [0]
+
+    def guard(self, *args):
+        if mode[0]:
+            warnings.warn_explicit("called a synchronizing CUDA operation", UserWarning, faults.__file__, 111)
+        return real_guard(self, *args)
+
+    @contextlib.contextmanager
+    def planted(name, device):
+        if name:
+            raise csan.CUDASanitizerErrors(["CSAN detected a possible data race on tensor with data pointer 1"])
+        yield
+
+    with mock.patch.object(ranks, "rank_device", lambda kind: torch.device("cpu")), \
+            mock.patch.object(device_mesh, "init_device_mesh", lambda kind, *a, **k: real_mesh("cpu", *a, **k)), \
+            mock.patch.object(standin, "StandIn", lambda device, delay=0: real_standin("cpu", delay)), \
+            mock.patch.object(plants, "planted", planted), mock.patch.object(faults.NonFiniteGuard, "allows_step", guard), \
+            mock.patch.object(csan.cuda_sanitizer, "enabled", True), \
+            mock.patch.multiple(torch.cuda, synchronize=lambda: None, reset_peak_memory_stats=lambda: None,
+                                max_memory_allocated=lambda: 5 << 20, max_memory_reserved=lambda: 20 << 20,
+                                set_sync_debug_mode=lambda m: mode.__setitem__(0, m)):
+        return sanitizer.rank_main(payload, send)
+
+
+def test_part_e_rows_from_its_ranks_with_cuda_faked():
+    """Part (e)'s CUDA branch end to end on CPU: every run exact, two guard reads per run and rank
+    (steps 2 and 3), the memory beside it, and the planted run's sanitizer error caught."""
+    rows = Rows()
+    sanitizer.run_part_e(rows, 120, device="cpu", target="test_gpu_check_streams:fake_cuda_rank_main", sanitize=False)
+    by = {r["id"]: r for r in rows}
+    assert set(by) == {cid for cid, _ in sanitizer.CHECKS}
+    assert all(r["status"] == checks.PASS for r in rows), [(r["id"], r["measured"]) for r in rows]
+    assert by["e.sync"]["measured"].startswith("2 per run and rank")
+    assert "CSAN detected a possible data race" in by["e.sanitizer.plant"]["measured"]
+    assert "reported in 4/4 ranks" in by["e.sanitizer.plant"]["measured"]
+
+
 def test_sync_counter_records_where_each_synchronisation_was_made():
     modes: list = []
     counter = sanitizer.SyncCounter(1, 3, set_mode=modes.append)

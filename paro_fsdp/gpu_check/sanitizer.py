@@ -168,21 +168,35 @@ def judge_memory(cases: dict[str, dict[str, Any]]) -> tuple[str, str]:
 
 
 # ---- the parent ----------------------------------------------------------------------------------------
+RANK_TARGET = "paro_fsdp.gpu_check.sanitizer:rank_main"
+
+
 def worker_e(emit: Emitter, device: str, timeout_s: float) -> None:
+    """Part (e): SKIP rows on CPU; on CUDA ``run_part_e``."""
     if device != "cuda":
         for cid, name in CHECKS:
             emit(check("e", cid, name, SKIP, SKIP_WHY))
         return
-    import torch
+    run_part_e(emit, timeout_s)
 
+
+def run_part_e(emit: Emitter, timeout_s: float, device: str = "cuda", target: str = RANK_TARGET,
+               sanitize: bool = True) -> None:
+    """The reference on ``device``, then the four ranks of ``target`` (spawned with
+    ``TORCH_CUDA_SANITIZER=1`` when ``sanitize``), their rows as their runs finish. ``device``,
+    ``target`` and ``sanitize`` are for the CPU test of this plumbing (a rank with CUDA faked)."""
     from .ranks import MARGIN_S, Row, Tracker
     from .workload import STEPS, WORLD, reference
     from .world import run_world
 
     t0 = time.monotonic()
-    torch.cuda.set_device(0)
-    ref = reference("cuda")
-    os.environ["TORCH_CUDA_SANITIZER"] = "1"  # read by the spawned ranks' import of torch
+    if device == "cuda":
+        import torch
+
+        torch.cuda.set_device(0)
+    ref = reference(device)
+    if sanitize:
+        os.environ["TORCH_CUDA_SANITIZER"] = "1"  # read by the spawned ranks' import of torch
     cases = [{"id": s, "strategy": s} for s in STRATEGIES] + [
         {"id": f"{SELF_TEST[0]}+{SELF_TEST[1]}", "strategy": SELF_TEST[0], "plant": SELF_TEST[1]}]
     normal = [c["id"] for c in cases[:-1]]
@@ -193,9 +207,8 @@ def worker_e(emit: Emitter, device: str, timeout_s: float) -> None:
             Row("e.memory", names["e.memory"], normal, lambda row, done: judge_memory({k: done[k] for k in row.cases})),
             Row("e.sanitizer.plant", names["e.sanitizer.plant"], [cases[-1]["id"]],
                 lambda row, done: judge_self_test(done[row.cases[0]]))]
-    tracker = Tracker("e", rows, emit, ref, STREAMS_TOL["cuda"], WORLD)
+    tracker = Tracker("e", rows, emit, ref, STREAMS_TOL[device], WORLD)
     left = timeout_s - (time.monotonic() - t0) - MARGIN_S
-    outcome = run_world(WORLD, "paro_fsdp.gpu_check.sanitizer:rank_main", {"cases": cases}, "cuda", left,
-                        tracker.on_message)
+    outcome = run_world(WORLD, target, {"cases": cases}, device, left, tracker.on_message)
     print(f"world of {len(cases)} cases: {'done' if outcome.done else outcome.why()} in {outcome.seconds:.1f} s", flush=True)
     tracker.finish([c["id"] for c in cases], outcome.why())

@@ -86,6 +86,7 @@ def _load(data: bytes) -> Any:
 
 def _rank(rank: int, world: int, port: int, target: str, payload: Any, q: Any, env: dict[str, str],
           timeout_s: float) -> None:
+    os.environ.clear()  # a forked rank has the fork server's environment: the parent's, as it is now
     os.environ.update(env)
     # every rank drives the one GPU 0 (DeviceMesh would pick cuda:LOCAL_RANK otherwise)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
