@@ -91,6 +91,7 @@ def _rank(rank: int, world: int, port: int, target: str, payload: Any, q: Any, e
     # every rank drives the one GPU 0 (DeviceMesh would pick cuda:LOCAL_RANK otherwise)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", OMP_NUM_THREADS="1")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: loopback, whatever the hostname resolves to offline
     try:
         import importlib
 
