@@ -107,6 +107,7 @@ def test_hostile_metadata_runs_nothing_and_is_refused_in_one_line(name, sound, t
     assert msg.startswith(f"checkpoint {folder} is refused: {refused}"), msg
     msg = _refusal(lambda: load_model_weights(torch.nn.Linear(3, 2), folder), sentinel)  # checkpoint.initial_load_path
     assert msg.startswith(f"checkpoint.initial_load_path {folder} is refused: {refused}"), msg
+    assert msg.endswith("; point checkpoint.initial_load_path at an intact checkpoint folder, or leave it empty"), msg
 
 
 def test_the_dotted_name_really_runs_under_a_full_unpickler(tmp_path):

@@ -248,7 +248,8 @@ def load_model_weights(model: torch.nn.Module, path: str, verify_files: bool = T
         own[0] = any(k.startswith("optimizer.master.") for k in metadata.state_dict_metadata)
         return ({"optimizer": {"master": weights}}, "optimizer.master.") if own[0] else (weights, "")
 
-    _checked_load(path, target, verify_files, f"checkpoint.initial_load_path {path}", damage_fix="",
+    _checked_load(path, target, verify_files, f"checkpoint.initial_load_path {path}",
+                  damage_fix="; point checkpoint.initial_load_path at an intact checkpoint folder, or leave it empty",
                   misfit_fix=f"; point it at a checkpoint of this model, or use the model options of the run that wrote it "
                              f"({_MODEL_KEYS})",
                   unverified_fix=None, warn=warn or (lambda line: warnings.warn(line, stacklevel=3)))
