@@ -183,8 +183,8 @@ class Tracker:
 
         got = self.parts.setdefault(msg["case"], {})
         got[rank] = msg
-        if len(got) < self.world:
-            return
+        if msg["case"] in self.done or (len(got) < self.world and not msg.get("race")):
+            return  # a reported race completes its case at once: the other ranks may be stuck behind it
         errors = [m["error"] for m in got.values() if "error" in m]
         c: dict[str, Any] = {"ok": False, "finite": False, "error": errors[0]} if errors else compare(self.ref, got, self.tol)
         first = got[min(got)]
@@ -205,6 +205,10 @@ class Tracker:
         cases = {c: {k: v for k, v in self.done[c].items() if k not in ("losses", "ranks")} for c in row.cases
                  if c in self.done}
         self.emit(check(self.part, row.id, row.name, status, text, row.limit, cases=cases))
+
+    def all_emitted(self) -> bool:
+        """Every row has been reported: the world may stop."""
+        return all(row.id in self.emitted for row in self.rows)
 
     def finish(self, case_ids: list[str], why: str) -> None:
         """Rows of these cases that never completed: FAIL with ``why`` (and what did finish)."""

@@ -134,9 +134,9 @@ def judge_sanitizer(cases: dict[str, dict[str, Any]]) -> tuple[str, str]:
 
 
 def judge_self_test(case: dict[str, Any]) -> tuple[str, str]:
-    races = [r for r in case["ranks"].values() if r.get("race")]
+    races = sorted(rank for rank, r in case["ranks"].items() if r.get("race"))
     if races:
-        return PASS, f"reported in {len(races)}/{len(case['ranks'])} ranks: {races[0]['error']}"
+        return PASS, f"reported (rank {', '.join(map(str, races))}): {case['ranks'][races[0]]['error']}"
     return FAIL, "no race reported: " + (case.get("error") or "the planted run finished without a sanitizer error")
 
 
@@ -209,6 +209,6 @@ def run_part_e(emit: Emitter, timeout_s: float, device: str = "cuda", target: st
                 lambda row, done: judge_self_test(done[row.cases[0]]))]
     tracker = Tracker("e", rows, emit, ref, STREAMS_TOL[device], WORLD)
     left = timeout_s - (time.monotonic() - t0) - MARGIN_S
-    outcome = run_world(WORLD, target, {"cases": cases}, device, left, tracker.on_message)
+    outcome = run_world(WORLD, target, {"cases": cases}, device, left, tracker.on_message, enough=tracker.all_emitted)
     print(f"world of {len(cases)} cases: {'done' if outcome.done else outcome.why()} in {outcome.seconds:.1f} s", flush=True)
     tracker.finish([c["id"] for c in cases], outcome.why())

@@ -19,7 +19,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 from unittest import mock
 
 #: how long the other ranks get to report after one rank failed, before the world is stopped
@@ -109,10 +109,12 @@ def _rank(rank: int, world: int, port: int, target: str, payload: Any, q: Any, e
 
 
 def run_world(world: int, target: str, payload: Any, device: str, deadline_s: float,
-              on_message: Callable[[int, Any], None], collective_timeout_s: float = 300.0) -> WorldOutcome:
+              on_message: Callable[[int, Any], None], collective_timeout_s: float = 300.0,
+              enough: Optional[Callable[[], bool]] = None) -> WorldOutcome:
     """Run ``module:function(payload, send)`` on ``world`` gloo ranks; call ``on_message(rank,
     obj)`` for everything a rank sends, as it arrives. Stops every rank when all are done, when
-    one fails (after ``GRACE_S`` for the others to report) or at ``deadline_s`` seconds."""
+    one fails (after ``GRACE_S`` for the others to report), when ``enough()`` says the parent has
+    what it needs (checked after each message) or at ``deadline_s`` seconds."""
     t0 = time.monotonic()
     ctx = _context(device)
     q = ctx.Queue()
@@ -139,12 +141,15 @@ def run_world(world: int, target: str, payload: Any, device: str, deadline_s: fl
                 continue
             if kind == "msg":
                 on_message(rank, _load(value))
+                if enough is not None and enough():
+                    out.done = True
+                    break
             elif kind == "done":
                 out.results[rank] = _load(value)
             else:
                 out.errors[rank] = value
                 stop_at = min(stop_at, time.monotonic() + GRACE_S)
-        out.done = len(out.results) == world and not out.errors
+        out.done = out.done or (len(out.results) == world and not out.errors)
     finally:
         for p in procs:
             p.join(timeout=5 if out.done else 0.5)
