@@ -125,7 +125,7 @@ def run_world(world: int, target: str, payload: Any, device: str, deadline_s: fl
     for p in procs:
         p.start()
     out = WorldOutcome(done=False)
-    stop_at = t0 + deadline_s
+    stop_at, stopped = t0 + deadline_s, False
     try:
         while len(out.results) < world:
             try:
@@ -142,7 +142,7 @@ def run_world(world: int, target: str, payload: Any, device: str, deadline_s: fl
             if kind == "msg":
                 on_message(rank, _load(value))
                 if enough is not None and enough():
-                    out.done = True
+                    out.done = stopped = True
                     break
             elif kind == "done":
                 out.results[rank] = _load(value)
@@ -152,7 +152,7 @@ def run_world(world: int, target: str, payload: Any, device: str, deadline_s: fl
         out.done = out.done or (len(out.results) == world and not out.errors)
     finally:
         for p in procs:
-            p.join(timeout=5 if out.done else 0.5)
+            p.join(timeout=5 if out.done and not stopped else 0.5)
         for p in procs:
             if p.is_alive():
                 p.kill()
