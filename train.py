@@ -602,6 +602,8 @@ def _run_as_script() -> None:
     ``_leave`` (never a teardown of a failed process group)."""
     try:
         code = main(as_script=True)
+    except SystemExit as exc:  # an explicit exit keeps its status
+        code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:  # noqa: BLE001 - a bug (or Ctrl-C): its traceback must be seen, then leave
         traceback.print_exc()
         code = 1
