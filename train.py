@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import importlib.util
+import io
 import os
 import socket
 import sys
@@ -574,7 +575,13 @@ def _error_line(message: str) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     line = " ".join(f"train.py: error: {message}".split("\n"))[:3000] + "\n"
-    os.write(sys.stderr.fileno(), line.encode("utf-8", "replace"))
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, ValueError, io.UnsupportedOperation):  # stderr replaced in-process (a capture)
+        sys.stderr.write(line)
+        sys.stderr.flush()
+        return
+    os.write(fd, line.encode("utf-8", "replace"))
 
 
 def _leave(code: int) -> None:
