@@ -17,7 +17,8 @@ B, T = 2, 32
 
 def config(*, paro: bool = True, strategy: str = "IIG", group_size: int = 2, steps: int = 4, accum: int = 1,
            emulate_world: int = 0, ac: str | None = None, compile: bool = False, folder: str | None = None,
-           seed_from: str | None = None, save_every: int = 0, resume: bool = False, model_only_from: str | None = None):
+           seed_from: str | None = None, save_every: int = 0, resume: bool = False, model_only_from: str | None = None,
+           dtype: str = "float32"):
     """A ``ParoTrainer.Config``: local batch ``B`` per rank (``B * emulate_world`` in a
     single-process reference), ``accum`` micro-batches per step."""
     import torch.distributed as dist
@@ -37,7 +38,7 @@ def config(*, paro: bool = True, strategy: str = "IIG", group_size: int = 2, ste
     cfg.training.global_batch_size = local * dist.get_world_size() * accum
     cfg.training.seq_len = T
     cfg.training.steps = steps
-    cfg.training.mixed_precision_param = "float32"
+    cfg.training.mixed_precision_param = dtype
     cfg.validator.enable = False
     cfg.metrics.log_freq = 1
     cfg.metrics.enable_tensorboard = False
@@ -60,7 +61,26 @@ def train(cfg) -> dict[str, Any]:
     logged (step, loss, grad norm) and the final full weights."""
     import torch
 
-    trainer = cfg.build()
+    import logging
+
+    from torchtitan.tools.logging import logger
+
+    class Lines(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lines: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.lines.append(record.getMessage())
+
+    lines, level = Lines(), logger.level
+    logger.addHandler(lines)
+    logger.setLevel(logging.INFO)  # torchtitan's init_logger level (the tests do not call it)
+    try:
+        trainer = cfg.build()
+    finally:
+        logger.removeHandler(lines)
+        logger.setLevel(level)
     owner = trainer if hasattr(trainer, "titan_log") else trainer.metrics_processor  # PaRO logs its own norm
     attr = "titan_log" if owner is trainer else "log"
     log, rows = getattr(owner, attr), []
@@ -77,7 +97,7 @@ def train(cfg) -> dict[str, Any]:
                    for n, p in model.state_dict().items() if torch.is_floating_point(p)}
     finally:
         trainer.close()
-    return {"rows": rows, "weights": weights}
+    return {"rows": rows, "weights": weights, "log": lines.lines}
 
 
 def seed_checkpoint(folder: str) -> str:
@@ -153,7 +173,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
 def world(payload: dict) -> dict[str, Any]:
     """Four ranks (2 groups of 2), PaRO through torchtitan's Trainer. Cases, in order: a
     strategy name (4 steps from the seed checkpoint, a model-only load; IIG saves steps 2 and
-    4), a ``VARIANTS`` name, ``resume`` (IIG's step 4 dropped: resumes from step 2),
+    4), a ``VARIANTS`` name, ``resume`` (IIG's step 4 dropped: resumes from step 2), ``bf16`` and
+    ``resume_bf16`` (the same in bf16),
     ``from_fsdp`` (the FSDP2 reference's step-2 checkpoint resumed on four ranks),
     ``model_only`` (the reference's step-4 weights loaded model-only, GGG)."""
     root, out = payload["root"], {}
@@ -165,6 +186,13 @@ def world(payload: dict) -> dict[str, Any]:
             folder = os.path.join(root, "paro_IIG")
             _drop_step(folder, 4)
             out[case] = train(config(strategy="IIG", folder=folder, resume=True))
+        elif case == "bf16":  # torchtitan's default precision: bf16 P, fp32 masters; saves steps 2 and 4
+            out[case] = train(config(strategy="IIG", seed_from=seed, folder=os.path.join(root, "paro_bf16"), save_every=2,
+                                     dtype="bfloat16"))
+        elif case == "resume_bf16":
+            folder = os.path.join(root, "paro_bf16")
+            _drop_step(folder, 4)
+            out[case] = train(config(strategy="IIG", folder=folder, resume=True, dtype="bfloat16"))
         elif case == "from_fsdp":
             folder = os.path.join(root, case)
             _copy_step(os.path.join(root, "ref"), folder, 2)

@@ -20,7 +20,11 @@ loop. What changes, and why:
   clipping), so the container clips by the global norm at ``step()`` and the trainer logs
   that norm. Its state dict is torchtitan's flat ``state.{fqn}.{name}`` format with DTensor
   values, so checkpoints interchange with FSDP2 runs (weights come from the model's state
-  dict; loading them refreshes the masters, see ``ParoModule.load_state_dict``).
+  dict; loading them refreshes the masters, see ``ParoModule.load_state_dict``), plus each
+  parameter's fp32 master (``state.{fqn}.master_fp32``): in bf16 the model's state dict holds
+  P in bf16, and a resume that rebuilt the masters from it would drift from the run it resumes.
+  FSDP2 ignores the extra key; a checkpoint without it (FSDP2's) loads the masters from the
+  model's weights, as before.
 - ``ParoTrainer`` tells the model which micro-batch is the last (``set_is_last_backward``), and
   computes torchtitan's chunked loss unchunked: the chunks call ``lm_head`` outside the model's
   forward, where its sharded weight is not gathered.
@@ -49,10 +53,11 @@ from torch.optim import Optimizer
 from torchtitan.components.checkpointer.utils import canonical_fqn
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config import TORCH_DTYPE_MAP
+from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from paro_fsdp import MixedPrecision, ParoOptimizer, init_paro_mesh, paro_shard
-from paro_fsdp.train.checkpoint_files import safe_load
+from paro_fsdp.train.checkpoint_files import SafeReader, safe_load
 
 __all__ = ["ParoConfig", "ParoOptimizersContainer", "ParoTrainer", "parallelize_paro", "safe_dcp_load",
            "llama3_debug_paro", "llama3_8b_paro", "llama3_70b_paro", "to_paro"]
@@ -160,9 +165,22 @@ def parallelize_paro(model: nn.Module, *, parallel_dims: Any, training: Any, par
     model = paro_shard(model, mesh, policy, mp=mp, blocks=blocks, reshard_after_forward=paro.reshard_after_forward,
                        param_init_fn=_param_init_fn(model, paro.seed))
     model.set_gradient_divide_factor(1.0)  # torchtitan's loss is already divided by the global token count
+    logger.info(startup_line(model, paro, mp, len(blocks)))
     cls = model.__class__
     model.__class__ = type(cls.__name__, (_TitanParoModel, cls), {})
     return model
+
+
+def startup_line(model: nn.Module, paro: ParoConfig, mp: MixedPrecision, n_blocks: int) -> str:
+    """What the log says once the model is sharded, as FSDP2's "Applied FSDP to the model"."""
+    info = model._paro_state.info
+    strategies = sorted({str(s) for s in model.paro_strategies().values()})
+    policy = f" (per-tensor policy {dict(paro.policy)}, default {paro.strategy})" if paro.policy else ""
+    short = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    return (f"PaRO {'/'.join(strategies)}{policy}, groups of {info.m} ({info.g} groups, {info.n} ranks): "
+            f"{n_blocks} blocks + root, P {short[mp.param_dtype]}, gradients {short[mp.grad_dtype]} (summed in "
+            f"{short[mp.acc_dtype]}), fp32 masters and optimizer state at the OS level, reshard_after_forward "
+            f"{paro.reshard_after_forward} (FSDP2 instead: --paro.no-enable)")
 
 
 def check_supported(parallelism: Any) -> None:
@@ -249,6 +267,7 @@ class ParoOptimizersContainer(OptimizersContainer):
                 if torch.is_tensor(value) and value.dim() and value.shape == m.shape:
                     value = p._dtensor(g, t, value)
                 flat[f"state.{fqn}.{key}"] = value
+            flat[f"state.{fqn}.{MASTER}"] = p._dtensor(g, t, m.detach())  # a view: DCP loads the master in place
         for pg in p.inner.param_groups:
             for m in pg["params"]:
                 fqn = canonical_fqn(p.fqn_of[m])
@@ -264,6 +283,11 @@ class ParoOptimizersContainer(OptimizersContainer):
         p = self.paro
         p._ensure_state()
         for fqn, m in self._names():
+            master = state_dict.get(f"state.{fqn}.{MASTER}")
+            if master is not None:
+                master = master.to_local() if isinstance(master, DTensor) else master
+                if master.data_ptr() != m.data_ptr():
+                    m.copy_(master)
             state = p.inner.state[m]
             for key in list(state):
                 value = state_dict.get(f"state.{fqn}.{key}")
@@ -282,6 +306,25 @@ class ParoOptimizersContainer(OptimizersContainer):
                     pg[key] = state_dict[f"param_groups.{fqn}.{key}"]
 
 
+MASTER = "master_fp32"  # the container's key for a parameter's fp32 master (``state.{fqn}.master_fp32``)
+
+
+class _SavedKeysOnly:
+    """The optimizers container as DCP's Stateful, asking only for the fp32 masters the
+    checkpoint holds: one FSDP2 wrote has none (the masters then come from the model's weights,
+    ``ParoModule.load_state_dict``), and DCP refuses a key the checkpoint lacks."""
+
+    def __init__(self, inner: Any, saved: set[str], prefix: str) -> None:
+        self.inner, self.saved, self.prefix = inner, saved, prefix
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.inner.state_dict().items()
+                if not k.endswith(f".{MASTER}") or f"{self.prefix}.{k}" in self.saved}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state_dict)
+
+
 # ---- the trainer ----------------------------------------------------------------------------
 def safe_dcp_load(checkpointer: Any, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool,
                   from_quantized: bool) -> None:
@@ -298,6 +341,12 @@ def safe_dcp_load(checkpointer: Any, state_dict: dict[str, Any], checkpoint_id: 
         safe_load(hf_state_dict, storage_reader=adapter.get_hf_storage_reader(checkpoint_id, from_quantized))
         checkpointer.states[MODEL].load_state_dict(adapter.from_hf(hf_state_dict))
     else:
+        from torchtitan.components.checkpointer.base import OPTIMIZER
+
+        container = state_dict.get(OPTIMIZER)
+        if isinstance(container, ParoOptimizersContainer) and container.paro is not None:
+            saved = set(SafeReader(checkpoint_id).read_metadata().state_dict_metadata)
+            state_dict = {**state_dict, OPTIMIZER: _SavedKeysOnly(container, saved, OPTIMIZER)}
         safe_load(state_dict, checkpoint_id)
         if MODEL in checkpointer.states:  # torchtitan flattens the model's states into state_dict
             checkpointer.states[MODEL].load_state_dict(state_dict)
