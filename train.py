@@ -481,7 +481,8 @@ def run_estimate(cfg: JobConfig, world: Optional[int]) -> int:
                     reduce_dtype=dtype[t.mixed_precision_reduce], max_norm=t.max_norm if t.max_norm > 0 else 1.0,
                     accumulate_dtype=dtype[t.mixed_precision_accumulate])
     r0 = rows[0]
-    print(f"{cfg.job.config_file or 'default config'}: {cfg.model.flavor}, {r0['psi'] / 1e9:.3f} B parameters, "
+    what = f"hf {cfg.model.hf_path} (as a Llama of its shapes)" if cfg.model.name == "hf" else cfg.model.flavor
+    print(f"{cfg.job.config_file or 'default config'}: {what}, {r0['psi'] / 1e9:.3f} B parameters, "
           f"{world} ranks = {world // m} groups x {m}, {accum} micro-steps of {t.local_batch_size} x {t.seq_len} tokens "
           f"per rank per step, P {t.mixed_precision_param}, G {t.mixed_precision_reduce} on the wire and "
           f"{t.mixed_precision_accumulate} accumulated, OS fp32 {cfg.optimizer.name}")
