@@ -291,7 +291,9 @@ def _entry_module(model: nn.Module) -> nn.Module:
     entry = model
     while owners:
         for child in entry.children():
-            if owners <= {id(m) for m in child.modules()}:
+            # a container without a forward of its own (ModuleList, ModuleDict) is never called
+            callable_ = type(child).forward is not nn.Module.forward
+            if callable_ and owners <= {id(m) for m in child.modules()}:
                 entry = child
                 break
         else:

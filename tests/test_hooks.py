@@ -74,3 +74,37 @@ def test_next_block_is_prefetched_in_forward_and_backward(mesh, monkeypatch):
         ("use", "layers.0"), ("issue", "layers.1"), ("use", "layers.1"),
         ("issue", "layers.1"), ("use", "layers.1"), ("issue", "layers.0"), ("use", "layers.0"),
     ]
+
+
+def test_root_hooks_go_where_calls_enter_and_never_on_a_container():
+    """The root's hooks sit on the innermost module every parameter is under, so a wrapper that
+    calls its inner model directly (PeftModel.generate) still gathers; but never on a container
+    without a forward (ModuleList, ModuleDict): it is never called, so its hooks would never run."""
+    import torch.nn as nn
+
+    from paro_fsdp.api import _entry_module
+
+    class Layers(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    class Wrapper(nn.Module):
+        def __init__(self, inner: nn.Module):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x)
+
+    layers = Layers()
+    assert _entry_module(layers) is layers  # not its ModuleList
+    wrapped = Wrapper(Layers())
+    assert _entry_module(wrapped) is wrapped.inner  # the wrapper is bypassed by direct calls
+    by_key = Wrapper(nn.ModuleDict({"a": Layers()}))
+    assert _entry_module(by_key) is by_key  # a ModuleDict is never called itself
