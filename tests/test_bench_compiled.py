@@ -130,3 +130,12 @@ def test_compile_accounting_tells_own_recompiles_from_other_variants(recompile_c
     with C.watch_compiles(later_a, own_a):  # a again: nothing compiles
         fa(torch.ones(3), a)
     assert (later_a.graphs, later_a.recompiles) == (0, 0)
+
+
+def test_lora_bench_flags():
+    """--lora-rank: the same peft adapter for PaRO and the baselines; the advisor (whole trainable
+    layers only) is skipped, and it does not combine with --trainable or --compiled."""
+    assert _args(["--lora-rank", "8"]).no_advisor and _args([]).lora_rank == 0
+    for bad in (["--lora-rank", "-1"], ["--lora-rank", "8", "--trainable", "0.5"], ["--lora-rank", "4", "--compiled"]):
+        with pytest.raises(SystemExit):
+            _args(bad)

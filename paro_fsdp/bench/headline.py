@@ -95,6 +95,10 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trainable", type=float, default=1.0,
                    help="fraction of the weights that is trainable (partial training): the first layers "
                         "closest to it, the rest frozen (default 1: full training)")
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="fine-tune a LoRA adapter of this rank (peft, on every attention projection wq/wk/wv/wo; "
+                        "the base frozen), the same adapter for PaRO and every baseline; 0 = off. Skips the advisor "
+                        "(it models trainable whole layers only)")
     p.add_argument("--no-advisor", action="store_true", help="skip calibration and predictions")
     p.add_argument("--budget-mib", type=float, default=None,
                    help="per-rank model-state budget for the verdict (default: FSDP2 HSDP's)")
@@ -122,6 +126,11 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, k, v)
     if not 0 < args.trainable <= 1:
         p.error(f"--trainable must be in (0, 1], got {args.trainable}")
+    if args.lora_rank < 0 or (args.lora_rank and (args.trainable != 1.0 or args.compiled)):
+        p.error(f"--lora-rank {args.lora_rank} is invalid; valid: 0 (off) or a positive rank, without --trainable "
+                f"and --compiled")
+    if args.lora_rank:
+        args.no_advisor = True
     if args.compiled:
         from .compiled_emulated_report import MODES
 

@@ -61,7 +61,14 @@ def worker(args: argparse.Namespace) -> None:
     def make_model() -> torch.nn.Module:
         torch.manual_seed(0)
         model = Llama(margs)
-        if n_trainable < margs.n_layers:
+        if args.lora_rank:  # the same adapter for every variant: LoRA on the attention projections, base frozen
+            from peft import LoraConfig, inject_adapter_in_model
+
+            model = inject_adapter_in_model(LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank,
+                                                       target_modules=["wq", "wk", "wv", "wo"]), model)
+            for name, p in model.named_parameters():
+                p.requires_grad_("lora_" in name)
+        elif n_trainable < margs.n_layers:
             for name, p in model.named_parameters():
                 if not (name.startswith("layers.") and int(name.split(".")[1]) < n_trainable):
                     p.requires_grad_(False)
