@@ -199,6 +199,10 @@ def test_the_torchtitan_plugin_reads_through_the_safe_reader(sound, tmp_path):
     """``ParoTrainer`` replaces its checkpointer's ``dcp_load`` (resume, initial_load_path, HF)
     with ``safe_dcp_load``: a hostile folder is refused there, unrun; a sound one loads and
     reaches the model's ``load_state_dict``. In a fresh interpreter: torchtitan needs its shims."""
+    from paro_fsdp._compat import torch_version
+
+    if torch_version() < (2, 13):
+        pytest.skip("torchtitan 0.3 needs torch >= 2.13")
     sentinel = tmp_path / "ran"
     folder = _hostile(sound, tmp_path, CASES["p4-GLOBAL-dotted"](str(sentinel)))
     script = f"""
