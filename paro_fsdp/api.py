@@ -179,9 +179,19 @@ def _blocks_of(modules: Iterable[nn.Module]) -> list[nn.Module]:
 
 
 def _default_blocks(model: nn.Module) -> list[nn.Module]:
-    """Each element of every ``nn.ModuleList`` and each value of every ``nn.ModuleDict``."""
-    return [child for module in model.modules() if isinstance(module, (nn.ModuleList, nn.ModuleDict))
-            for child in module.children()]
+    """Each element of every outermost ``nn.ModuleList`` and each value of every outermost
+    ``nn.ModuleDict``: a container inside a block (peft's ``lora_A`` / ``lora_B`` ModuleDicts, a
+    layer's experts) stays part of that block, as FSDP2 users wrap whole layers. Nested blocks
+    made every LoRA matrix a block of its own: 53 blocks for a 4-layer model, a collective each."""
+    out: list[nn.Module] = []
+    inside: set[int] = set()
+    for module in model.modules():  # parents before children
+        if id(module) in inside or not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            continue
+        for child in module.children():
+            out.append(child)
+            inside.update(id(m) for m in child.modules())
+    return out
 
 
 def paro_shard(
@@ -196,9 +206,9 @@ def paro_shard(
 ) -> nn.Module:
     """Shard ``model`` in place with a PaRO ``policy`` and return it.
 
-    Parameters are bucketed per block (each element of every ``nn.ModuleList`` and value of
-    every ``nn.ModuleDict`` by default, or ``blocks``: modules, or containers standing for their
-    elements; the root holds the rest) and per strategy inside a block. The model must hold
+    Parameters are bucketed per block (each element of every outermost ``nn.ModuleList`` and
+    value of every outermost ``nn.ModuleDict`` by default, or ``blocks``: modules, or containers
+    standing for their elements; the root holds the rest) and per strategy inside a block. The model must hold
     the same initial values on every rank. It may be built on the CPU: parameters move to the
     mesh's device shard by shard (the originals are freed), module buffers move whole. The
     root's parameters stay gathered from forward to backward (as FSDP2 does for its root);

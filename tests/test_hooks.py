@@ -108,3 +108,27 @@ def test_root_hooks_go_where_calls_enter_and_never_on_a_container():
     assert _entry_module(wrapped) is wrapped.inner  # the wrapper is bypassed by direct calls
     by_key = Wrapper(nn.ModuleDict({"a": Layers()}))
     assert _entry_module(by_key) is by_key  # a ModuleDict is never called itself
+
+
+def test_default_blocks_are_the_outermost_container_elements():
+    """A container inside a block (peft's lora_A / lora_B ModuleDicts) stays part of it: the
+    blocks are the layers, one bucket each, not every LoRA matrix."""
+    import torch.nn as nn
+
+    from paro_fsdp.api import _default_blocks
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+            self.lora_A = nn.ModuleDict({"default": nn.Linear(4, 1)})
+            self.experts = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(8, 4)
+            self.layers = nn.ModuleList([Layer(), Layer()])
+
+    model = Model()
+    assert _default_blocks(model) == list(model.layers)
