@@ -60,7 +60,7 @@ bench-compiled: install
 
 # PaRO GGG / III vs FSDP2 full shard / HSDP on 4 plain gloo ranks (no emulator, no root)
 bench-fsdp2: install
-	$(PY) -m tools.bench_vs_fsdp2
+	$(PY) -m tools.bench.vs_fsdp2
 
 clean:
 	rm -rf $(VENV) .venv-compat outputs .pytest_cache

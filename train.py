@@ -448,7 +448,7 @@ def run_estimate(cfg: JobConfig, world: Optional[int]) -> int:
     if not world:
         print("train.py: error: --estimate needs --world N (the number of ranks to estimate for)", file=sys.stderr)
         return 2
-    from paro_fsdp.cost.estimate import estimate, format_table
+    from paro_fsdp.train.estimate import estimate, format_table
 
     t, p = cfg.training, cfg.parallelism
     m = group_size(cfg, world, local_world_size=min(8, world))

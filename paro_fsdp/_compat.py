@@ -98,7 +98,7 @@ def isolate_compile_cache(rank: int) -> None:
     selective-checkpoint region around the traced gathers (traced.py), torch replayed a cache
     entry compiled by one rank on another, which then failed with "Could not resolve the process
     group registered under the name 1". Per-rank folders cost only cross-rank cache sharing.
-    Call it before compiling (the trainer, the tests and tools/bench_compile.py do); idempotent.
+    Call it before compiling (the trainer, the tests and ``tools.bench.compiled`` do); idempotent.
     Test: tests/test_compat.py (each rank's folder is its own; the failure itself needs warm
     inductor caches shared by 4 compiling ranks, minutes on CPU, so it is not replayed)."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir

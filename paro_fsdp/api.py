@@ -225,7 +225,7 @@ def paro_shard(
     of PaRO-CC's intra and inter phases, in eager and compiled runs alike; the ledger
     (``traffic_of(..., flat_below_bytes=)``) follows the same rule. 0 (default): always
     hierarchical, as the spec's formulas assume. Where flat wins depends on the cluster's links:
-    measure with ``tools.bench_collectives`` (on the emulator's 2 x 2 at 1 Gbit/s about 1 MiB).
+    measure with ``tools.bench.collectives`` (on the emulator's 2 x 2 at 1 Gbit/s about 1 MiB).
     """
     if hasattr(model, "_paro_state"):
         raise ValueError("model is already sharded by paro_shard")

@@ -33,7 +33,7 @@ are uneven) and all_reduce takes any numel (only a last partial row of m element
 Flat where it wins: a message below ``flat_below_bytes`` (``cost.collectives.runs_flat``, the
 one rule, which the ledger follows) is one collective over mesh["inter", "intra"]._flatten()
 (dim "global"), with the nested order made by a local transpose. Measured on the emulator
-(2 x 2 gloo ranks, ``tools.bench_collectives``): flat is faster below about 1 MiB at 1 Gbit/s,
+(2 x 2 gloo ranks, ``tools.bench.collectives``): flat is faster below about 1 MiB at 1 Gbit/s,
 and at nearly every size at 10 Gbit/s, where the second phase's pass over the CPU-bound intra
 links costs more than the inter bytes it saves.
 

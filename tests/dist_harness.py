@@ -6,6 +6,6 @@ results come back from every rank (``paro_fsdp.local_world``, shared with the lo
 """
 from __future__ import annotations
 
-from paro_fsdp.local_world import run_local_world as run_world
+from tools.local_world import run_local_world as run_world
 
 __all__ = ["run_world"]

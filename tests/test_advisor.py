@@ -45,7 +45,7 @@ def _assert_same_collectives(got: dict, expected: dict, what: str) -> None:
 
 # ---- exactness: the fake 64-rank mesh ---------------------------------------------------------
 def test_bytes_and_state_memory_equal_engine_on_fake_64_ranks():
-    from paro_fsdp.cost.estimate import estimate, release_fake_world
+    from paro_fsdp.train.estimate import estimate, release_fake_world
 
     a100 = load_cluster("a100_ib")
     try:
@@ -258,7 +258,7 @@ def test_bad_model_and_sizes_errors():
 
 
 def test_cli_errors_exit_2_with_one_line(capsys):
-    from paro_fsdp.cost.report import main
+    from tools.advisor import main
 
     assert main(["--model", "llama8b", "--no-plot"]) == 2
     assert "unknown model flavor 'llama8b'" in capsys.readouterr().err
@@ -270,7 +270,7 @@ def test_cli_errors_exit_2_with_one_line(capsys):
 
 # ---- the CLI ----------------------------------------------------------------------------------
 def test_cli_table_plot_and_sweeps(tmp_path, capsys):
-    from paro_fsdp.cost.report import main
+    from tools.advisor import main
 
     pytest.importorskip("matplotlib")
     png = tmp_path / "a.png"

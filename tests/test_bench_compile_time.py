@@ -1,10 +1,10 @@
-"""tools.bench_compile_time's command line and table (the measurement itself takes minutes of
+"""tools.bench.compile_time's command line and table (the measurement itself takes minutes of
 compiling: README "torch.compile and the graph passes" has a run's table)."""
 from __future__ import annotations
 
 import pytest
 
-from paro_fsdp.bench import compile_time
+from tools.bench import compile_time
 from paro_fsdp.models.llama import FLAVORS
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from paro_fsdp.bench import compiled_emulated_report as R
-from paro_fsdp.bench.headline import _args
+from tools.bench import compiled_emulated_report as R
+from tools.bench.headline import _args
 
 
 def test_compiled_defaults_and_checks():
@@ -89,7 +89,7 @@ def recompile_capture():
     import torch
     import torch._dynamo.guards as guards
 
-    from paro_fsdp.bench import compiled_emulated as C
+    from tools.bench import compiled_emulated as C
 
     torch._dynamo.reset()
     C.capture_recompiles()

@@ -24,7 +24,7 @@ from paro_fsdp import ALL_STRATEGIES, paro_shard
 from paro_fsdp._compat import G_N_BOUNDARY_GRAPH_FALLS_BACK
 from paro_fsdp.models.llama import LlamaArgs
 from passes.graph import collectives
-from paro_fsdp.cost.estimate import fake_mesh, release_fake_world
+from paro_fsdp.train.estimate import fake_mesh, release_fake_world
 from workloads import ODD, TINY, batch, make_model, reference
 
 # one strategy per (P level, G level) pair

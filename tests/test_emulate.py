@@ -1,4 +1,4 @@
-"""The cluster emulator (paro_fsdp/bench/emulator.py behind tools/emulate.py) shapes for real and
+"""The cluster emulator (tools/emulate/emulator.py behind python -m tools.emulate) shapes for real and
 cleans up after itself.
 
 Real TCP transfers between namespaces: N bytes between two emulated nodes take about
@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from paro_fsdp.bench.emulator import Emulator, EmulatorError, list_namespaces, parse_delay, parse_rate
+from tools.emulate.emulator import Emulator, EmulatorError, list_namespaces, parse_delay, parse_rate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -153,7 +153,7 @@ def test_cleanup_removes_leftovers_of_dead_runs():
 
 
 def test_needs_root_message(monkeypatch):
-    from paro_fsdp.bench import emulator as emulate
+    from tools.emulate import emulator as emulate
 
     monkeypatch.setattr(emulate.os, "geteuid", lambda: 1000)
     with pytest.raises(EmulatorError, match="needs root"):

@@ -13,7 +13,7 @@ import pytest
 from paro_fsdp import Strategy
 from paro_fsdp.ledger import Bucket, formula_bytes, formula_memory, traffic_of
 from paro_fsdp.models.llama import LlamaArgs
-from paro_fsdp.cost.estimate import estimate, release_fake_world
+from paro_fsdp.train.estimate import estimate, release_fake_world
 
 N, M = 64, 8
 ARGS = LlamaArgs(dim=64, n_layers=4, n_heads=4, vocab_size=128, ffn_dim=128, max_seq_len=32)

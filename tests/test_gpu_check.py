@@ -1,4 +1,4 @@
-"""tools/gpu_check.py (paro_fsdp/gpu_check/) on a machine without a GPU: it refuses (exit 2, one
+"""tools.gpu_check (tools/gpu_check/) on a machine without a GPU: it refuses (exit 2, one
 line), --dry-run prints the plan with its commands, the pure functions (loss comparison, MFU,
 memory tolerance, table, JSON) on real inputs with a failing case each, the parent's timeout /
 crash handling, part (b)'s placement and memory code on CPU tensors with torch's fake process
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from paro_fsdp.gpu_check import checks, memory, placement, plan, report, runner
+from tools.gpu_check import checks, memory, placement, plan, report, runner
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -85,7 +85,7 @@ def test_dry_run_on_cpu_and_with_a_plant(tmp_path):
                                          (["--plant", "typo"], "valid: missing-wait, issue-wait"),
                                          (["--d-strategies", "IIX"], "--d-strategies 'IIX' is invalid")])
 def test_bad_plant_or_strategies_are_refused_in_one_line(capsys, args, words):
-    from paro_fsdp.gpu_check import cli
+    from tools.gpu_check import cli
 
     assert cli.main(["--dry-run", *args]) == 2
     err = capsys.readouterr()
@@ -306,7 +306,7 @@ class Rows(list):
 def test_part_d_passes_on_cpu_and_a_planted_missing_wait_fails_it():
     """Every strategy, the planted self-test and the compiled block pass; the same part with a
     missing wait planted in every run fails every exactness row, with NaN in the results."""
-    from paro_fsdp.gpu_check import ranks
+    from tools.gpu_check import ranks
 
     rows = Rows()
     ranks.worker_d(rows, "cpu", 300)

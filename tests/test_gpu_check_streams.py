@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from dist_harness import run_world
-from paro_fsdp.gpu_check import checks, plants, sanitizer, standin, workload, world
-from paro_fsdp.gpu_check.ranks import d_strategies
+from tools.gpu_check import checks, plants, sanitizer, standin, workload, world
+from tools.gpu_check.ranks import d_strategies
 
 
 # ---- the stand-in on 4 ranks -----------------------------------------------------------------------
@@ -322,7 +322,7 @@ def fake_cuda_rank_main(payload: dict, send) -> dict:
     import torch.cuda._sanitizer as csan
     import torch.distributed.device_mesh as device_mesh
 
-    from paro_fsdp.gpu_check import ranks
+    from tools.gpu_check import ranks
     from paro_fsdp.train import faults
 
     real_mesh, real_standin, real_guard = device_mesh.init_device_mesh, standin.StandIn, faults.NonFiniteGuard.allows_step

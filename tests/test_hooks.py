@@ -5,7 +5,7 @@ import torch
 
 from paro_fsdp import paro_shard
 from paro_fsdp.param_group import ParoParamGroup, ShardState
-from paro_fsdp.cost.estimate import fake_mesh, release_fake_world
+from paro_fsdp.train.estimate import fake_mesh, release_fake_world
 from workloads import batch, make_model
 
 

@@ -134,7 +134,7 @@ def fake_48_ranks():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from paro_fsdp.cost.estimate import release_fake_world
+    from paro_fsdp.train.estimate import release_fake_world
 
     if dist.is_initialized() and dist.get_backend() != "fake":
         pytest.skip("a real process group is running in this process")

@@ -41,7 +41,7 @@ def runs_flat(nbytes: float, flat_below_bytes: float) -> bool:
     inter phases. The one rule: ``paro_cc.ParoCC`` issues by it and ``paro_fsdp.ledger`` counts by
     it. Flat wins where a second phase's latency and its extra pass over the fast links cost more
     than the inter bytes it saves: small messages, or inter links about as fast as intra ones
-    (``tools.bench_collectives`` measures the crossover on a cluster). 0: never flat."""
+    (``tools.bench.collectives`` measures the crossover on a cluster). 0: never flat."""
     return 0 < nbytes < flat_below_bytes
 
 

@@ -150,7 +150,7 @@ class Parallelism:
     paro_flat_below_mb: float = 0
     """Global collectives on messages below this many MiB run as one flat collective over all
     ranks instead of PaRO-CC's intra and inter phases (0: never; measure where flat wins on your
-    cluster with tools.bench_collectives)"""
+    cluster with tools.bench.collectives)"""
 
 
 @dataclass
@@ -180,7 +180,7 @@ class Compile:
     """Also compile the optimizer's push of the updated parameters to P (one graph: its
     all-gathers merged into one per mesh dimension). Off by default: once per step it saves a
     few collective launches, and compiling it cost as long as a block's forward and backward
-    (debug model, tools.bench_compile_time: the first step 140 s with it, 82 s without)"""
+    (debug model, tools.bench.compile_time: the first step 140 s with it, 82 s without)"""
     max_prefetch_mb: float = -1
     """reorder pass: bound on gathered parameters in flight, MiB (-1: no bound, 0: no prefetch)"""
     dump_schedule: bool = False

@@ -6,7 +6,7 @@ The shipped file (``corpus/python_stdlib_docstrings.txt``) was produced by this 
 CPython 3.11; rerunning it under another version gives slightly different text, so the
 trainer always reads the shipped file, never a freshly built one.
 
-Run: ``python -m paro_fsdp.train.build_corpus [--max-bytes N]``.
+Run: ``python -m tools.build_corpus [--max-bytes N]``.
 Documents (one per module) are separated by form-feed lines, which the text loader treats as
 document boundaries.
 """
@@ -84,7 +84,7 @@ def build(max_bytes: int = 1_500_000) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--max-bytes", type=int, default=1_500_000)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "corpus" / "python_stdlib_docstrings.txt"))
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "paro_fsdp" / "train" / "corpus" / "python_stdlib_docstrings.txt"))
     args = parser.parse_args(argv)
     text = build(args.max_bytes)
     Path(args.out).write_text(text, encoding="utf-8")

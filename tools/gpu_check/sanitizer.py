@@ -168,7 +168,7 @@ def judge_memory(cases: dict[str, dict[str, Any]]) -> tuple[str, str]:
 
 
 # ---- the parent ----------------------------------------------------------------------------------------
-RANK_TARGET = "paro_fsdp.gpu_check.sanitizer:rank_main"
+RANK_TARGET = "tools.gpu_check.sanitizer:rank_main"
 
 
 def worker_e(emit: Emitter, device: str, timeout_s: float) -> None:

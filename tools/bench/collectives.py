@@ -1,10 +1,10 @@
 """PaRO-CC against the flat gloo collective over the flattened mesh, on the emulated cluster.
 
     # both topologies, 2 nodes x 2 ranks, 1 MiB .. 256 MiB (needs root: it builds the emulator)
-    python -m tools.bench_collectives --nodes 2 --ranks-per-node 2 --inter-rate 200mbit
-    python -m tools.bench_collectives --quick            # 1, 4, 16 MiB, 3 reps: ~2-3 min on 2 cores
+    python -m tools.bench.collectives --nodes 2 --ranks-per-node 2 --inter-rate 200mbit
+    python -m tools.bench.collectives --quick            # 1, 4, 16 MiB, 3 reps: ~2-3 min on 2 cores
     # one topology through the emulator CLI (this module is then the per-rank worker)
-    python -m tools.emulate --topology rails -- -m tools.bench_collectives --sizes-mb 1,16
+    python -m tools.emulate --topology rails -- -m tools.bench.collectives --sizes-mb 1,16
 
 Why: spec section 4 claims the hierarchical rearrangement beats a flat ring by ~33-37 % on a
 real cluster (paper v1/v2). This measures the same thing on our emulator: flat = one
@@ -31,11 +31,11 @@ import statistics
 import sys
 import time
 
-from .emulator import Emulator, EmulatorError, check_privileges, local_tx_bytes
-from .launch import ResultTee, launch, worker_or_driver
+from tools.emulate.emulator import Emulator, EmulatorError, check_privileges, local_tx_bytes
+from tools.emulate.launch import ResultTee, launch, worker_or_driver
 
 #: the command line the driver starts on every emulated node (as ``--worker``)
-CLI = "tools.bench_collectives"
+CLI = "tools.bench.collectives"
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 VARIANTS = ("flat", "paro", "paro1")
@@ -43,7 +43,7 @@ RESULT_TAG = "BENCH_COLLECTIVES_JSON "
 
 
 def _args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tools.bench_collectives", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tools.bench.collectives", description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--ranks-per-node", type=int, default=2)
     p.add_argument("--inter-rate", default="200mbit")
@@ -210,3 +210,7 @@ def driver(args: argparse.Namespace, argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     return worker_or_driver(argv, _args, worker, driver)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

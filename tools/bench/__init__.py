@@ -1,9 +1,6 @@
-"""The benchmarks and the cluster emulator behind ``python -m tools.bench``, ``tools.emulate``,
-``tools.bench_collectives``, ``tools.bench_vs_fsdp2``, ``tools.bench_compile`` and
-``tools.advisor_check`` (each tool is a thin command line over one ``main`` here).
+"""The benchmarks: ``python -m tools.bench`` (the headline, on the emulated cluster of
+``tools.emulate``) and ``python -m tools.bench.<module>`` for the others.
 
-  emulator.py         network namespaces per node, tc-shaped veth links, tx byte counters
-  launch.py           one torchrun per emulated node, logs, teardown; the emulate command line
   headline.py         the headline benchmark's command line and driver (on the emulator)
   headline_worker.py  its per-rank side: every strategy and baseline, interleaved rounds
   headline_report.py  its table, verdicts and PNG
@@ -14,7 +11,12 @@
   vs_fsdp2.py         PaRO GGG / III vs FSDP2 ZeRO-3 / HSDP on 4 spawned gloo ranks
   engine_profile.py   its --profile: the engine's functions timed, op tables side by side
   compiled.py         eager vs compiled vs compiled + passes, and FSDP2 + torch.compile
+  compile_time.py     the first (compiling) step, cold and warm, against FSDP2
   advisor_check.py    the advisor's predicted step times against measured ones
 
-Nothing of the engine imports this package.
+Nothing of the package ``paro_fsdp`` imports these.
 """
+import os
+
+# one thread per rank, set before torch loads (every module here imports it): 2 cores shared by 4 ranks
+os.environ.setdefault("OMP_NUM_THREADS", "1")

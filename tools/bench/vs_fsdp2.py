@@ -2,14 +2,14 @@
 
 Run (one command, also ``make bench``; it spawns the 4 gloo ranks itself)::
 
-    .venv/bin/python -m tools.bench_vs_fsdp2              # the table: ~80 s on 2 shared cores
-    .venv/bin/python -m tools.bench_vs_fsdp2 --profile    # + where PaRO's time goes: ~2 min
+    .venv/bin/python -m tools.bench.vs_fsdp2              # the table: ~80 s on 2 shared cores
+    .venv/bin/python -m tools.bench.vs_fsdp2 --profile    # + where PaRO's time goes: ~2 min
 
 The default model (dim 128, 4 layers, vocab 1024, micro-batch 2 x 128 tokens, 1.0M params) takes
 ~0.2-0.3 s per A=1 step with 4 single-threaded ranks on 2 cores; ``--dim 256 --heads 8 --kv-heads 4
 --ffn 704 --vocab 2048`` (4M params) is ~0.6-0.9 s per step and ~2 min with ``--rounds 5``.
 
-``torchrun --nproc-per-node 4 -m tools.bench_vs_fsdp2`` works too (the script sees RANK in the
+``torchrun --nproc-per-node 4 -m tools.bench.vs_fsdp2`` works too (the script sees RANK in the
 environment and runs as one rank instead of spawning).
 
 Why: PaRO's GGG is ZeRO-3 and III is HSDP/MiCS, so on those two strategies FSDP2 is the yardstick:
@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import socket
 import statistics
 import time
@@ -235,3 +236,7 @@ def main() -> None:
     t0 = time.perf_counter()
     mp.start_processes(_spawned, args=(cfg, port), nprocs=WORLD, start_method="spawn", join=True)
     print(f"total wall time including process start: {time.perf_counter() - t0:.1f} s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,6 @@
 """The headline benchmark: every named PaRO strategy and the advisor's pick against FSDP2 ZeRO-3,
 FSDP2 HSDP, FSDP2 ``reshard_after_forward=m`` (ZeRO++ hpZ-like) and torch DDP, on the emulated
-cluster (tools/emulate.py), A = 1 and A = 4.
+cluster (``tools.emulate``), A = 1 and A = 4.
 
     python -m tools.bench                       # 2 nodes x 2 ranks, 200mbit, shared uplink (root)
     python -m tools.bench --quick               # fewer rounds, A = 1 only: about a minute
@@ -51,10 +51,10 @@ import shutil
 import sys
 import tempfile
 
-from .emulator import Emulator, EmulatorError, check_privileges
+from tools.emulate.emulator import Emulator, EmulatorError, check_privileges
 from .headline_report import write_png
 from .headline_worker import RESULT_TAG, worker
-from .launch import ResultTee, launch, worker_or_driver
+from tools.emulate.launch import ResultTee, launch, worker_or_driver
 
 #: the command line the driver starts on every emulated node (as ``--worker``)
 CLI = "tools.bench"

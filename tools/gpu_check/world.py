@@ -61,7 +61,7 @@ def _context(device: str) -> Any:
         return mp.get_context("spawn")
     import multiprocessing.forkserver
 
-    from paro_fsdp.local_world import PRELOAD
+    from tools.local_world import PRELOAD
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)

@@ -1,6 +1,6 @@
 """Predicted vs measured step time on local CPU ranks, after calibrating them.
 
-    python -m tools.advisor_check [--nproc 4 --group-size 2] [--strategies NNN,NNG,GGG,III,NIG,IIG,IGG,ING]
+    python -m tools.bench.advisor_check [--nproc 4 --group-size 2] [--strategies NNN,NNG,GGG,III,NIG,IIG,IGG,ING]
         [--steps 3] [--out cpu_check.toml]
 
 Why: the advisor is a model; this is where it meets a measurement. One spawn of ``nproc`` gloo
@@ -30,7 +30,7 @@ from typing import Any, Optional, Sequence
 
 from paro_fsdp.cost.cluster import Cluster, cluster_to_toml
 from paro_fsdp.cost.predict import predict
-from paro_fsdp.local_world import run_local_world
+from tools.local_world import run_local_world
 from paro_fsdp.models.llama import LlamaArgs
 
 CHECK = LlamaArgs(dim=256, n_layers=4, n_heads=4, ffn_dim=704, vocab_size=4096, max_seq_len=128)
@@ -117,7 +117,7 @@ def compare(out: dict[str, Any], n: int, m: int) -> tuple[str, list[dict[str, An
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.advisor_check", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.bench.advisor_check", description=__doc__.split("\n\n")[0])
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--group-size", type=int, default=2)
     ap.add_argument("--strategies", default=DEFAULT_STRATEGIES)
@@ -132,7 +132,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     payload = {"group_size": a.group_size, "strategies": a.strategies.split(","), "steps": a.steps, "reps": a.reps,
                "sizes_mib": [float(x) for x in a.sizes_mib.split(",")]}
     wall = time.perf_counter()
-    out = run_local_world(a.nproc, "paro_fsdp.bench.advisor_check:_rank_main", payload)[0]
+    out = run_local_world(a.nproc, "tools.bench.advisor_check:_rank_main", payload)[0]
     c = out["cluster"]
     print(f"check model: dim {CHECK.dim}, {CHECK.n_layers} layers, ffn {CHECK.ffn_dim}, vocab {CHECK.vocab_size}, fp32; "
           f"micro-batch {MICRO_BATCH} x {SEQ_LEN} tokens, A = {GRAD_ACCUM}; {a.nproc} gloo ranks = "
@@ -144,7 +144,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(table)
     if a.out:
         with open(a.out, "w") as f:
-            f.write(cluster_to_toml(c, ["calibrated by python -m tools.advisor_check"]))
+            f.write(cluster_to_toml(c, ["calibrated by python -m tools.bench.advisor_check"]))
         print(f"wrote {a.out}")
     print(f"({time.perf_counter() - wall:.0f} s wall)")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

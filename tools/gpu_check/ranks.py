@@ -246,7 +246,7 @@ def worker_d(emit: Emitter, device: str, timeout_s: float, strategies: Optional[
         if left <= 0:
             tracker.finish(ids, "not reached: no time left in the part's timeout")
             continue
-        outcome = run_world(WORLD, "paro_fsdp.gpu_check.ranks:rank_main", dict(payload, cases=cases), device, left,
+        outcome = run_world(WORLD, "tools.gpu_check.ranks:rank_main", dict(payload, cases=cases), device, left,
                             tracker.on_message)
         print(f"world of {len(cases)} cases: {'done' if outcome.done else outcome.why()} in {outcome.seconds:.1f} s",
               flush=True)

@@ -1,4 +1,4 @@
-"""``python -m tools.bench_vs_fsdp2 --profile``: where PaRO's time goes. The engine's own functions
+"""``python -m tools.bench.vs_fsdp2 --profile``: where PaRO's time goes. The engine's own functions
 are timed by wrapping them at runtime (nothing in the engine is modified), then one step of PaRO
 and one of FSDP2 run under torch.profiler and their op tables are printed side by side.
 """

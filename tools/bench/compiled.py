@@ -1,8 +1,8 @@
 """Eager vs torch.compile vs torch.compile + our graph passes, and FSDP2 + torch.compile, on 4
 CPU gloo ranks (2 groups x 2): step-time ratios, and cold / warm compile times.
 
-    .venv/bin/python -m tools.bench_compile                      # GGG and III: ~12 min on 2 cores
-    .venv/bin/python -m tools.bench_compile --strategies GGG IIG NGG --rounds 6
+    .venv/bin/python -m tools.bench.compiled                      # GGG and III: ~12 min on 2 cores
+    .venv/bin/python -m tools.bench.compiled --strategies GGG IIG NGG --rounds 6
 
 Why: compiling should pay for itself. The targets: PaRO compiled with the passes is faster than
 PaRO eager for every strategy measured, and not slower than FSDP2 + torch.compile on the
@@ -13,7 +13,7 @@ collectives are in the graph, ordered by passes/.
 Every compiled variant compiles the whole model (``torch.compile(model)``, inductor) so that the
 reorder pass sees every block in one graph; PaRO's also runs the accumulation boundary in graphs
 (``set_is_last_backward`` on the last micro-step, ``ParoOptimizer.compile()`` for the push to P).
-The model, data and optimizer are those of tools/bench_vs_fsdp2.py (``workload.py``). Each
+The model, data and optimizer are those of ``tools.bench.vs_fsdp2`` (``workload.py``). Each
 variant's first step compiles it ("cold", with an empty inductor cache in a temporary folder, all
 four ranks compiling at once on the shared cores; with A > 1 the last micro-step's graphs compile
 in that step too; FSDP2 HSDP's compute graphs equal ZeRO-3's, so they come from the cache); then
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import socket
 import statistics
 import tempfile
@@ -220,3 +221,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="paro-inductor-") as cache:
         mp.start_processes(_spawned, args=(cfg, port, cache), nprocs=WORLD, start_method="spawn", join=True)
     print(f"total wall time including process start: {time.perf_counter() - t0:.1f} s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .emulator import local_tx_bytes
+from tools.emulate.emulator import local_tx_bytes
 from .headline_report import format_report
 from .workload import LR, MAX_NORM, WD
 

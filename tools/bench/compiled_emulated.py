@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 
 from .compiled_emulated_report import MODES, format_table, label, link_series, parse_recompile, slug, write_timeline_png
-from .emulator import local_tx_bytes, parse_rate
+from tools.emulate.emulator import local_tx_bytes, parse_rate
 from .headline_worker import RESULT_TAG
 from .workload import LR, MAX_NORM, WD, make_model
 

@@ -1,8 +1,8 @@
 """How long torch.compile makes the first training step, PaRO against FSDP2 + per-block compile,
 on the trainer's debug model and batch (4 CPU gloo ranks as 2 groups x 2), cold and warm.
 
-    python -m tools.bench_compile_time                       # IIG, scope model and blocks, FSDP2
-    python -m tools.bench_compile_time --variants paro-blocks,fsdp2 --strategy GGG
+    python -m tools.bench.compile_time                       # IIG, scope model and blocks, FSDP2
+    python -m tools.bench.compile_time --variants paro-blocks,fsdp2 --strategy GGG
 
 Why: compiling pays only if the first step does not eat the gain (issue 14: cold within 2x of
 FSDP2 + per-block compile, warm within 15 s). Each variant runs in fresh processes twice over one
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import socket
 import tempfile
 import time
@@ -178,3 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{variant} {run}: {rows[(variant, run)]}", flush=True)
     print(table(cfg, rows))
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
