@@ -1,6 +1,6 @@
 """paro-fsdp: PaRO (Partial Redundancy Optimizer) data parallelism on DTensor."""
 from .api import ParoModule, paro_shard
-from .comm import CommStats
+from .collectives import CommStats
 from .mesh import init_paro_mesh
 from .mixed_precision import MixedPrecision
 from .optim import ParoOptimizer

@@ -8,7 +8,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from .comm import CommStats, MeshComm
+from .collectives import CommStats
+from .comm import MeshComm
 from .mesh import MeshGroups, MeshInfo, mesh_device
 from .paro_cc import ParoCC
 from .mixed_precision import MixedPrecision

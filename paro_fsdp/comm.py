@@ -1,10 +1,8 @@
-"""Every collective the engine issues, and the ledger that counts them.
+"""Every collective the engine issues, counted as it runs.
 
 One implementation per collective, built on the traceable ``_c10d_functional`` ops so the same
-calls run eagerly and appear in compiled graphs. Bytes are counted per rank with the ring
-formula of the spec (all-gather / reduce-scatter send S(k-1)/k, all-reduce 2S(k-1)/k, for a
-buffer of S bytes over k ranks); this is the *logical* cost of the collective. gloo actually runs
-reduce-scatter as an all-reduce, so its wire bytes are higher than counted here.
+calls run eagerly and appear in compiled graphs. Each is counted per rank in a ``CommStats`` with
+the ring formula of ``collectives.ring_bytes`` (the logical cost; gloo's wire bytes are higher).
 """
 from __future__ import annotations
 
@@ -14,23 +12,11 @@ from typing import Any, Callable
 import torch
 
 from ._compat import use_safe_gloo_all_gather
-from .cost.collectives import CollectiveCounts, ring_bytes
+from .collectives import CommStats, ring_bytes
 from .mesh import MeshGroups
 from .streams import CommStreams, active
 
 _ops = torch.ops._c10d_functional
-KINDS = ("all_gather", "reduce_scatter", "all_reduce")
-DIMS = ("intra", "inter", "global")
-
-
-class CommStats(CollectiveCounts):
-    """Count and ring bytes per (kind, mesh dimension), per rank: the counter type of the
-    spec's ledger (``cost.collectives.CollectiveCounts``), fed by the collectives as they run."""
-
-    def record(self, kind: str, dim: str, nbytes: float, times: int = 1) -> None:
-        if torch.compiler.is_compiling():  # a graph runs many times: passes/schedule.py counts graphs
-            return
-        super().record(kind, dim, nbytes, times)
 
 
 @dataclass
@@ -86,22 +72,24 @@ class MeshComm:
             return Pending(issue(), True)
         return on_side_stream(streams, kind, keep, issue)
 
-    def _ring_bytes(self, kind: str, dim: str, numel: int, t: torch.Tensor) -> float:
-        return ring_bytes(kind, numel * t.element_size(), self.info.size(dim))
+    def _count(self, kind: str, dim: str, numel: int, t: torch.Tensor) -> None:
+        if torch.compiler.is_compiling():  # a graph runs many times: passes/schedule.py counts graphs
+            return
+        self.stats.record(kind, dim, ring_bytes(kind, numel * t.element_size(), self.info.size(dim)))
 
     # ---- issued where the caller stands: the functional result ---------------------------------
     def functional_all_gather(self, shard: torch.Tensor, dim: str) -> torch.Tensor:
         k = self.info.size(dim)
-        self.stats.record("all_gather", dim, self._ring_bytes("all_gather", dim, shard.numel() * k, shard))
+        self._count("all_gather", dim, shard.numel() * k, shard)
         return _ops.all_gather_into_tensor(shard, k, self.info.group_names[dim])
 
     def functional_reduce_scatter(self, full: torch.Tensor, dim: str, *, op: str = "sum") -> torch.Tensor:
         k = self.info.size(dim)
-        self.stats.record("reduce_scatter", dim, self._ring_bytes("reduce_scatter", dim, full.numel(), full))
+        self._count("reduce_scatter", dim, full.numel(), full)
         return _ops.reduce_scatter_tensor(full, op, k, self.info.group_names[dim])
 
     def functional_all_reduce(self, t: torch.Tensor, dim: str, *, op: str = "sum") -> torch.Tensor:
-        self.stats.record("all_reduce", dim, self._ring_bytes("all_reduce", dim, t.numel(), t))
+        self._count("all_reduce", dim, t.numel(), t)
         return _ops.all_reduce(t, op, self.info.group_names[dim])
 
     # ---- on the side stream of its kind on a GPU: a Pending ------------------------------------

@@ -30,7 +30,7 @@ Semantics ("order"):
 all_reduce is elementwise, so it has no order. Sizes need not divide the chunk count (chunks
 are uneven) and all_reduce takes any numel (only a last partial row of m elements is padded).
 
-Flat where it wins: a message below ``flat_below_bytes`` (``cost.collectives.runs_flat``, the
+Flat where it wins: a message below ``flat_below_bytes`` (``collectives.runs_flat``, the
 one rule, which the ledger follows) is one collective over mesh["inter", "intra"]._flatten()
 (dim "global"), with the nested order made by a local transpose. Measured on the emulator
 (2 x 2 gloo ranks, ``tools.bench.collectives``): flat is faster below about 1 MiB at 1 Gbit/s,
@@ -73,7 +73,7 @@ from typing import Callable
 import torch
 
 from .comm import MeshComm
-from .cost.collectives import runs_flat
+from .collectives import runs_flat
 from .streams import active
 
 _ops = torch.ops._c10d_functional
@@ -140,7 +140,7 @@ class ParoCC:
     reduce-scatter input, all-reduce tensor); ``max_chunks`` caps the count, since every chunk
     adds a latency term per phase. ``chunks`` forces a count (benchmarks, tests).
     ``flat_below_bytes``: messages smaller than this run as one flat collective over all ranks
-    (``cost.collectives.runs_flat``, which the ledger follows too); 0, the default: never.
+    (``collectives.runs_flat``, which the ledger follows too); 0, the default: never.
     """
 
     def __init__(self, comm: MeshComm, chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_chunks: int = DEFAULT_MAX_CHUNKS,

@@ -14,7 +14,7 @@ from typing import Mapping
 import torch
 import torch.fx as fx
 
-from paro_fsdp.cost.collectives import ring_bytes
+from paro_fsdp.collectives import ring_bytes
 from paro_fsdp.mesh import MeshGroups
 
 #: c10d group name -> (mesh dimension, the MeshGroups it belongs to): how a pass tells an intra

@@ -16,8 +16,8 @@ import torch
 import torch.fx as fx
 
 from paro_fsdp._compat import route_roofline_estimate
-from paro_fsdp.cost.cluster import Cluster, link_for, load_cluster
-from paro_fsdp.cost.collectives import link_seconds, ring_bytes
+from paro_fsdp.collectives import ring_bytes
+from paro_fsdp.cost.cluster import Cluster, link_for, link_seconds, load_cluster
 from paro_fsdp.mesh import MeshGroups
 
 from .graph import COMPUTE, KIND_OF, GroupTable, group_size_of, group_table

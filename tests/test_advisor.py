@@ -21,7 +21,7 @@ from paro_fsdp import ALL_STRATEGIES, Strategy
 from paro_fsdp.cost.cluster import AdvisorError, Cluster, cluster_from_dict, cluster_to_toml, load_cluster, presets
 from paro_fsdp.cost.model import activation_bytes, model_spec
 from paro_fsdp.cost.predict import choose_strategy, predict, rank_strategies
-from paro_fsdp.ledger import formula_bytes, traffic_of
+from paro_fsdp.cost.ledger import formula_bytes, traffic_of
 from paro_fsdp.models.llama import Llama, LlamaArgs
 
 from dist_harness import run_world

@@ -105,7 +105,7 @@ def rank_main(folder: str) -> dict[str, Any]:
 
     # every global collective below flat_below_bytes runs flat: the same training, counted as
     # the ledger counts it under the same rule
-    from paro_fsdp.ledger import buckets_of, traffic_of
+    from paro_fsdp.cost.ledger import buckets_of, traffic_of
 
     out["flat"] = {}
     for s in FLAT:

@@ -1,5 +1,5 @@
 """tools/estimate.py on a fake 64-rank 8x8 mesh: the engine's counted collectives and held bytes
-equal the spec's ledger (paro_fsdp/ledger.py) exactly, and the layer extrapolation is exact.
+equal the spec's ledger (paro_fsdp/cost/ledger.py) exactly, and the layer extrapolation is exact.
 
 One process, torch's fake process group and FakeTensorMode: no real communication, no ranks to
 spawn. The model's dims are multiples of 64 so the layout adds no padding and equality is exact.
@@ -11,7 +11,7 @@ import time
 import pytest
 
 from paro_fsdp import Strategy
-from paro_fsdp.ledger import Bucket, formula_bytes, formula_memory, traffic_of
+from paro_fsdp.cost.ledger import Bucket, formula_bytes, formula_memory, traffic_of
 from paro_fsdp.models.llama import LlamaArgs
 from paro_fsdp.train.estimate import estimate, release_fake_world
 

@@ -204,7 +204,7 @@ def test_fresh_interpreter_importing_the_whole_engine_loads_no_passes_tools_or_t
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert "paro_fsdp.api" in out["engine"] and "paro_fsdp.cost.collectives" in out["engine"]
+    assert "paro_fsdp.api" in out["engine"] and "paro_fsdp.collectives" in out["engine"]
     assert out["loaded"] == [], f"importing the engine loaded {out['loaded']}"
 
 

@@ -7,7 +7,7 @@ import torch
 
 from dist_harness import run_world
 from paro_fsdp import ALL_STRATEGIES, Strategy
-from paro_fsdp.ledger import formula_bytes, formula_memory
+from paro_fsdp.cost.ledger import formula_bytes, formula_memory
 from workloads import ODD, make_model, reference
 
 pytestmark = pytest.mark.compat  # the whole module: make test-compat's 27 strategies

@@ -4,7 +4,7 @@
         [--micro-batch 1 --seq-len 16 --grad-accum 4] [--trainable-fraction 1.0] [--dtype bf16]
         [--full] [--json]
 
-Why this exists: the ledger (``paro_fsdp.ledger``) says what each strategy *should* cost;
+Why this exists: the ledger (``paro_fsdp.cost.ledger``) says what each strategy *should* cost;
 this tool measures what the engine *does*. In one process it starts torch's fake process group
 (``world`` simulated ranks, this process is rank 0) and, under ``FakeTensorMode`` (tensors carry
 shapes only, so a 7B model costs no memory and no FLOPs), for each strategy it builds the Llama
@@ -12,7 +12,7 @@ model, ``paro_shard``s it on the (world/group, group) ("inter", "intra") mesh, w
 ``ParoOptimizer`` and runs one real optimizer step of A micro-steps (forward, backward,
 ``clip_grad_norm_``, ``step``) through the engine. ``model.comm_stats()`` then holds the
 collectives the engine actually issued and ``model.memory_report(opt)`` the model states it
-holds; both are printed next to the spec's formulas (``paro_fsdp.ledger``) with their ratio.
+holds; both are printed next to the spec's formulas (``paro_fsdp.cost.ledger``) with their ratio.
 
 Defaults and shortcuts, and why they do not change the answer:
 - ``--seq-len 16 --micro-batch 1``: activations do not enter model-state memory or collective

@@ -5,7 +5,7 @@ Why in the package: the trainer's ``paro_strategy = "auto"`` without a cluster f
 at start-up, and ``tools.calibrate``, ``tools.bench.advisor_check`` and ``tools.bench`` calibrate the
 mesh they run on; all call :func:`calibrate_in_process` on every rank. Collectives are timed at
 several sizes and fitted with the same alpha-beta ring model the time model prices
-(``cost.collectives``), so what is measured is what is predicted.
+(``cluster.link_seconds``), so what is measured is what is predicted.
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from dataclasses import replace
 from typing import Any, Optional, Sequence, Union
 
 from ..models.llama import LlamaArgs, flavor
-from .cluster import GB, Cluster, GiB
-from .collectives import KINDS, Link, hops, ring_bytes
+from ..collectives import KINDS, hops, ring_bytes
+from .cluster import GB, Cluster, GiB, Link
 from .model import flops_per_token, model_spec
 
 __all__ = ["calibrate_in_process", "fit_alpha_beta"]

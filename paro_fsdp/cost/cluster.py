@@ -16,10 +16,39 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Union
 
-from .collectives import GB, KINDS, Link
+from ..collectives import KINDS, hops
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
+
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Link:
+    """One kind of link as seen by one GPU: ring bus bandwidth (GB/s, 1e9 bytes, per GPU while
+    every GPU of the node uses the link at once) and latency per ring step (microseconds).
+    ``per_kind`` overrides both per collective kind (``tools.calibrate`` measures each kind:
+    e.g. gloo runs reduce-scatter as an all-reduce, so its effective bandwidth is lower)."""
+
+    bandwidth_gbs: float
+    latency_us: float
+    per_kind: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+
+    def cost(self, kind: str) -> tuple[float, float]:
+        """(bytes per second, seconds per ring step) for a collective of ``kind``."""
+        bw, lat = self.per_kind.get(kind, (self.bandwidth_gbs, self.latency_us))
+        return bw * GB, lat * 1e-6
+
+
+def link_seconds(link: Link, kind: str, k: int, nbytes_ring: float, count: float = 1) -> float:
+    """Seconds ``count`` collectives of ``kind`` over ``k`` ranks take on ``link``, sending
+    ``nbytes_ring`` ring bytes in all (``collectives.ring_bytes``): count x steps x latency +
+    bytes / bandwidth (the alpha-beta model)."""
+    bw, lat = link.cost(kind)
+    return count * hops(kind, k) * lat + nbytes_ring / bw
+
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -35,6 +64,7 @@ __all__ = [
     "cluster_from_dict",
     "cluster_to_toml",
     "link_for",
+    "link_seconds",
     "load_cluster",
     "presets",
     "resolve_cluster_path",

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional, Union
 
-from ..ledger import Bucket
+from .ledger import Bucket
 from ..models.llama import FLAVORS, LlamaArgs, flavor
 from ..strategy import Level, Strategy, StrategyLike
 from .cluster import AdvisorError

@@ -7,7 +7,7 @@ strategy, the per-GPU memory and the step time, and picks the fastest strategy t
 It is plain arithmetic (no process group, no tensors); ``cost/calibrate.py`` measures a real
 mesh and returns the :class:`Cluster` the model reads.
 
-Model states and bytes are exact, not modelled: both come from ``paro_fsdp.ledger``
+Model states and bytes are exact, not modelled: both come from ``paro_fsdp.cost.ledger``
 (``memory_of`` / ``traffic_of`` over the engine's buckets: the root block, gathered once per
 micro-step, and one bucket per transformer layer, gathered twice), which tests check against
 the engine's ``memory_report`` / ``comm_stats`` on real ranks and on a fake 64-rank mesh.
@@ -64,11 +64,12 @@ import os
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence, Union
 
-from ..ledger import Bucket, Traffic, memory_of, traffic_of
+from ..collectives import CommStats
+from .ledger import Bucket, Ledger, memory_of, traffic_of
 from ..models.llama import LlamaArgs
 from ..strategy import ALL_STRATEGIES, Level, Strategy, StrategyLike
-from .cluster import GB, AdvisorError, Cluster, GiB, link_for, load_cluster
-from .collectives import hops, link_seconds
+from ..collectives import hops
+from .cluster import GB, AdvisorError, Cluster, GiB, link_for, link_seconds, load_cluster
 from .model import ModelSpec, activation_bytes, buckets, flops_per_token, model_spec
 
 __all__ = [
@@ -105,7 +106,7 @@ class Prediction:
     memory: dict[str, float]  # P, G, OS, states, gathered, grad_work, activations, total
     fits: bool
     activation_checkpoint: bool
-    traffic: Traffic
+    traffic: CommStats
     breakdown: dict[str, float]
 
     @property
@@ -135,10 +136,10 @@ def _check_sizes(n: int, m: int, micro_batch: int, grad_accum: int, seq_len: int
         raise AdvisorError(f"group size {m} does not divide the number of GPUs {n}; valid group sizes: {divisors}")
 
 
-def traffic_time(t: Traffic, cluster: Cluster) -> dict[str, float]:
-    """Seconds per mesh dimension for the collectives in ``t`` (alpha-beta ring model), each
-    dimension on the links its rings use on this mesh (``link_for`` with the mesh shape)."""
-    n, m, g = t.n, t.m, t.g
+def traffic_time(t: CommStats, n: int, m: int, cluster: Cluster) -> dict[str, float]:
+    """Seconds per mesh dimension for the collectives in ``t`` (alpha-beta ring model) on the
+    (n / m, m) mesh, each dimension on the links its rings use (``link_for`` with the mesh shape)."""
+    g = n // m
     out = {"intra": 0.0, "inter": 0.0, "global": 0.0}
     for key, e in t.as_dict().items():
         kind, dim = key.split("/")
@@ -153,8 +154,8 @@ def traffic_time(t: Traffic, cluster: Cluster) -> dict[str, float]:
         out[dim] += link_seconds(link_for(dim, cluster, n, m), kind, k, e["bytes"], e["count"])
     return out
 
-def _ttime(t: Traffic, cluster: Cluster) -> float:
-    return sum(traffic_time(t, cluster).values())
+def _ttime(t: CommStats, n: int, m: int, cluster: Cluster) -> float:
+    return sum(traffic_time(t, n, m, cluster).values())
 
 
 def predict(
@@ -220,16 +221,16 @@ def predict(
     boundary = traffic_of(bks, n, m, 0, pb, gb)  # A = 0: only the once-per-step collectives
 
     def gather_time(b: Bucket) -> float:
-        t = Traffic(n, m)
+        t = Ledger(n, m)
         if s.p != _N:
             t.all_gather(s.p, b.numel, pb)
-        return _ttime(t, cluster)
+        return _ttime(t.stats, n, m, cluster)
 
     def reduce_time(b: Bucket) -> float:
-        t = Traffic(n, m)
+        t = Ledger(n, m)
         if b.trainable:
             t.reduce_scatter(s.g, b.trainable, gb)
-        return _ttime(t, cluster)
+        return _ttime(t.stats, n, m, cluster)
 
     root_b, layers_b = bks[0], bks[1:]
     g_root, g_layer = gather_time(root_b), gather_time(layers_b[0]) if layers_b else 0.0
@@ -251,7 +252,7 @@ def predict(
     phi = cluster.overlap
     exp_fwd = fwd_first + max(0.0, fwd_all - fwd_first - phi * c_fwd)
     exp_bwd = bwd_first + last_red + max(0.0, bwd_all - bwd_first - last_red - phi * c_bwd)
-    t_boundary = _ttime(boundary, cluster)
+    t_boundary = _ttime(boundary, n, m, cluster)
     os_shard = spec.psi_trainable / s.os.divisor(n, m)
     t_opt = os_shard * (28 + gb) / (cluster.memory_bandwidth_gbs * GB)
     step = A * (c_fwd + c_bwd + exp_fwd + exp_bwd) + t_boundary + t_opt

@@ -1,7 +1,7 @@
 """The engine's own count of every PaRO strategy's per-rank memory and per-step communication, on a
 fake world: ``estimate(...)``.
 
-Why: ``paro_fsdp.ledger`` says what each strategy *should* cost; this measures what the engine
+Why: ``paro_fsdp.cost.ledger`` says what each strategy *should* cost; this measures what the engine
 *does*, for a world of any size, without hardware. In one process it starts torch's fake process
 group and, under ``FakeTensorMode`` (shapes only: a 7B model costs no memory and no FLOPs), runs one
 real optimizer step of A micro-steps through ``paro_shard`` + ``ParoOptimizer`` per strategy;
@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..api import paro_shard
-from ..ledger import formula_bytes, formula_memory
+from ..cost.ledger import formula_bytes, formula_memory
 from ..mesh import init_paro_mesh
 from ..mixed_precision import MixedPrecision
 from ..models.llama import Llama, LlamaArgs, flavor

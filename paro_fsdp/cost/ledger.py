@@ -1,4 +1,4 @@
-"""The spec's ledger and memory formula as code (PARO_SPEC.md section 3), exact for this engine.
+"""The method's ledger and memory formula as code, exact for this engine.
 
 Everything here is arithmetic on parameter counts: no tensors, no process group. It exists so
 that what the engine *counts* (``model.comm_stats()``, ``model.memory_report(opt)``) can be
@@ -11,11 +11,11 @@ parameter / gradient dtype (P and its all-gathers / G and its reductions); OS = 
 optimizer's states, ``os_bytes`` per trainable element (AdamW: 4 + 4 + 4 = 12 = the spec's K).
 
 Ring cost per rank of a collective over k ranks on a buffer of S bytes (the full, gathered size,
-``cost.collectives.ring_bytes``): all-gather and reduce-scatter S(k-1)/k, all-reduce 2S(k-1)/k; a collective over k = 1 rank is
+``collectives.ring_bytes``): all-gather and reduce-scatter S(k-1)/k, all-reduce 2S(k-1)/k; a collective over k = 1 rank is
 skipped (the engine issues nothing). Global collectives are hierarchical, as the engine runs them:
   global AG(S) = inter AG(S/m) + intra AG(S);   global RS(S) = intra RS(S) + inter RS(S/m);
   global AR(S) = intra RS(S) + inter AR(S/m) + intra AG(S);
-except those below the model's ``flat_below_bytes`` (``cost.collectives.runs_flat``, the rule
+except those below the model's ``flat_below_bytes`` (``collectives.runs_flat``, the rule
 PaRO-CC issues by), which are one flat collective over all n ranks (dim "global"). The ledger
 sizes a message by the bucket's Psi, the engine by its padded buffer: they agree unless a
 bucket's padding carries it across the threshold.
@@ -49,12 +49,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from .cost.collectives import CollectiveCounts, ring_bytes, runs_flat
-from .strategy import Level, Strategy, StrategyLike
+from ..collectives import CommStats, ring_bytes, runs_flat
+from ..strategy import Level, Strategy, StrategyLike
 
 __all__ = [
     "Bucket",
-    "Traffic",
+    "Ledger",
     "buckets_of",
     "formula_bytes",
     "formula_memory",
@@ -65,24 +65,20 @@ __all__ = [
 _N, _I, _G = Level.N, Level.I, Level.G
 
 
-class Traffic(CollectiveCounts):
-    """Collectives one rank issues per the spec: count and ring bytes per (kind, mesh dim).
+class Ledger:
+    """The spec's collectives for one rank of an (n, m) mesh, counted into ``stats``.
 
-    The engine's ``paro_fsdp.CommStats`` is the same counter type (``cost.collectives``), so
-    ``stats.bytes(dim="inter") == traffic.bytes(dim="inter")`` and ``stats.as_dict() ==
-    traffic.as_dict()`` are the checks. Counts are floats: a bucket's collectives per step are
-    scaled by the micro-step count.
+    ``stats`` is a ``CommStats``, the engine's counter type, so ``model.comm_stats().as_dict() ==
+    traffic_of(...).as_dict()`` is the check. A bucket's collectives per step are scaled by the
+    micro-step count, so counts may be floats.
     """
-
-    count_type = float
-    _count_format = ">8g"
 
     def __init__(self, n: int, m: int, flat_below_bytes: int = 0) -> None:
         if n % m:
             raise ValueError(f"world size n={n} is not divisible by the group size m={m}")
-        super().__init__()
         self.n, self.m, self.g = n, m, n // m
         self.flat_below_bytes = flat_below_bytes
+        self.stats = CommStats()
 
     def _size(self, dim: str) -> int:
         return {"intra": self.m, "inter": self.g, "global": self.n}[dim]
@@ -93,7 +89,7 @@ class Traffic(CollectiveCounts):
         k = self._size(dim)
         if k == 1 or times == 0:
             return
-        self.record(kind, dim, times * ring_bytes(kind, full_numel * itemsize, k), times)
+        self.stats.record(kind, dim, times * ring_bytes(kind, full_numel * itemsize, k), times)
 
     # global collectives as the engine issues them: PaRO-CC's phases, or flat below the threshold
     def global_(self, kind: str, numel: float, itemsize: int, times: float = 1) -> None:
@@ -142,7 +138,7 @@ class Bucket:
     gathers: int = 2
 
 
-def _bucket_traffic(t: Traffic, b: Bucket, grad_accum: int, param_bytes: int, grad_bytes: int) -> None:
+def _bucket_traffic(t: Ledger, b: Bucket, grad_accum: int, param_bytes: int, grad_bytes: int) -> None:
     P, G, OS = b.strategy.p, b.strategy.g, b.strategy.os
     A, psi, psi_t = grad_accum, b.numel, b.trainable
     # each micro-step: parameters (per gather) and gradients
@@ -186,17 +182,17 @@ def traffic_of(
     grad_bytes: int = 2,
     clip: bool = True,
     flat_below_bytes: int = 0,
-) -> Traffic:
+) -> CommStats:
     """Collectives per rank for one optimizer step of ``grad_accum`` micro-steps (forward,
     backward; then, if ``clip``, ``clip_grad_norm_``; then ``step``), bucket by bucket, so that
     counts as well as bytes match ``model.comm_stats()`` (use ``buckets_of(model)``, and the
     model's ``flat_below_bytes``, ``model._paro_state.cc.flat_below_bytes``)."""
-    t = Traffic(n, m, flat_below_bytes)
+    t = Ledger(n, m, flat_below_bytes)
     for b in buckets:
         _bucket_traffic(t, b, grad_accum, param_bytes, grad_bytes)
     if clip:
         t.add("all_reduce", "global", 1, 4)  # the fp32 squared-norm scalar
-    return t
+    return t.stats
 
 
 def memory_of(
