@@ -27,7 +27,7 @@ if str(HERE) not in sys.path:
 from hostile_pickles import cases, opcodes, protocol  # noqa: E402
 
 from paro_fsdp.train.checkpoint import CheckpointManager, load_model_weights  # noqa: E402
-from paro_fsdp.train.checkpoint_files import MANIFEST, CheckpointError, SafeReader, safe_load  # noqa: E402
+from paro_fsdp.checkpoint_files import MANIFEST, CheckpointError, SafeReader, safe_load  # noqa: E402
 
 CASES = cases()
 OPCODE = {"GLOBAL": "GLOBAL", "STACK_GLOBAL": "STACK_GLOBAL", "INST": "INST", "OBJ": "OBJ", "NEWOBJ": "NEWOBJ",
@@ -211,7 +211,7 @@ sys.path.insert(0, {str(HERE)!r})
 import titan_shims  # noqa: F401  (before torchtitan)
 import torch
 from paro_fsdp.integrations.torchtitan import ParoTrainer
-from paro_fsdp.train.checkpoint_files import CheckpointError
+from paro_fsdp.checkpoint_files import CheckpointError
 loaded = []
 model = types.SimpleNamespace(load_state_dict=loaded.append)
 trainer = object.__new__(ParoTrainer)

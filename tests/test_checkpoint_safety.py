@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from paro_fsdp.train.checkpoint_files import CheckpointError, SafeLoadPlanner, SafeReader, first_line, shape_problem
+from paro_fsdp.checkpoint_files import CheckpointError, SafeLoadPlanner, SafeReader, first_line, shape_problem
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -125,7 +125,7 @@ def test_every_checkpoint_load_goes_through_safe_load():
                 calls.append(rel)
             if name == "safe_load":
                 users.add(rel)
-    assert calls == ["paro_fsdp/train/checkpoint_files.py"], calls
+    assert calls == ["paro_fsdp/checkpoint_files.py"], calls
     assert {"paro_fsdp/train/checkpoint.py", "paro_fsdp/integrations/torchtitan.py"} <= users, users
 
 

@@ -18,7 +18,7 @@ level, so no rank ever holds the whole model and the masters are as exact as the
 export writes the same DTensors with ``HuggingFaceStorageWriter``: each rank its shards, then
 rank 0 joins them tensor by tensor into files of at most 5 GB and the index transformers reads.
 
-Loading goes through ``paro_fsdp.train.checkpoint_files.safe_load``, the one entry point through
+Loading goes through ``paro_fsdp.checkpoint_files.safe_load``, the one entry point through
 which the project reads any checkpoint.
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from paro_fsdp.train.checkpoint_files import first_line, safe_load
+from paro_fsdp.checkpoint_files import first_line, safe_load
 
 __all__ = ["HFModelError", "read_config", "weight_files", "build_meta", "decoder_blocks", "add_lora", "lora_targets",
            "init_for_load", "materialise_buffers", "stored_shapes", "check_weights", "load_weights", "save_model",

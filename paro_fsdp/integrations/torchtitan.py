@@ -28,7 +28,7 @@ loop. What changes, and why:
 - ``ParoTrainer`` tells the model which micro-batch is the last (``set_is_last_backward``), and
   computes torchtitan's chunked loss unchunked: the chunks call ``lm_head`` outside the model's
   forward, where its sharded weight is not gathered.
-- Its checkpointer reads through ``paro_fsdp.train.checkpoint_files.safe_load`` (``safe_dcp_load``),
+- Its checkpointer reads through ``paro_fsdp.checkpoint_files.safe_load`` (``safe_dcp_load``),
   with or without ``paro.enable``: torchtitan's own ``dcp.load`` unpickles ``.metadata`` and
   every non-tensor value with a full unpickler, so a crafted resume or ``initial_load_path``
   folder would run code on every rank.
@@ -57,7 +57,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from paro_fsdp import MixedPrecision, ParoOptimizer, init_paro_mesh, paro_shard
-from paro_fsdp.train.checkpoint_files import SafeReader, safe_load
+from paro_fsdp.checkpoint_files import SafeReader, safe_load
 
 __all__ = ["ParoConfig", "ParoOptimizersContainer", "ParoTrainer", "parallelize_paro", "safe_dcp_load",
            "llama3_debug_paro", "llama3_8b_paro", "llama3_70b_paro", "to_paro"]

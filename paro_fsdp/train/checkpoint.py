@@ -44,7 +44,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .checkpoint_files import (MANIFEST, CheckpointError, SafeReader, disk_failure, first_line, safe_load, shape_problem,
+from ..checkpoint_files import (MANIFEST, CheckpointError, SafeReader, disk_failure, first_line, safe_load, shape_problem,
                                verify, write_manifest)
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")

@@ -29,7 +29,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .checkpoint_files import dcp_causes
+from ..checkpoint_files import dcp_causes
 
 
 class TrainingStopped(RuntimeError):
