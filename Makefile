@@ -35,11 +35,13 @@ test-compat:
 	$(COMPAT_VENV)/bin/python -m pytest -q -m "compat and not slow" -p no:cacheprovider tests
 
 # The trainer resumes from the latest checkpoint in its dump folder; `make train` starts the debug
-# run afresh unless RESUME=1.
+# run afresh unless RESUME=1 (--job.fresh: the previous outputs go only once the config is valid).
+# The config is checked for NPROC ranks before torchrun starts: a bad one is one line, status 2.
 RESUME ?= 0
+FRESH = $(if $(filter-out 1,$(RESUME)),$(if $(filter train_configs/debug_paro.toml,$(CONFIG)),--job.fresh))
 train: install
-	@if [ "$(RESUME)" != 1 ] && [ "$(CONFIG)" = train_configs/debug_paro.toml ]; then rm -rf outputs/debug_paro; fi
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) train.py --job.config_file $(CONFIG)
+	@$(PY) train.py --job.config_file $(CONFIG) --check-config --world $(NPROC)
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) train.py --job.config_file $(CONFIG) $(FRESH)
 
 estimate: install
 	$(PY) -m tools.estimate --model llama7b --world 64 --group 8

@@ -4,7 +4,19 @@
     torchrun ... train.py --job.config_file FILE.toml --training.steps 50 --parallelism.paro_strategy NIG
     python train.py --job.config_file FILE.toml --print-config      # the merged config, as TOML
     python train.py --job.config_file train_configs/llama7b_paro.toml --estimate --world 32
+    python train.py --job.config_file FILE.toml --check-config --world 4   # validate for 4 ranks, exit 0 or 2
     python train.py --help                                         # every key
+
+Exit status: 0 when training finished, and when a SIGTERM or SIGINT (a scheduler's pre-emption,
+Ctrl-C; torchrun forwards both) stopped it: every rank finishes its step, all agree on the same
+step (the vote rides in the step's loss all-reduce), that step is saved and rank 0 prints one
+line with the command that resumes. 2: a configuration error, one line on stderr (under torchrun
+rank 0's, printed before torchrun's ChildFailedError summary, which then lists that one rank).
+1: anything else (a rank or collective failed, a checkpoint problem, a bug's traceback).
+torchrun's own exit status is 1 whenever a worker failed or torchrun itself was signalled; a
+bad config under `make train` is caught before torchrun starts (make reports status 2).
+``--job.fresh`` (what `make train` passes unless RESUME=1) deletes the previous run's outputs in
+job.dump_folder only once the config is valid.
 
 The same code runs on CPU + gloo and on CUDA + NCCL: the device follows ``[comm] backend``
 (auto: NCCL when GPUs are visible). Read top to bottom, as torchtitan's trainer: config ->
@@ -18,6 +30,7 @@ import datetime
 import importlib.util
 import io
 import os
+import shutil
 import socket
 import sys
 import time
@@ -36,8 +49,8 @@ from paro_fsdp.train.checkpoint import CheckpointError, CheckpointManager, Sched
 from paro_fsdp.train.config import (ConfigError, JobConfig, grad_accum_steps, group_size, help_text, parse_args,
                                     tokenizer_spec, validate)
 from paro_fsdp.train.data import build_dataloader, describe
-from paro_fsdp.train.faults import (NonFiniteGuard, TrainingStopped, collective_failure, nonfinite_masters, report_sigterm,
-                                    restart_store, set_collective_timeout, sigterm_line)
+from paro_fsdp.train.faults import (GracefulStop, NonFiniteGuard, TrainingStopped, collective_failure, config_error_exit,
+                                    nonfinite_masters, restart_store, resume_command, set_collective_timeout, stuck_line)
 from paro_fsdp.train.lr import build_lr_scheduler
 from paro_fsdp.train.metrics import CommMeter, MetricsLogger, StepTimer, build_profiler, flops_per_token
 from paro_fsdp.train.parallelize import DTYPES, apply_compile, build_model, check_policy, model_args, parallelize
@@ -129,6 +142,18 @@ class Trainer:
             self.optimizer.compile(backend=cfg.compile.backend)
         self.lr_scheduler = build_lr_scheduler(self.optimizer.inner, cfg.lr_scheduler, t.steps)
 
+        # ---- the last configuration checks, then (job.fresh) the previous run's outputs go ------
+        if cfg.metrics.enable_tensorboard and importlib.util.find_spec("tensorboard") is None:
+            raise ConfigError("metrics.enable_tensorboard = true needs the tensorboard package (pip install tensorboard, "
+                              "or this project's [train] extra); valid: false, or install it")
+        self.timeline_on = cfg.metrics.enable_tensorboard and cfg.profiling.enable_profiling and cfg.profiling.timeline
+        if self.timeline_on and importlib.util.find_spec("matplotlib") is None:
+            raise ConfigError("profiling.timeline = true (with metrics.enable_tensorboard and profiling.enable_profiling) "
+                              "draws with matplotlib (pip install matplotlib, or this project's [train] extra); valid: "
+                              "false, or install it")
+        self.fresh_removed = self._start_afresh() if cfg.job.fresh else []
+        self.stop_request: Optional[GracefulStop] = None  # set by main(): SIGTERM / SIGINT stop at an agreed step
+
         # ---- checkpoint: resume from the latest complete one -----------------------------------
         self.state = TrainState(self.device)
         c = cfg.checkpoint
@@ -147,14 +172,6 @@ class Trainer:
             self.initial_load = load_model_weights(self.model, c.initial_load_path, c.verify, warn=_log)
 
         # ---- metrics, profiler ---------------------------------------------------------------
-        if cfg.metrics.enable_tensorboard and importlib.util.find_spec("tensorboard") is None:
-            raise ConfigError("metrics.enable_tensorboard = true needs the tensorboard package (pip install tensorboard, "
-                              "or this project's [train] extra); valid: false, or install it")
-        self.timeline_on = cfg.metrics.enable_tensorboard and cfg.profiling.enable_profiling and cfg.profiling.timeline
-        if self.timeline_on and importlib.util.find_spec("matplotlib") is None:
-            raise ConfigError("profiling.timeline = true (with metrics.enable_tensorboard and profiling.enable_profiling) "
-                              "draws with matplotlib (pip install matplotlib, or this project's [train] extra); valid: "
-                              "false, or install it")
         run_name = time.strftime("%Y%m%d-%H%M%S")
         if self.timeline_on:  # every rank writes its timeline next to rank 0's run
             names = [run_name]
@@ -174,6 +191,28 @@ class Trainer:
         self.guard = NonFiniteGuard(t.on_nonfinite, t.max_consecutive_skips)
         self.losses: dict[int, float] = {}  # filled at log steps (the values are read once per log window)
         self._print_header(global_batch)
+
+    def _start_afresh(self) -> list[str]:
+        """``job.fresh``: rank 0 deletes what a previous run of this trainer wrote in the dump
+        folder (checkpoint, TensorBoard and trace folders, compile schedules, metrics.jsonl), and
+        nothing else; every config check has passed by now, nothing of this run is written yet.
+        A folder that would be the dump folder itself, or hold it, is never deleted (a
+        ``checkpoint.folder = "."`` must not wipe a home directory). Returns what it removed."""
+        cfg, removed = self.cfg, []
+        if self.rank == 0:
+            dump = os.path.realpath(cfg.job.dump_folder)
+            for name in (cfg.checkpoint.folder, cfg.metrics.save_tb_folder, cfg.profiling.save_traces_folder, "compile",
+                         "metrics.jsonl"):
+                path = os.path.realpath(os.path.join(dump, name))
+                if not os.path.lexists(path) or os.path.commonpath([path, dump]) == path or path == os.path.realpath(os.getcwd()):
+                    continue
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path)
+                else:
+                    os.remove(path)
+                removed.append(path)
+        dist.barrier()
+        return removed
 
     def _choose_strategy(self) -> None:
         """``paro_strategy = "auto"``: the advisor (paro_fsdp/cost/) ranks all 27 strategies
@@ -263,6 +302,8 @@ class Trainer:
         _log(f"batch {cfg.training.local_batch_size} per rank x {self.world_size} ranks x {self.grad_accum} accumulation = "
              f"{global_batch} sequences = {self.tokens_per_step:,} tokens per step")
         _log(f"data: {describe(self.data, cfg.training.dataset, cfg.training.dataset_path)}")
+        if self.fresh_removed:
+            _log(f"job.fresh: removed the previous run's {', '.join(self.fresh_removed)}")
         for name in self.checkpointer.removed:
             _log(f"removed {self.checkpointer.folder}/{name}: a save or prune that did not finish (the run stopped "
                  f"while writing it)")
@@ -295,9 +336,18 @@ class Trainer:
             total += loss.detach().float()
         max_norm = self.cfg.training.max_norm if self.cfg.training.max_norm > 0 else float("inf")
         grad_norm = self.optimizer.clip_grad_norm_(max_norm).detach()
-        dist.all_reduce(total)
-        loss = total / self.world_size
-        if self.guard.allows_step(self.state.step, loss, grad_norm, self.optimizer):  # global values: all ranks agree
+        # the loss sum and this rank's stop vote (SIGTERM / SIGINT noted) in one all-reduce: every
+        # rank reads the same vote count at the same step (a host scalar: no copy, no sync)
+        packed = torch.zeros(3, device=self.device)  # loss sum, ranks that got SIGTERM, ranks that got SIGINT
+        packed[0] = total
+        if self.stop_request is not None and self.stop_request.requested:
+            term, interrupt = self.stop_request.votes()  # host scalars: kernel arguments, no copy, no sync
+            packed[1] += term
+            packed[2] += interrupt
+        dist.all_reduce(packed)
+        loss = packed[0] / self.world_size
+        stop_votes = packed[1:] if self.stop_request is not None else None
+        if self.guard.allows_step(self.state.step, loss, grad_norm, self.optimizer, stop_votes):  # global: all ranks agree
             self.optimizer.step()
         else:
             _log(self.guard.last)
@@ -329,11 +379,13 @@ class Trainer:
         self.metrics.begin_window()
         timeline = self._timeline_writer()
         t_start = time.perf_counter()
+        stopped_by, saved, save_s = None, None, 0.0  # a SIGTERM / SIGINT every rank agreed to stop at
         with build_profiler(cfg, self.rank, self.device, self.state.step, on_trace=timeline) as profiler:
             while self.state.step < steps:
                 self.state.step += 1
                 step = self.state.step
                 timer.start()
+                t_host = time.perf_counter()
                 lr = self.optimizer.param_groups[0]["lr"]
                 with self._order_check(step):
                     loss, grad_norm = self.train_step()
@@ -341,7 +393,15 @@ class Trainer:
                 timer.stop()
                 pending.append((step, loss, grad_norm))
                 comm = self.comm.delta()  # host-side ledger: the last step's bytes
-                if self.metrics.should_log(step):
+                stop = self.stop_request is not None and sum(self.guard.stop_votes) > 0  # the same on every rank
+                if stop:
+                    self.stop_request.stopping = True  # the agreed step: only the save is left
+                    term, interrupt = self.guard.stop_votes
+                    stopped_by = (f"SIGTERM ({term} of {self.world_size} ranks got it)" if term >= interrupt else
+                                  f"SIGINT ({interrupt} of {self.world_size} ranks got it)")
+                elif self.stop_request is not None:
+                    self.stop_request.step_took(time.perf_counter() - t_host)
+                if self.metrics.should_log(step) or stop:
                     step_times = timer.collect()  # waits for the step's last kernel: the window's one sync
                     loss_value, norm_value = self._read_window(pending)
                     self.metrics.log(step, loss_value, norm_value, lr, step_times, comm,
@@ -349,14 +409,21 @@ class Trainer:
                 if step == (self.resumed_from or 0) + 1:
                     self._set_train_timeout()
                     self._log_compiled_schedule(step)
-                if self.checkpointer.should_save(step, steps):
+                profiler.step()  # before the save: a traced step's timeline never shows a checkpoint's collectives
+                if self.checkpointer.should_save(step, steps) or (stop and self.checkpointer.enabled):
                     bad = nonfinite_masters(self.optimizer)
                     if bad:  # never reachable by a skipped step; an overflow in the update itself
                         raise TrainingStopped(f"step {step}: the fp32 master of {bad} is non-finite, so step-{step} is not "
                                               f"saved; {self.checkpointer.latest_hint()}; lower optimizer.lr")
-                    path = self.checkpointer.save(step)
-                    _log(f"saved checkpoint {path}")
-                profiler.step()
+                    t_save = time.perf_counter()
+                    path = saved = self.checkpointer.save(step)
+                    save_s = time.perf_counter() - t_save
+                    if not stop:  # a stop's own line names it
+                        _log(f"saved checkpoint {path} ({save_s:.2f} s)")
+                if stop:
+                    break
+        if stopped_by is not None:
+            return self._stopped(stopped_by, saved, save_s if saved else 0.0, timeline, pending)
         if timeline is not None:
             timeline.close()
         if pending:  # normally empty: the last step always logs
@@ -370,6 +437,23 @@ class Trainer:
 
             path, how = export(self.model, cfg, self.model_args, steps)
             _log(f"Hugging Face export (checkpoint.last_save_in_hf): {os.path.abspath(path)}   load it with {how}")
+        return self.losses
+
+    def _stopped(self, signal_name: str, saved: Optional[str], save_s: float, timeline: Optional[TimelineWriter],
+                 pending: list) -> dict[int, float]:
+        """The end of a run every rank agreed to stop (SIGTERM / SIGINT): one line on rank 0 with
+        the command that resumes from the step just saved."""
+        if timeline is not None:
+            timeline.close()
+        if pending:
+            self._read_window(pending)
+        step = self.state.step
+        if self.rank == 0 and self.stop_request.said():  # False: the watcher is writing its own last line
+            where = (f"saved {os.path.abspath(saved)} in {save_s:.2f} s" if saved else
+                     "checkpoint.enable = false, so nothing was saved and a rerun starts from step 0")
+            make = " (or: make train RESUME=1)" if os.environ.get("MAKELEVEL") else ""
+            _log(f"stopped by {signal_name} at step {step}/{self.cfg.training.steps}, which every rank finished; {where}; "
+                 f"resume with: {resume_command(sys.argv)}{make}")
         return self.losses
 
     def _order_check(self, step: int) -> Any:
@@ -496,16 +580,22 @@ def run_estimate(cfg: JobConfig, world: Optional[int]) -> int:
 
 
 def main(argv: Optional[list[str]] = None, as_script: bool = False) -> int:
-    """The command line; ``as_script`` (``python train.py``, torchrun's workers): a SIGTERM ends
-    the process with one line and exit status 1 (``faults.report_sigterm``)."""
+    """The command line; returns the exit status (module docstring). ``as_script`` (``python
+    train.py``, torchrun's workers): SIGTERM and SIGINT stop the run at a step every rank agrees
+    on, saved (``faults.GracefulStop``); a rank that cannot get there in time says so in one line
+    and exits 1; under torchrun a configuration error is reported as ``faults.config_error_exit``
+    does (rank 0's line and status 2; the ranks of its node that agree leave with 0)."""
     argv = sys.argv[1:] if argv is None else argv
     is_rank0 = os.environ.get("RANK", "0") == "0"
+    rank = int(os.environ.get("RANK", "0"))
     had_process_group = dist.is_initialized()
     trainer, failed = None, True
-    said = lambda: True  # noqa: E731 - under as_script: report_sigterm's (False: a SIGTERM's line is being written)
+    said = lambda: True  # noqa: E731 - under as_script: GracefulStop's (False: a stopped rank's line is being written)
+    stop = None
     if as_script:
-        rank = int(os.environ.get("RANK", "0"))
-        said = report_sigterm(lambda: sigterm_line(rank, trainer.state.step if trainer is not None else 0), _error_line)
+        stop = GracefulStop(lambda signum: stuck_line(rank, trainer.state.step if trainer is not None else 0, signum,
+                                                      time.monotonic() - stop.t_signal), _error_line)
+        said = stop.said
     try:
         cfg, cli = parse_args(argv)
         if cli.help:
@@ -515,16 +605,23 @@ def main(argv: Optional[list[str]] = None, as_script: bool = False) -> int:
             if is_rank0:
                 print(cfg.to_toml(), end="")
             return 0
+        if cli.check_config:  # parse_args validated for --world N (or $WORLD_SIZE)
+            return 0
         if cli.estimate:
             return run_estimate(cfg, cli.world) if is_rank0 else 0
+        if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
+            _check_one_process(cfg, argv)
         trainer = Trainer(cfg)
+        trainer.stop_request = stop
         trainer.train()
         failed = False
     except ConfigError as exc:
-        if is_rank0:
-            print(f"train.py: error: {exc}", file=sys.stderr, flush=True)
         if trainer is None and dist.is_initialized() and not had_process_group:
             dist.destroy_process_group()
+        if as_script:
+            return config_error_exit(str(exc), rank, _error_line)
+        if is_rank0:
+            print(f"train.py: error: {exc}", file=sys.stderr, flush=True)
         return 2
     except (TrainingStopped, CheckpointError, CollectiveOrderError) as exc:  # the same decision on every rank: rank 0 says it
         if said() and is_rank0:
@@ -534,7 +631,7 @@ def main(argv: Optional[list[str]] = None, as_script: bool = False) -> int:
         return 1
     except (RuntimeError, dist.DistError, CheckpointException) as exc:
         step = trainer.state.step if trainer is not None else 0
-        line = collective_failure(exc, int(os.environ.get("RANK", "0")), step, _timeout_of(trainer))
+        line = collective_failure(exc, rank, step, _timeout_of(trainer))
         if line is None:
             raise
         if said():
@@ -544,6 +641,37 @@ def main(argv: Optional[list[str]] = None, as_script: bool = False) -> int:
         if trainer is not None:
             trainer.close(failed=failed)
     return 0
+
+
+def _check_one_process(cfg: JobConfig, argv: list[str]) -> None:
+    """``python train.py`` without torchrun runs as a world of one rank: a config for more
+    ranks fails its checks for one; say so, with the torchrun command for the config's world."""
+    try:
+        validate(cfg, 1, 1)
+    except ConfigError as exc:
+        n = _suggest_nproc(cfg)
+        import shlex
+
+        cmd = shlex.join(["torchrun", "--standalone", "--nproc-per-node", str(n) if n else "N", sys.argv[0] or "train.py",
+                          *argv])
+        raise ConfigError(f"train.py was started without torchrun, as a world of 1 rank, and this config is for more: {exc}; "
+                          f"run it under torchrun: {cmd}") from None
+
+
+def _suggest_nproc(cfg: JobConfig) -> Optional[int]:
+    """The smallest world this config is valid for, preferring the one without accumulation."""
+    t, p = cfg.training, cfg.parallelism
+    candidates = [t.global_batch_size // t.local_batch_size] if t.global_batch_size > 0 else []
+    if p.paro_group_size > 1:
+        candidates += [2 * p.paro_group_size, p.paro_group_size]
+    for n in candidates + [4, 2, 8]:
+        if n >= 2:
+            try:
+                validate(cfg, n, n)
+                return n
+            except ConfigError:
+                pass
+    return None
 
 
 def _check_hf_folder(cfg: JobConfig) -> None:
@@ -612,7 +740,7 @@ def _run_as_script() -> None:
         code = main(as_script=True)
     except SystemExit as exc:  # an explicit exit keeps its status
         code = exc.code if isinstance(exc.code, int) else 1
-    except BaseException:  # noqa: BLE001 - a bug (or Ctrl-C): its traceback must be seen, then leave
+    except BaseException:  # noqa: BLE001 - a bug: its traceback must be seen, then leave
         traceback.print_exc()
         code = 1
     _leave(code)

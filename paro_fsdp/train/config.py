@@ -46,6 +46,10 @@ class Job:
     """Folder for everything a run writes: TensorBoard logs, traces, checkpoints, metrics.jsonl"""
     description: str = "default job"
     """Free text, printed at start-up"""
+    fresh: bool = False
+    """Start afresh: once the config is valid, rank 0 deletes what a previous run wrote in job.dump_folder (the
+    checkpoint folder, TensorBoard folder, profiler traces, compile schedules and metrics.jsonl; nothing else) before
+    anything is written. A config error deletes nothing. `make train` passes it unless RESUME=1"""
 
 
 @dataclass
@@ -107,7 +111,8 @@ class Training:
     dataset: Literal["embedded", "text", "jsonl"] = "embedded"
     """embedded: the shipped corpus; text: .txt/.md/.rst files; jsonl: JSON lines with a "text" field"""
     dataset_path: Optional[str] = None
-    """File or folder for dataset = text / jsonl"""
+    """File or folder for dataset = text / jsonl; given with dataset = "embedded" (the default, or a config file's), it
+    implies dataset = "jsonl" for a .jsonl/.json file (or a folder holding only those), else "text" """
     local_batch_size: int = 8
     """Sequences per rank per micro-step"""
     global_batch_size: int = -1
@@ -203,7 +208,9 @@ class Profiling:
     save_traces_folder: str = "profile_traces"
     """torch.profiler traces (tensorboard_trace_handler), under job.dump_folder"""
     profile_freq: int = 10
-    """Trace one step every profile_freq steps"""
+    """Trace one step every profile_freq steps (a checkpoint save after a traced step is not in its trace)"""
+    keep_latest_k: int = 3
+    """Keep each rank's newest k trace files (older ones are deleted as new ones are written); 0 keeps all"""
     timeline: bool = True
     """With metrics.enable_tensorboard: draw each traced step's timeline (compute, intra and inter
     collectives, per rank) as a TensorBoard image, with its overlap and link-busy fractions as
@@ -421,6 +428,7 @@ class CliArgs:
     estimate: bool = False
     world: Optional[int] = None
     help: bool = False
+    check_config: bool = False
 
 
 def parse_args(argv: list[str], world_size: Optional[int] = None, local_world_size: Optional[int] = None) -> tuple[JobConfig, CliArgs]:
@@ -442,6 +450,9 @@ def parse_args(argv: list[str], world_size: Optional[int] = None, local_world_si
         if arg == "--estimate":
             cli.estimate = True
             continue
+        if arg == "--check-config":
+            cli.check_config = True
+            continue
         if arg.startswith("--world"):
             text = arg.split("=", 1)[1] if "=" in arg else (argv[i] if i < len(argv) else "")
             i += 0 if "=" in arg else 1
@@ -453,7 +464,7 @@ def parse_args(argv: list[str], world_size: Optional[int] = None, local_world_si
         if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
             raise ConfigError(
                 f"unexpected argument {arg!r}; valid: --section.key value (sections: {', '.join(SECTIONS)}), "
-                "--print-config, --estimate [--world N], --help"
+                "--print-config, --check-config [--world N], --estimate [--world N], --help"
             )
         name, eq, text = arg[2:].partition("=")
         section, _, key = name.partition(".")
@@ -478,6 +489,7 @@ def parse_args(argv: list[str], world_size: Optional[int] = None, local_world_si
             config_file = text
         else:
             overrides.append((section, key, text))
+    dataset_on_cli = any((s, k) == ("training", "dataset") for s, k, _ in overrides)
 
     cfg = JobConfig()
     if config_file is not None:
@@ -485,8 +497,9 @@ def parse_args(argv: list[str], world_size: Optional[int] = None, local_world_si
     for section, key, text in overrides:
         tp = _hints(section)[key]
         _set(cfg, section, key, _from_cli(f"{section}.{key}", text, tp), "the command line")
+    imply_dataset(cfg, dataset_on_cli)
     if world_size is None:  # unknown before torchrun: the trainer validates again once it knows
-        if cli.estimate and cli.world:
+        if (cli.estimate or cli.check_config) and cli.world:
             world_size = cli.world
         elif "WORLD_SIZE" in os.environ:
             world_size = int(os.environ["WORLD_SIZE"])
@@ -499,6 +512,28 @@ def parse_args(argv: list[str], world_size: Optional[int] = None, local_world_si
 # ---------------------------------------------------------------------------------------------
 # Combinations
 # ---------------------------------------------------------------------------------------------
+def imply_dataset(cfg: JobConfig, dataset_on_cli: bool) -> None:
+    """``training.dataset_path`` with ``dataset = "embedded"`` (the default, or a config file's):
+    the path names the data to train on (as in torchtitan, where dataset_path is where the named
+    dataset is read from and is never ignored), so it sets ``dataset`` to "jsonl" for a .jsonl /
+    .json file (or a folder holding only such files), else "text". Both typed on the command line
+    is a contradiction: ConfigError."""
+    t = cfg.training
+    if not t.dataset_path or t.dataset != "embedded":
+        return
+    if dataset_on_cli:
+        raise ConfigError(f"training.dataset_path = {_show(t.dataset_path)} is read only with training.dataset = \"text\" "
+                          f"or \"jsonl\", and the command line also says --training.dataset embedded; valid: drop one "
+                          f"of the two (a path alone implies text, or jsonl for .jsonl files)")
+    jsonl, text = (".jsonl", ".json"), (".txt", ".md", ".rst", ".text")  # data.JSONL_SUFFIXES, data.TEXT_SUFFIXES
+    path = t.dataset_path
+    if os.path.isdir(path):
+        suffixes = {os.path.splitext(f)[1].lower() for _, _, files in os.walk(path) for f in files}
+        t.dataset = "jsonl" if suffixes & set(jsonl) and not suffixes & set(text) else "text"
+    else:
+        t.dataset = "jsonl" if path.lower().endswith(jsonl) else "text"
+
+
 def _is_strategy(text: str) -> bool:
     return isinstance(text, str) and len(text.strip()) == 3 and all(c in "NIG" for c in text.strip().upper())
 
@@ -629,6 +664,7 @@ def validate(cfg: JobConfig, world_size: Optional[int], local_world_size: Option
         raise ConfigError(f"compile.max_prefetch_mb = {cfg.compile.max_prefetch_mb} is invalid; valid: -1 (no bound) or >= 0")
     positive("metrics.log_freq", cfg.metrics.log_freq)
     positive("profiling.profile_freq", cfg.profiling.profile_freq)
+    positive("profiling.keep_latest_k", cfg.profiling.keep_latest_k, allow_zero=True)
     positive("checkpoint.interval", cfg.checkpoint.interval)
     positive("checkpoint.keep_latest_k", cfg.checkpoint.keep_latest_k, allow_zero=True)
     if cfg.checkpoint.load_step < -1:
@@ -679,7 +715,13 @@ def help_text() -> str:
 
     out = [
         "usage: torchrun --nproc-per-node N train.py --job.config_file FILE.toml [--section.key value ...]",
-        "       python train.py --job.config_file FILE.toml --print-config | --estimate --world N",
+        "       python train.py --job.config_file FILE.toml --print-config | --check-config [--world N] | --estimate --world N",
+        "",
+        "exit status: 0 trained (or stopped by SIGTERM / SIGINT after saving the step it reached), 2 a configuration",
+        "error (one line on stderr), 1 anything else (a failed rank or collective, a checkpoint problem). Under",
+        "torchrun the trainer's line comes first and torchrun's own status is 1 whenever a rank failed or torchrun",
+        "itself was signalled (its ChildFailedError summary then names rank 0's exit status 2 for a configuration error).",
+        "--check-config validates for --world N ranks (default $WORLD_SIZE, else 1) and exits 0 or 2 without training.",
         "",
     ]
     defaults = JobConfig()

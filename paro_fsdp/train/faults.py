@@ -11,6 +11,20 @@ Why each piece exists:
 - ``report_sigterm``: when one rank fails, torchrun SIGTERMs the others within 0.1 s; a survivor
   still waiting for its own collective timeout would die without a word (or, torn down by the
   interpreter, abort from a backend thread), so it says in one line why it stopped.
+- ``GracefulStop``: a scheduler's pre-emption (SIGTERM, which torchrun forwards to its workers
+  and follows with SIGKILL ``--shutdown-timeout`` = 30 s later) or Ctrl-C (SIGINT to the whole
+  process group, then torchrun's forwarded SIGINT) must cost at most the current step, not the
+  steps since the last checkpoint. Each rank notes the signal; its vote rides in the loss
+  all-reduce every step already does (no extra collective, no extra device read on a normal
+  step), so every rank sees the same sum at the same step, however far apart the signals
+  arrived, and all of them stop after that step, save it and exit 0. A rank that cannot reach
+  the end of its step in time (a peer died or hung: the same SIGTERM comes from torchrun then)
+  says so in one line and exits 1, as ``report_sigterm`` does.
+- ``config_error_exit``: torchrun prints a ChildFailedError summary of every rank that failed
+  (7 lines each, plus its own traceback), and SIGTERMs the others, possibly before rank 0 said
+  why. So under torchrun rank 0 says the line first and records it in torchrun's error file;
+  the ranks of its node that hit the same error leave with status 0 once rank 0 has said it, and
+  rank 0 leaves with status 2 last: the summary names one failure, rank 0's, with that line.
 - ``NonFiniteGuard``: one bad batch must not poison the fp32 masters (and every checkpoint after
   it). The loss and the gradient norm are already global (all-reduced), so every rank takes the
   same decision without another collective. The lr schedule still advances on a skipped step:
@@ -21,9 +35,12 @@ Why each piece exists:
 from __future__ import annotations
 
 import datetime
+import json
 import os
+import select
 import signal
 import threading
+import time
 from typing import Callable, Optional
 
 import torch
@@ -149,6 +166,230 @@ def sigterm_line(rank: int, step: int) -> str:
             f"the latest checkpoint")
 
 
+# ---- SIGTERM / SIGINT: finish the step, save it, exit 0 -------------------------------------------
+def shutdown_grace_s() -> float:
+    """How long torchrun waits after forwarding a SIGTERM / SIGINT before it SIGKILLs its workers:
+    ``--shutdown-timeout`` (torch >= 2.9), which defaults to ``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` or
+    30 s (torch.distributed.launcher.api.LaunchConfig; ``close(timeout=30)`` in earlier releases).
+    A worker cannot read torchrun's flag, only the environment variable."""
+    try:
+        return float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
+    except ValueError:
+        return 30.0
+
+
+class GracefulStop:
+    """SIGTERM and SIGINT, noted (``requested``) rather than acted on at once: the trainer adds
+    ``votes()`` to the step's loss all-reduce and stops after the first step whose sum is
+    positive (``Trainer.train``). A daemon thread watches the signal wakeup fd (the main thread
+    may be inside a collective's C++ wait, where Python runs no handler) and enforces two
+    deadlines from the first signal: reaching the agreed step (``reach_s``: 5 s plus three of the
+    longest steps seen, so a rank whose peer died or hung does not hold up torchrun's restart for
+    long) and finishing the save (``hard_s``: torchrun's grace period less 5 s). A deadline
+    missed, or the same signal again after 2 s (Ctrl-C pressed twice), writes ``describe()``
+    with ``write_line`` once and ends the process with status 1.
+
+    ``said()`` as for ``report_sigterm``: True, and the process then writes its own last line."""
+
+    def __init__(self, describe: Callable[[int], str], write_line: Callable[[str], None],
+                 hard_s: Optional[float] = None) -> None:
+        self.describe, self.write_line = describe, write_line
+        self.hard_s = max(1.0, (shutdown_grace_s() if hard_s is None else hard_s) - 5.0)
+        self.signum: Optional[int] = None
+        self.t_signal = 0.0
+        self.longest_step_s = 0.0  # the trainer's ``step_took``; 0: no step finished yet
+        self.stopping = False  # the agreed step was reached: only hard_s applies now
+        self._once = threading.Lock()
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        self._read_fd = read_fd
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, frame: self._note(signum))
+        signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, name="paro-graceful-stop", daemon=True).start()
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else "no signal"
+
+    def votes(self) -> tuple[float, float]:
+        """This rank's (SIGTERM, SIGINT) vote: summed over ranks in the loss all-reduce."""
+        return (float(self.signum == signal.SIGTERM), float(self.signum == signal.SIGINT))
+
+    def step_took(self, seconds: float) -> None:
+        self.longest_step_s = max(self.longest_step_s, seconds)
+
+    def said(self) -> bool:
+        return self._once.acquire(blocking=False)
+
+    def _note(self, signum: int) -> None:
+        now = time.monotonic()
+        if self.signum is None:
+            self.signum, self.t_signal = signum, now
+        elif signum == self.signum and now - self.t_signal > 2.0:  # pressed again: stop now, unsaved
+            self._leave()
+
+    def _deadline(self) -> float:
+        if self.stopping or not self.longest_step_s:
+            return self.t_signal + self.hard_s
+        return self.t_signal + min(self.hard_s, 5.0 + 3 * self.longest_step_s)
+
+    def _leave(self) -> None:
+        if self._once.acquire(blocking=False):
+            try:
+                self.write_line(self.describe(self.signum or signal.SIGTERM))
+            finally:
+                os._exit(1)
+        os._exit(1)
+
+    def _watch(self) -> None:
+        while True:
+            timeout = None if self.signum is None else max(0.0, self._deadline() - time.monotonic())
+            ready, _, _ = select.select([self._read_fd], [], [], timeout)
+            if ready:
+                data = os.read(self._read_fd, 64)
+                if not data:
+                    return
+                for signum in data:
+                    if signum in (signal.SIGTERM, signal.SIGINT):
+                        self._note(signum)
+            elif self.signum is not None and time.monotonic() >= self._deadline():
+                self._leave()
+
+
+def stuck_line(rank: int, step: int, signum: int, waited_s: float) -> str:
+    """What a rank says when a SIGTERM / SIGINT found it unable to finish its step in time."""
+    name = signal.Signals(signum).name
+    return (f"rank {rank} at step {step}: stopped by {name} before the ranks could agree on a step to save (waited "
+            f"{waited_s:.0f} s: another rank died or hung, and torchrun stops every rank once one fails, whose own line "
+            f"says why); under torchrun --max-restarts N the group restarts and resumes from the latest checkpoint")
+
+
+def resume_command(argv: list[str]) -> str:
+    """The command that resumes this run: torchrun's own command line (read from the parent
+    process, a worker's is torchrun) or ``python train.py``'s, without ``--job.fresh`` (which
+    would delete the checkpoint it resumes from)."""
+    import shlex
+    import sys
+
+    def without_fresh(args: list[str]) -> list[str]:
+        out, i = [], 0
+        while i < len(args):
+            a = args[i]
+            if a == "--job.fresh" or a.startswith("--job.fresh="):
+                if a == "--job.fresh" and i + 1 < len(args) and args[i + 1].lower() in ("true", "false", "1", "0", "yes",
+                                                                                         "no", "on", "off"):
+                    i += 1
+                i += 1
+                continue
+            out.append(a)
+            i += 1
+        return out
+
+    cmd: Optional[list[str]] = None
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ:
+        try:
+            with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+                parent = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+        except OSError:
+            parent = []
+        for i, a in enumerate(parent):  # python .../torchrun ARGS, or python -m torch.distributed.run ARGS
+            if os.path.basename(a) == "torchrun":
+                cmd = ["torchrun"] + parent[i + 1:]
+                break
+            if a == "torch.distributed.run" and i and parent[i - 1] == "-m":
+                cmd = ["torchrun"] + parent[i + 1:]
+                break
+        if cmd is None:
+            cmd = ["torchrun", "...", os.path.basename(sys.argv[0])] + sys.argv[1:]
+    else:
+        cmd = ["python", sys.argv[0]] + sys.argv[1:]
+    return shlex.join(without_fresh(cmd))
+
+
+# ---- a configuration error under torchrun ---------------------------------------------------------
+def config_error_exit(line: str, rank: int, write_line: Callable[[str], None], wait_s: float = 60.0) -> int:
+    """Report the configuration error ``line`` under torchrun; returns the exit status. Rank 0
+    writes the line, puts it in torchrun's error file (the summary's ``traceback :`` field) and in
+    the agent's store, waits (up to ``wait_s``) for the other ranks of its node to acknowledge the
+    same error, and returns 2. Those ranks return 0 without a word once rank 0 said the same line
+    (torchrun's summary then lists one failure); any rank whose error differs, or that hears
+    nothing from rank 0 in time, writes its own line and returns 2. Ranks of other nodes return 2
+    (their local rank 0 writes the line on that node's console). Outside torchrun: rank 0 writes
+    the line, every rank returns 2."""
+    store = _agent_store()
+    node0 = os.environ.get("GROUP_RANK", "0") == "0"
+    if rank == 0:
+        write_line(line)
+        _write_error_file(line)
+        if store is None:
+            return 2
+        store.set("config_error", line)
+        others = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) - 1
+        deadline = time.monotonic() + wait_s
+        while others > 0 and store.add("config_error_acks", 0) < others and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # the acknowledged ranks have exited 0 (torchrun polls every 0.1 s): rank 0 fails last
+        return 2
+    if store is None:
+        return 2
+    said = _wait_key(store, "config_error", wait_s)
+    if said is not None and said == line:
+        if node0:
+            store.add("config_error_acks", 1)
+            return 0
+        if os.environ.get("LOCAL_RANK") == "0":
+            write_line(line)
+        return 2
+    write_line(line)
+    _write_error_file(line)
+    return 2
+
+
+def _agent_store() -> Optional[dist.Store]:
+    """A client of torchrun's store under this attempt's prefix; None outside torchrun."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or "MASTER_ADDR" not in os.environ:
+        return None
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return None  # rank 0 would host it (restart_store): before the process group there is none to reach
+    try:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=datetime.timedelta(seconds=30))
+    except (RuntimeError, ValueError, dist.DistError):
+        return None
+    return dist.PrefixStore(f"paro/attempt{attempt}/", store)
+
+
+def _wait_key(store: dist.Store, key: str, wait_s: float) -> Optional[str]:
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if store.check([key]):
+            return store.get(key).decode("utf-8", "replace")
+        time.sleep(0.05)
+    return None
+
+
+def _write_error_file(line: str) -> None:
+    """torchrun's per-worker error file (``$TORCHELASTIC_ERROR_FILE``), in the format of
+    torch.distributed.elastic's ErrorHandler: its summary shows ``py_callstack`` as the
+    failure's ``traceback :``, here the one line instead of a link to the elastic docs."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    line = f"train.py: error: {line}"
+    data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass
+
+
 # ---- non-finite loss or gradient norm ----------------------------------------------------------
 class NonFiniteGuard:
     """Decides, once per step, whether the optimizer may step: ``mode`` "skip" skips a step whose
@@ -162,11 +403,24 @@ class NonFiniteGuard:
         self.consecutive = 0
         self.skipped: list[int] = []
 
-    def allows_step(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, optimizer) -> bool:
+    stop_votes = (0, 0)  # after allows_step: how many ranks got (SIGTERM, SIGINT) by this step (GracefulStop)
+
+    def allows_step(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, optimizer,
+                    stop_votes: Optional[torch.Tensor] = None) -> bool:
         """True when the step is finite. Otherwise logs (returns the line via ``self.last``),
         and returns False or raises ``TrainingStopped``. Every rank must call it (the name of the
-        offending parameter is found with one small collective, only on a bad step)."""
-        finite = bool(torch.isfinite(torch.stack([loss.float(), grad_norm.float()])).all())
+        offending parameter is found with one small collective, only on a bad step).
+        ``stop_votes`` (all-reduced with the loss) is read in the same one transfer on a normal
+        step; ``self.stop_votes`` then holds it (a second read only when it or the step is not 0 / finite)."""
+        finite = torch.isfinite(torch.stack([loss.float(), grad_norm.float()])).all()
+        self.stop_votes = (0, 0)
+        if stop_votes is None:
+            finite = bool(finite)
+        elif bool(finite & (stop_votes == 0).all()):  # the normal step: one read
+            finite = True
+        else:
+            values = torch.cat([finite.float().reshape(1), stop_votes.float().reshape(-1)]).tolist()
+            finite, self.stop_votes = bool(values[0]), tuple(int(v) for v in values[1:])
         if finite:
             self.consecutive = 0
             return True

@@ -257,8 +257,8 @@ class MetricsLogger:
 def build_profiler(cfg: JobConfig, rank: int, device: torch.device, start_step: int,
                    on_trace: Optional[Callable[[str], None]] = None):
     """A torch.profiler that traces one step every ``profile_freq`` steps into
-    ``dump_folder/save_traces_folder`` (one ``rank{r}.*.pt.trace.json`` per rank and window),
-    or a null context. Call ``.step()`` after every training step. ``on_trace(path)`` is called
+    ``dump_folder/save_traces_folder`` (one ``rank{r}.*.pt.trace.json`` per rank and window, the
+    newest ``keep_latest_k`` kept), or a null context. Call ``.step()`` after every training step. ``on_trace(path)`` is called
     with each trace file written (the timeline image, ``timeline.TimelineWriter``)."""
     p = cfg.profiling
     if not p.enable_profiling:
@@ -277,6 +277,12 @@ def build_profiler(cfg: JobConfig, rank: int, device: torch.device, start_step: 
     def trace_ready(prof: Any) -> None:  # torch's tensorboard_trace_handler, plus on_trace
         path = os.path.join(trace_dir, f"rank{rank}.{time.time_ns()}.pt.trace.json")
         prof.export_chrome_trace(path)
+        if p.keep_latest_k:  # bounded: this rank's newest k traces (one step each)
+            mine = sorted((f for f in os.listdir(trace_dir) if f.startswith(f"rank{rank}.") and f.endswith(".pt.trace.json")),
+                          key=lambda f: int(f.split(".")[1]) if f.split(".")[1].isdigit() else 0)
+            for old in mine[:-p.keep_latest_k]:
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.join(trace_dir, old))
         if on_trace is not None:
             on_trace(path)
 
