@@ -150,7 +150,7 @@ def route_roofline_estimate(estimate: Callable | None) -> None:
 #: Gap (torch 2.14.0 / 2.14.1; not 2.11 to 2.13): with the boundary in the graph
 #: (``set_is_last_backward(True)`` under torch.compile), dynamo fails to trace the reduction to
 #: the OS level of a group whose gradients are kept whole (G = N: NNN, NNG, ...), a generator
-#: (``ParoParamGroup.reduce_to_os``) driven inside the autograd Function's backward, with
+#: (``boundary.reduce_to_os``) driven inside the autograd Function's backward, with
 #: "generator already executing"; it then runs that frame eagerly. The result is the eager
 #: engine's (exact, tested), but that micro-step is not compiled. Other G levels are unaffected.
 #: Test: tests/test_compile.py (strict xfail on 2.14: it fails once torch fixes it).

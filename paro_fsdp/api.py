@@ -14,7 +14,8 @@ from .mesh import MeshGroups, MeshInfo, mesh_device
 from .paro_cc import ParoCC
 from .mixed_precision import MixedPrecision
 from .layout import placements
-from .param_group import ParamRef, ParoParamGroup, drive
+from .boundary import drive, push_params
+from .param_group import ParamRef, ParoParamGroup
 from .state import ParoBlock, ParoState
 from .traced import make_sinks_on_compile
 from .strategy import Level, PolicyLike, Strategy, resolve_policy
@@ -143,7 +144,7 @@ class ParoModule:
         groups = self._paro_state.groups
         for g in groups:
             g.reshard()  # a gathered copy would be stale
-        drive([g.push_params() for g in groups if g.trainable])
+        drive([push_params(g) for g in groups if g.trainable])
 
     def paro_strategies(self) -> dict[str, Strategy]:
         return {ref.fqn: g.strategy for g in self._paro_state.groups for ref in g.refs}

@@ -9,7 +9,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from .layout import placements
-from .param_group import ParoParamGroup, drive, run
+from .boundary import drive, finalize_grads, push_params, run
+from .param_group import ParoParamGroup
 from .strategy import Level
 
 
@@ -57,7 +58,7 @@ class ParoOptimizer:
                 "sharded model's output before clip_grad_norm_() / step()"
             )
         self.state.finish_grad_reductions()
-        drive([g.finalize_grads() for g in self.groups])
+        drive([finalize_grads(g) for g in self.groups])
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -159,11 +160,11 @@ class ParoOptimizer:
 
 def _push_eager(groups: list[ParoParamGroup]) -> None:
     """Every group's push side by side (their collectives in flight together)."""
-    drive([g.push_params() for g in groups])
+    drive([push_params(g) for g in groups])
 
 
 def _push_traced(groups: list[ParoParamGroup]) -> None:
     """What ``ParoOptimizer.compile`` compiles: each group's push in turn, every collective
     waited as issued (in the graph, the passes decide what overlaps)."""
     for g in groups:
-        run(g.push_params())
+        run(push_params(g))

@@ -1,4 +1,4 @@
-"""One bucket of parameters that share a strategy inside one block: its storage and every move.
+"""One bucket of parameters that share a strategy inside one block: its storage and its micro-step moves.
 
 A group owns, per rank:
   P     the parameters at the P level, in param dtype (the DTensor parameters are views of it);
@@ -11,12 +11,13 @@ trainable-only buffers of G and OS, and master -> P is one flat copy when levels
 Collectives over one mesh dimension go through ``MeshComm``; every *global* one (P=G gather,
 G=G reduction, G=N -> OS=G / OS=N, G -> N) is one PaRO-CC call (``cc``, chunked intra +
 inter phases), on NESTED buffers (layout.py) so no rank order has to be fixed up afterwards.
+The accumulation boundary's moves (G -> OS, OS -> P) are functions of a group: boundary.py.
 """
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Callable, Generator
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -28,37 +29,6 @@ from .layout import FlatLayout, TensorLayout, placements, tensor_layout
 from .mesh import MeshInfo, mesh_device
 from .mixed_precision import MixedPrecision
 from .strategy import Level, Strategy
-
-
-# A sequence of collectives: a generator that issues a collective, yields it, and when resumed
-# waits for it itself and goes on. Results leave through ``out`` lists:
-# plain ``yield``s, ``for``-delegation and lists are what dynamo traces inside a backward (no
-# ``yield from``, no generator return values), so the compiled last micro-step runs these same
-# sequences (traced.py).
-Steps = Generator[Pending | HierPending, None, None]
-
-
-def run(steps: Steps) -> None:
-    """Run one sequence to its end, each collective waited as soon as it is issued (traced
-    code: the graph passes, not the issue order, decide the overlap)."""
-    for _ in steps:
-        pass
-
-
-def drive(sequences: list[Steps]) -> None:
-    """Run several groups' sequences side by side: every group's next collective is issued
-    before any group waits for its previous one. Every rank runs the same groups in the same
-    order, so the collectives on each process group match across ranks."""
-    active = list(sequences)
-    while active:
-        nxt = []
-        for seq in active:
-            try:
-                next(seq)
-                nxt.append(seq)
-            except StopIteration:
-                pass
-        active = nxt
 
 
 @dataclass
@@ -331,121 +301,6 @@ class ParoParamGroup:
         shard = self._pending_rs.wait()  # G=G: issues the inter phase and waits for it
         self._pending_rs = None
         self.grad_acc.add(shard)  # reduce dtype on the wire, summed in the accumulate dtype
-
-    # ---- the accumulation boundary ---------------------------------------------------------
-    # Both boundary moves are generators that yield each collective they issue and receive its
-    # result: ``drive`` runs every group's sequence side by side, so that the groups' boundary
-    # collectives are all in flight together instead of one group after another.
-    def finalize_grads(self) -> Steps:
-        """Reduce the accumulated gradient over all ranks at the OS level and hand it to the
-        fp32 master parameters as the mean over data-parallel ranks (spec step 3)."""
-        if self.grads_ready or not self.trainable:
-            return
-        acc = self.grad_acc.sum()
-        out: list[torch.Tensor] = []
-        for pending in self.reduce_to_os(acc, out):
-            yield pending
-        self.set_master_grads(out[0])
-
-    def reduce_to_os(self, acc: torch.Tensor, out: list[torch.Tensor]) -> Steps:
-        """The boundary's collectives: the G-level sum over micro-steps -> the OS level, summed
-        over all ranks; appends that flat OS-level buffer to ``out``. Run by the optimizer, or
-        inside the last micro-step's compiled backward (traced.py). The sum travels in the reduce
-        dtype, as every gradient collective does; with no collective to run (G = OS = G) it stays
-        in the accumulate dtype."""
-        layout, G, OS, dt = self.t_layout, self.strategy.g, self.strategy.os, self.mp.grad_dtype
-        if not (G == Level.G and OS == Level.G) and self.info.n > 1:
-            acc = acc.to(dt)
-        reduced, level = acc, G
-        if G == Level.N and OS == Level.G:  # global reduce-scatter (PaRO-CC)
-            empty = torch.empty if layout.nested_uniform else torch.zeros
-            pending = self.cc.reduce_scatter(layout.full_to_nested(acc, empty(layout.numel_nested(), dtype=dt, device=self.device)),
-                                                  order="nested")
-            yield pending
-            reduced, level = pending.wait(), Level.G
-        elif G == Level.N and OS == Level.N:  # global all-reduce (PaRO-CC), elementwise on FULL
-            pending = self.cc.all_reduce(acc)
-            yield pending
-            reduced = pending.wait()
-        elif G != Level.G:  # to I, still partial over inter
-            if G == Level.N:
-                pending = self.comm.reduce_scatter(acc, "intra")
-                yield pending
-                reduced = pending.wait()
-            if OS == Level.G:
-                pending = self.comm.reduce_scatter(
-                    layout.i_to_inter(reduced, torch.empty(self.info.g * layout.sum_g, dtype=dt, device=self.device)), "inter")
-                yield pending
-                reduced, level = pending.wait(), Level.G
-            else:
-                pending = self.comm.all_reduce(reduced, "inter")
-                yield pending
-                reduced, level = pending.wait(), Level.I
-        for pending in self._move_up(layout, reduced, level, OS, out):
-            yield pending
-
-    def set_master_grads(self, reduced: torch.Tensor) -> None:
-        """``reduced`` (from ``reduce_to_os``) / n (or / ``grad_divide_factor``) becomes the
-        fp32 masters' ``.grad``."""
-        layout, OS, dt = self.t_layout, self.strategy.os, self.mp.grad_dtype
-        scale = 1.0 / (self.info.n if self.grad_divide_factor is None else self.grad_divide_factor)
-        if OS == Level.N:
-            for master, t in zip(self.master, layout.tensors):
-                tmp = torch.empty(self.info.m * t.size_i, dtype=dt, device=self.device)
-                layout.copy_out(reduced, t, tmp)
-                master.grad = tmp[: master.numel()].view(master.shape).to(torch.float32) * scale
-        else:
-            grads = reduced.to(torch.float32) * scale  # one fp32 buffer per group; grads are views
-            for master, t in zip(self.master, layout.tensors):
-                master.grad = layout.local_view(grads, t, OS)
-        self.grads_ready = True
-
-    def _move_up(self, layout: FlatLayout, flat: torch.Tensor, level: Level, target: Level, out: list[torch.Tensor]) -> Steps:
-        """All-gather a flat buffer from ``level`` to the coarser ``target`` (G -> I -> N);
-        appends the result to ``out``."""
-        if level == Level.G and target == Level.N:  # global all-gather (PaRO-CC) -> NESTED -> FULL
-            pending = self.cc.all_gather(flat, order="nested")
-            yield pending
-            flat, level = layout.nested_to_full(pending.wait(), torch.empty(layout.numel(Level.N), dtype=flat.dtype, device=self.device)), Level.N
-        if level == Level.G and target != Level.G:
-            pending = self.comm.all_gather(flat, "inter")
-            yield pending
-            flat, level = layout.inter_to_i(pending.wait(), torch.empty(layout.sum_i, dtype=flat.dtype, device=self.device)), Level.I
-        if level == Level.I and target == Level.N:
-            pending = self.comm.all_gather(flat, "intra")
-            yield pending
-            flat = pending.wait()
-        out.append(flat)
-
-    def push_params(self) -> Steps:
-        """After the optimizer step: bring the updated master to the P level in param dtype
-        (spec step 5). Run under ``torch.no_grad()``, eagerly (``drive``) or compiled
-        (``ParoOptimizer.compile``)."""
-        if not self.trainable:
-            return
-        layout, P, OS, dt = self.t_layout, self.strategy.p, self.strategy.os, self.mp.param_dtype
-        n_t = len(self.trainable)
-        if OS == Level.N:  # every rank updated whole tensors: slice
-            for local, master, t in zip(self.p_locals, self.master, layout.tensors):
-                local.copy_(t.local_slice(master, P, self.info.k))
-            return
-        flat = self.master_flat.to(dt)
-        if P == OS:
-            self.p_flat[: flat.numel()].copy_(flat)
-        elif P == Level.G:  # OS = I: a slice
-            layout.i_to_g(flat, self.p_flat)
-        elif P == Level.I:  # OS = G: inter all-gather
-            pending = self.comm.all_gather(flat, "inter")
-            yield pending
-            layout.inter_to_i(pending.wait(), self.p_flat)
-        else:  # P = N from OS = I or G
-            out: list[torch.Tensor] = []
-            for pending in self._move_up(layout, flat, OS, Level.N, out):
-                yield pending
-            for local, t in zip(self.p_locals[:n_t], layout.tensors):
-                tmp = torch.empty(self.info.m * t.size_i, dtype=dt, device=self.device)
-                layout.copy_out(out[0], t, tmp)
-                local.copy_(tmp[: local.numel()].view(local.shape))
 
     @torch.no_grad()
     def reload_master(self, fqns: set[str], full: dict[str, torch.Tensor]) -> None:

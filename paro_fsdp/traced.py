@@ -14,7 +14,7 @@ accumulation boundary and the optimizer are shared.
 
 The last micro-step (``model.set_is_last_backward(True)``) goes one step further: its backward
 adds the accumulator of the earlier micro-steps to this one's G-level gradient and runs the
-boundary's reduction to the OS level (``ParoParamGroup.reduce_to_os``, the optimizer's own code)
+boundary's reduction to the OS level (``boundary.reduce_to_os``, the optimizer's own code)
 inside the graph, returning the result for ``group.os_sink``, whose hook sets the master
 gradients. So the inter-group reduction of a block is a graph node right after its intra one, and
 the reorder pass overlaps it with the rest of backward; the optimizer skips groups done this way.
@@ -35,7 +35,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ._compat import isolate_compile_cache  # noqa: F401 - callers compiling the engine import it from here
-from .param_group import run
+from .boundary import reduce_to_os, run, set_master_grads
 from .strategy import Level
 
 if TYPE_CHECKING:
@@ -84,7 +84,7 @@ class GatherForCompute(torch.autograd.Function):
         if ctx.last and reduced is not None:
             (acc,) = ctx.saved_tensors
             out: list[torch.Tensor] = []
-            run(group.reduce_to_os(reduced if acc is None else acc + reduced, out))
+            run(reduce_to_os(group, reduced if acc is None else acc + reduced, out))
             reduced = out[0]
         return (None, reduced, None, None) + (None,) * ctx.n
 
@@ -138,14 +138,14 @@ def make_sinks(group: "ParoParamGroup") -> None:
         leaf.grad = None
         group.has_grads = True
 
-    def set_master_grads(leaf: torch.Tensor) -> None:
-        group.set_master_grads(leaf.grad)
+    def hand_to_masters(leaf: torch.Tensor) -> None:
+        set_master_grads(group, leaf.grad)
         leaf.grad = None
         group.has_grads = True
 
     group.sink, group.os_sink = _leaf(group, group.strategy.g), _leaf(group, group.strategy.os)
     group.sink.register_post_accumulate_grad_hook(hand_over)
-    group.os_sink.register_post_accumulate_grad_hook(set_master_grads)
+    group.os_sink.register_post_accumulate_grad_hook(hand_to_masters)
 
 
 # Groups whose sinks are made when torch.compile next starts. Why not at paro_shard: eager-only

@@ -81,7 +81,7 @@ def instrument_paro(timer: SectionTimer) -> None:
 
     classes = [param_group.ParoParamGroup, state.ParoBlock, state.ParoState, layout.FlatLayout,
                comm.MeshComm, comm.Pending, optim.ParoOptimizer]
-    skip = {"memory_bytes", "_ring_bytes", "install_hooks", "state_dict", "load_state_dict", "_ensure_state",
+    skip = {"memory_bytes", "_count", "install_hooks", "state_dict", "load_state_dict", "_ensure_state",
             "_dtensor", "numel", "local_view"}
     for owner in classes:
         for name, fn in list(vars(owner).items()):

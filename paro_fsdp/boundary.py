@@ -1,0 +1,167 @@
+"""The accumulation boundary of one parameter group: the summed gradient from the G level to the
+OS level over all ranks, handed to the fp32 masters; after the optimizer step, the updated
+masters from the OS level to the P level.
+
+Why functions of a group rather than its methods: these are the moves between levels (the method's
+steps 3 and 5), each a generator that issues a collective, yields it, and when resumed waits for
+it and goes on (results leave through ``out`` lists). ``drive`` runs every group's sequence side
+by side, so the groups' boundary collectives are in flight together instead of one group after
+another; ``run`` runs one to its end, which is how the compiled last micro-step (``traced.py``)
+and the compiled optimizer push (``ParoOptimizer.compile``) run the same code. Plain ``yield``,
+``for``-delegation and lists are what dynamo traces inside a backward (no ``yield from``, no
+generator return values). Every global collective is one PaRO-CC call (``group.cc``) on NESTED
+buffers (layout.py); the others go through ``group.comm`` on one mesh dimension.
+"""
+from __future__ import annotations
+
+from typing import Generator
+
+import torch
+
+from .comm import Pending
+from .paro_cc import HierPending
+from .param_group import ParoParamGroup
+from .strategy import Level
+
+#: one group's sequence of collectives
+Steps = Generator[Pending | HierPending, None, None]
+
+
+def run(steps: Steps) -> None:
+    """Run one sequence to its end, each collective waited as soon as it is issued (traced
+    code: the graph passes, not the issue order, decide the overlap)."""
+    for _ in steps:
+        pass
+
+
+def drive(sequences: list[Steps]) -> None:
+    """Run several groups' sequences side by side: every group's next collective is issued
+    before any group waits for its previous one. Every rank runs the same groups in the same
+    order, so the collectives on each process group match across ranks."""
+    active = list(sequences)
+    while active:
+        nxt = []
+        for seq in active:
+            try:
+                next(seq)
+                nxt.append(seq)
+            except StopIteration:
+                pass
+        active = nxt
+
+
+def finalize_grads(group: ParoParamGroup) -> Steps:
+    """Reduce the accumulated gradient over all ranks at the OS level and hand it to the
+    fp32 master parameters as the mean over data-parallel ranks (spec step 3)."""
+    if group.grads_ready or not group.trainable:
+        return
+    acc = group.grad_acc.sum()
+    out: list[torch.Tensor] = []
+    for pending in reduce_to_os(group, acc, out):
+        yield pending
+    set_master_grads(group, out[0])
+
+
+def reduce_to_os(group: ParoParamGroup, acc: torch.Tensor, out: list[torch.Tensor]) -> Steps:
+    """The boundary's collectives: the G-level sum over micro-steps -> the OS level, summed
+    over all ranks; appends that flat OS-level buffer to ``out``. Run by the optimizer, or
+    inside the last micro-step's compiled backward (traced.py). The sum travels in the reduce
+    dtype, as every gradient collective does; with no collective to run (G = OS = G) it stays
+    in the accumulate dtype."""
+    layout, G, OS, dt = group.t_layout, group.strategy.g, group.strategy.os, group.mp.grad_dtype
+    if not (G == Level.G and OS == Level.G) and group.info.n > 1:
+        acc = acc.to(dt)
+    reduced, level = acc, G
+    if G == Level.N and OS == Level.G:  # global reduce-scatter (PaRO-CC)
+        empty = torch.empty if layout.nested_uniform else torch.zeros
+        pending = group.cc.reduce_scatter(layout.full_to_nested(acc, empty(layout.numel_nested(), dtype=dt, device=group.device)),
+                                              order="nested")
+        yield pending
+        reduced, level = pending.wait(), Level.G
+    elif G == Level.N and OS == Level.N:  # global all-reduce (PaRO-CC), elementwise on FULL
+        pending = group.cc.all_reduce(acc)
+        yield pending
+        reduced = pending.wait()
+    elif G != Level.G:  # to I, still partial over inter
+        if G == Level.N:
+            pending = group.comm.reduce_scatter(acc, "intra")
+            yield pending
+            reduced = pending.wait()
+        if OS == Level.G:
+            pending = group.comm.reduce_scatter(
+                layout.i_to_inter(reduced, torch.empty(group.info.g * layout.sum_g, dtype=dt, device=group.device)), "inter")
+            yield pending
+            reduced, level = pending.wait(), Level.G
+        else:
+            pending = group.comm.all_reduce(reduced, "inter")
+            yield pending
+            reduced, level = pending.wait(), Level.I
+    for pending in gather_up(group, reduced, level, OS, out):
+        yield pending
+
+
+def set_master_grads(group: ParoParamGroup, reduced: torch.Tensor) -> None:
+    """``reduced`` (from ``reduce_to_os``) / n (or / ``grad_divide_factor``) becomes the
+    fp32 masters' ``.grad``."""
+    layout, OS, dt = group.t_layout, group.strategy.os, group.mp.grad_dtype
+    scale = 1.0 / (group.info.n if group.grad_divide_factor is None else group.grad_divide_factor)
+    if OS == Level.N:
+        for master, t in zip(group.master, layout.tensors):
+            tmp = torch.empty(group.info.m * t.size_i, dtype=dt, device=group.device)
+            layout.copy_out(reduced, t, tmp)
+            master.grad = tmp[: master.numel()].view(master.shape).to(torch.float32) * scale
+    else:
+        grads = reduced.to(torch.float32) * scale  # one fp32 buffer per group; grads are views
+        for master, t in zip(group.master, layout.tensors):
+            master.grad = layout.local_view(grads, t, OS)
+    group.grads_ready = True
+
+
+def gather_up(group: ParoParamGroup, flat: torch.Tensor, level: Level, target: Level, out: list[torch.Tensor]) -> Steps:
+    """All-gather a flat buffer of the trainable tensors from ``level`` to the coarser ``target``
+    (G -> I -> N); appends the result to ``out``."""
+    layout = group.t_layout
+    if level == Level.G and target == Level.N:  # global all-gather (PaRO-CC) -> NESTED -> FULL
+        pending = group.cc.all_gather(flat, order="nested")
+        yield pending
+        flat, level = layout.nested_to_full(pending.wait(), torch.empty(layout.numel(Level.N), dtype=flat.dtype, device=group.device)), Level.N
+    if level == Level.G and target != Level.G:
+        pending = group.comm.all_gather(flat, "inter")
+        yield pending
+        flat, level = layout.inter_to_i(pending.wait(), torch.empty(layout.sum_i, dtype=flat.dtype, device=group.device)), Level.I
+    if level == Level.I and target == Level.N:
+        pending = group.comm.all_gather(flat, "intra")
+        yield pending
+        flat = pending.wait()
+    out.append(flat)
+
+
+def push_params(group: ParoParamGroup) -> Steps:
+    """After the optimizer step: bring the updated master to the P level in param dtype
+    (spec step 5). Run under ``torch.no_grad()``, eagerly (``drive``) or compiled
+    (``ParoOptimizer.compile``)."""
+    if not group.trainable:
+        return
+    layout, P, OS, dt = group.t_layout, group.strategy.p, group.strategy.os, group.mp.param_dtype
+    n_t = len(group.trainable)
+    if OS == Level.N:  # every rank updated whole tensors: slice
+        for local, master, t in zip(group.p_locals, group.master, layout.tensors):
+            local.copy_(t.local_slice(master, P, group.info.k))
+        return
+    flat = group.master_flat.to(dt)
+    if P == OS:
+        group.p_flat[: flat.numel()].copy_(flat)
+    elif P == Level.G:  # OS = I: a slice
+        layout.i_to_g(flat, group.p_flat)
+    elif P == Level.I:  # OS = G: inter all-gather
+        pending = group.comm.all_gather(flat, "inter")
+        yield pending
+        layout.inter_to_i(pending.wait(), group.p_flat)
+    else:  # P = N from OS = I or G
+        out: list[torch.Tensor] = []
+        for pending in gather_up(group, flat, OS, Level.N, out):
+            yield pending
+        for local, t in zip(group.p_locals[:n_t], layout.tensors):
+            tmp = torch.empty(group.info.m * t.size_i, dtype=dt, device=group.device)
+            layout.copy_out(out[0], t, tmp)
+            local.copy_(tmp[: local.numel()].view(local.shape))
