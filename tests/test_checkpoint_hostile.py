@@ -207,7 +207,7 @@ def test_the_torchtitan_plugin_reads_through_the_safe_reader(sound, tmp_path):
     folder = _hostile(sound, tmp_path, CASES["p4-GLOBAL-dotted"](str(sentinel)))
     script = f"""
 import sys, types
-sys.path.insert(0, {str(HERE)!r})
+sys.path.insert(0, {str(HERE / "harness")!r})
 import titan_shims  # noqa: F401  (before torchtitan)
 import torch
 from paro_fsdp.integrations.torchtitan import ParoTrainer

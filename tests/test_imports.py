@@ -135,7 +135,7 @@ def test_every_module_imports_alone_in_dependency_order():
 
     if torch_version() < (2, 13):  # torchtitan 0.3 cannot be installed beside this torch
         order = [m for m in order if not m.startswith(OPTIONAL)]
-    script = ("import importlib, sys\nsys.path.insert(0, 'tests')\nfor name in sys.argv[1:]:\n"
+    script = ("import importlib, sys\nsys.path.insert(0, 'tests/harness')\nfor name in sys.argv[1:]:\n"
               f"    if name.startswith({OPTIONAL!r}):\n        import titan_shims; titan_shims.install()\n"
               "    importlib.import_module(name)\n")
     r = subprocess.run([sys.executable, "-c", script, *order], cwd=ROOT, capture_output=True, text=True, timeout=300)
