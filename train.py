@@ -130,7 +130,12 @@ class Trainer:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         self.forward_loss = _hf_loss() if cfg.model.name == "hf" else (lambda model, batch: model(batch).loss)
-        self.compiled = apply_compile(self.model, cfg) if cfg.compile.enable else None
+        self.compiled = None  # the graph passes' record: each compiled graph's collective schedule
+        if cfg.compile.enable:
+            import passes  # inductor's modules, loaded only to compile
+
+            self.compiled = passes.install_for(self.model, cfg.compile, cfg.job.dump_folder)
+            apply_compile(self.model, cfg)
 
         # ---- optimizer on the fp32 master shards, lr schedule ----------------------------------
         o = cfg.optimizer

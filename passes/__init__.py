@@ -146,6 +146,19 @@ def install(names: Iterable[str] = ORDER, options: PassOptions | None = None, me
     return p
 
 
+def install_for(model, compile_cfg, dump_folder: str) -> ParoPasses | None:
+    """The trainer's ``[compile]`` section as graph passes for ``model`` (a ``paro_shard``
+    model): installed for inductor before the model is compiled, None for other backends (whose
+    graphs never reach inductor's post-grad passes). ``compile_cfg`` has the trainer's
+    ``passes``, ``backend``, ``dump_schedule`` and ``max_prefetch_mb`` fields."""
+    c = compile_cfg
+    if c.backend != "inductor":
+        return None
+    dump = os.path.join(dump_folder, "compile") if c.dump_schedule else None
+    bound = None if c.max_prefetch_mb < 0 else int(c.max_prefetch_mb * 2**20)
+    return install(c.passes, meshes=[model.paro_mesh_groups()], max_prefetch_bytes=bound, dump_dir=dump)
+
+
 def aot_backend(p: ParoPasses):
     """A torch.compile backend that runs the passes on AOTAutograd's forward and backward graphs
     and executes them as they are (no inductor codegen): seconds instead of minutes to see and

@@ -179,6 +179,31 @@ def test_the_installed_package_imports_no_tools():
     assert _importing(files, ("tools",)) == []
 
 
+def rooms(graph: dict[str, set[str]], depth: int) -> dict[str, set[str]]:
+    """The import graph with every module folded into its folder ``depth`` levels down
+    (``paro_fsdp.cost.predict`` -> ``paro_fsdp`` at 1, ``paro_fsdp.cost`` at 2): what a picture
+    of the repository draws as one room."""
+    def room(m: str) -> str:
+        parts = m.split(".")
+        if len(parts) > depth and (ROOT.joinpath(*parts[:depth])).is_dir():
+            return ".".join(parts[:depth])
+        return m
+    out: dict[str, set[str]] = {}
+    for v, targets in graph.items():
+        out.setdefault(room(v), set()).update(room(t) for t in targets if room(t) != room(v))
+    return out
+
+
+def test_folders_import_only_downward():
+    """No arrow back up: folded into folders (the repository's top-level packages, then the
+    package's subfolders and modules), the imports still form no loop. A module-level DAG can hide
+    one, e.g. ``ledger.py`` importing ``cost/`` while ``cost/`` imports the ledger."""
+    graph = import_graph(REPOSITORY)
+    for depth in (1, 2):
+        found = cycles(rooms(graph, depth))
+        assert found == [], f"folders importing each other (depth {depth}): " + "; ".join(" <-> ".join(c) for c in found)
+
+
 def test_the_engine_source_imports_no_tools_nor_train_script():
     skip = [ROOT.joinpath(*pkg.split(".")) for pkg in NOT_ENGINE]
     engine = [p for p in sorted((ROOT / "paro_fsdp").rglob("*.py")) if not any(s in p.parents for s in skip)]

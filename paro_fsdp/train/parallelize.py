@@ -9,7 +9,6 @@ block is freed after its own backward as usual. (torchtitan's order, hooks outsi
 """
 from __future__ import annotations
 
-import os
 from functools import partial
 from typing import Any, Optional
 
@@ -116,20 +115,15 @@ def parallelize(model: nn.Module, cfg: JobConfig, mesh: Any, device: torch.devic
     return model
 
 
-def apply_compile(model: nn.Module, cfg: JobConfig) -> Any:
+def apply_compile(model: nn.Module, cfg: JobConfig) -> None:
     """torch.compile the model in place (whole, or block by block as torchtitan does), after
-    ``paro_shard``: each block's gathers and gradient reductions are nodes of its graphs. With inductor, the graph
-    passes of ``[compile] passes`` run on them; returns their record (None for other backends)."""
-    import passes
+    ``paro_shard``: each block's gathers and gradient reductions are nodes of its graphs. The
+    graph passes of ``[compile] passes`` are installed before this by whoever drives the run
+    (``passes.install_for``: the trainer, the GPU check), so the package never imports them."""
     from paro_fsdp.traced import isolate_compile_cache
 
     isolate_compile_cache(torch.distributed.get_rank())
     c = cfg.compile
-    record = None
-    if c.backend == "inductor":
-        dump = os.path.join(cfg.job.dump_folder, "compile") if c.dump_schedule else None
-        bound = None if c.max_prefetch_mb < 0 else int(c.max_prefetch_mb * 2**20)
-        record = passes.install(c.passes, meshes=[model.paro_mesh_groups()], max_prefetch_bytes=bound, dump_dir=dump)
     if cfg.activation_checkpoint.mode == "full":
         # the block hooks swap module parameters (a side effect): in a checkpointed block dynamo
         # must not replay it in the recomputation, which the compiled graph does by itself
@@ -139,7 +133,6 @@ def apply_compile(model: nn.Module, cfg: JobConfig) -> Any:
     else:
         for block in transformer_blocks(model):
             block.compile(backend=c.backend, fullgraph=True)
-    return record
 
 
 def check_policy(cfg: JobConfig, args: LlamaArgs) -> Optional[str]:

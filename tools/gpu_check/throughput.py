@@ -99,11 +99,13 @@ def worker_c(emit: Emitter, device_type: str, layers: Optional[int], peak_tflops
         model.init_buffers(device)
         opt = ParoOptimizer(model, torch.optim.AdamW, lr=1e-4, weight_decay=0.1, fused=True)
         if compiled:
+            import passes
             from paro_fsdp.train.config import JobConfig
             from paro_fsdp.train.parallelize import apply_compile
 
             cfg = JobConfig()
             cfg.compile.enable, cfg.compile.scope, cfg.job.dump_folder = True, "blocks", str(REPO / "outputs" / "gpu_check")
+            passes.install_for(model, cfg.compile, cfg.job.dump_folder)
             apply_compile(model, cfg)
             opt.compile()
 
