@@ -290,6 +290,22 @@ def test_cli_table_plot_and_sweeps(tmp_path, capsys):
     assert "30B" in capsys.readouterr().out
 
 
+def test_cli_plot_goes_to_out_dir_not_the_working_directory(tmp_path, monkeypatch, capsys):
+    """Without --plot the PNG lands in --out-dir (default outputs/advisor), never in the folder the
+    command runs from (it used to land in the repository root)."""
+    from tools.advisor import main
+
+    pytest.importorskip("matplotlib")
+    monkeypatch.chdir(tmp_path)
+    args = ["--model", "llama7b", "--gpus", "16", "--gpus-per-node", "8", "--micro-batch", "1", "--grad-accum", "1"]
+    assert main(args + ["--out-dir", str(tmp_path / "figs")]) == 0
+    assert [p.name for p in (tmp_path / "figs").iterdir()] == ["advisor_llama7b_16gpus.png"]
+    assert main(args) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["figs", "outputs"]
+    assert (tmp_path / "outputs" / "advisor" / "advisor_llama7b_16gpus.png").stat().st_size > 10_000
+    assert f"plot: outputs/advisor/advisor_llama7b_16gpus.png" in capsys.readouterr().out
+
+
 def test_choose_strategy_for_the_trainer():
     strategy, table = choose_strategy(LlamaArgs(dim=64, n_layers=4, n_heads=4, vocab_size=258, ffn_dim=176),
                                       4, 2, 8, 1, 128, "fp32", "a100_ib", reduce_dtype="fp32")

@@ -215,8 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cluster", default="a100_ib.toml", help="a TOML file or a preset of paro_fsdp/cost/clusters/")
     g.add_argument("--inter-gbps", type=float, default=None, help="override the inter-node bandwidth per node (Gb/s)")
     g = ap.add_argument_group("output")
-    g.add_argument("--plot", default=None, help="PNG path (default advisor_<model>_<gpus>gpus[_sweep].png)")
+    g.add_argument("--plot", default=None, help="PNG path (default <out-dir>/advisor_<model>_<gpus>gpus[_sweep].png)")
     g.add_argument("--no-plot", action="store_true")
+    g.add_argument("--out-dir", default="outputs/advisor", help="folder for the plot when --plot names no path (default: outputs/advisor)")
     g.add_argument("--sweep", choices=sorted(DEFAULT_SWEEP), default=None, help="throughput over GPU counts or inter bandwidth")
     g.add_argument("--values", default=None, help="sweep values, comma-separated")
     g.add_argument("--json", action="store_true", help="print the ranked predictions as JSON")
@@ -292,7 +293,7 @@ def _run(a: argparse.Namespace) -> int:
         print(desc)
         print(format_sweep(rows, a.sweep, shown + extra))
         if not a.no_plot:
-            path = Path(a.plot or f"advisor_{spec.name}_{a.gpus}gpus_sweep_{a.sweep}.png")
+            path = Path(a.plot) if a.plot else Path(a.out_dir) / f"advisor_{spec.name}_{a.gpus}gpus_sweep_{a.sweep}.png"
             title = f"{desc}\n" + ("n = GPUs" if a.sweep == "gpus" else f"n = {a.gpus}") + f", m = {m}"
             print(f"plot: {plot_sweep(rows, a.sweep, shown + extra, cluster, title, path)}")
         return 0
@@ -320,7 +321,7 @@ def _run(a: argparse.Namespace) -> int:
             print(f"within 1% of it: {', '.join(p.strategy for p in close)}; the least memory among them: "
                   f"{lean.strategy} ({lean.memory['total'] / GiB:.1f} GiB, {lean.step_time:.3f} s/step)")
     if not a.no_plot:
-        path = Path(a.plot or f"advisor_{spec.name}_{a.gpus}gpus.png")
+        path = Path(a.plot) if a.plot else Path(a.out_dir) / f"advisor_{spec.name}_{a.gpus}gpus.png"
         print(f"plot: {plot_memory_vs_time(preds, cluster, header, path)}")
     return 0
 
