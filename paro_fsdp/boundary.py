@@ -2,15 +2,12 @@
 OS level over all ranks, handed to the fp32 masters; after the optimizer step, the updated
 masters from the OS level to the P level.
 
-Why functions of a group rather than its methods: these are the moves between levels (the method's
-steps 3 and 5), each a generator that issues a collective, yields it, and when resumed waits for
-it and goes on (results leave through ``out`` lists). ``drive`` runs every group's sequence side
-by side, so the groups' boundary collectives are in flight together instead of one group after
-another; ``run`` runs one to its end, which is how the compiled last micro-step (``traced.py``)
-and the compiled optimizer push (``ParoOptimizer.compile``) run the same code. Plain ``yield``,
+Why generators of a group rather than its methods: each issues a collective, yields it, and when
+resumed waits for it and goes on (results leave through ``out`` lists), so ``drive`` can keep every
+group's boundary collectives in flight together, and ``run`` runs the same code in the compiled
+last micro-step (traced.py) and the compiled push (``ParoOptimizer.compile``). Plain ``yield``,
 ``for``-delegation and lists are what dynamo traces inside a backward (no ``yield from``, no
-generator return values). Every global collective is one PaRO-CC call (``group.cc``) on NESTED
-buffers (layout.py); the others go through ``group.comm`` on one mesh dimension.
+generator return values).
 """
 from __future__ import annotations
 
@@ -51,8 +48,7 @@ def drive(sequences: list[Steps]) -> None:
 
 
 def finalize_grads(group: ParoParamGroup) -> Steps:
-    """Reduce the accumulated gradient over all ranks at the OS level and hand it to the
-    fp32 master parameters as the mean over data-parallel ranks (spec step 3)."""
+    """The accumulated gradient, reduced over all ranks at the OS level, to the fp32 masters."""
     if group.grads_ready or not group.trainable:
         return
     acc = group.grad_acc.sum()
@@ -63,11 +59,9 @@ def finalize_grads(group: ParoParamGroup) -> Steps:
 
 
 def reduce_to_os(group: ParoParamGroup, acc: torch.Tensor, out: list[torch.Tensor]) -> Steps:
-    """The boundary's collectives: the G-level sum over micro-steps -> the OS level, summed
-    over all ranks; appends that flat OS-level buffer to ``out``. Run by the optimizer, or
-    inside the last micro-step's compiled backward (traced.py). The sum travels in the reduce
-    dtype, as every gradient collective does; with no collective to run (G = OS = G) it stays
-    in the accumulate dtype."""
+    """The G-level sum over micro-steps -> the OS level, summed over all ranks, appended to
+    ``out``. It travels in the reduce dtype; with no collective to run (G = OS = G) it stays in
+    the accumulate dtype."""
     layout, G, OS, dt = group.t_layout, group.strategy.g, group.strategy.os, group.mp.grad_dtype
     if not (G == Level.G and OS == Level.G) and group.info.n > 1:
         acc = acc.to(dt)
@@ -137,9 +131,8 @@ def gather_up(group: ParoParamGroup, flat: torch.Tensor, level: Level, target: L
 
 
 def push_params(group: ParoParamGroup) -> Steps:
-    """After the optimizer step: bring the updated master to the P level in param dtype
-    (spec step 5). Run under ``torch.no_grad()``, eagerly (``drive``) or compiled
-    (``ParoOptimizer.compile``)."""
+    """After the optimizer step: the updated master to the P level in param dtype (under
+    ``torch.no_grad()``)."""
     if not group.trainable:
         return
     layout, P, OS, dt = group.t_layout, group.strategy.p, group.strategy.os, group.mp.param_dtype

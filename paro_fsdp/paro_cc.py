@@ -1,68 +1,29 @@
 """PaRO-CC: global collectives run as intra-group + inter-group collectives, chunked so the
-phases overlap (spec section 4).
+phases overlap.
 
-Why: a flat ring over all n ranks, laid out in rank order, crosses between groups on only one
-edge per group, and that edge carries (n-1)/n of the data (twice that for all-reduce). Rearranged
-hierarchically, the slow part moves 1/m of the data per rank in m rings (one per local index l)
-that run at once, so every link out of a group is busy and each group sends
-m * (g-1)/g * S/m = (g-1)/g * S between groups instead of (n-1)/n * S (all-gather, reduce-scatter;
-both doubled for all-reduce), with the remaining work on the fast links inside the group:
+Why: a flat ring over all n ranks crosses between groups on one edge per group, and that edge
+carries (n-1)/n of the data. Hierarchically, m inter rings (one per local index l) run at once,
+each on 1/m of the data, so a group sends (g-1)/g * S between groups instead of (n-1)/n * S
+(doubled for all-reduce), and the rest runs on the fast links inside the group:
 
     all-gather      = inter all-gather  -> intra all-gather
     reduce-scatter  = intra reduce-scatter -> inter reduce-scatter
     all-reduce      = intra reduce-scatter -> inter all-reduce -> intra all-gather
 
-Each tensor is cut into chunks. Every chunk's first phase is issued at once (it needs nothing
-else); ``wait()`` then walks the chunks, waiting for chunk c's phase and issuing its next phase
-on the *other* process group, so the intra phase of chunk c runs while the inter phase of chunk
-c+1 is still on the wire. The ``_c10d_functional`` ops are asynchronous until ``wait_tensor``,
-and the intra and inter groups are separate process groups with their own worker threads, so
-the two phases truly run side by side (on gloo, NCCL alike).
+Each tensor is cut into chunks: every chunk's first phase is issued at once, and ``wait()`` issues
+chunk c's next phase on the *other* process group, so chunk c's intra phase runs while chunk
+c+1's inter phase is still on the wire.
 
-Semantics ("order"):
-  "flat"    exactly the flat collective over mesh["inter", "intra"]._flatten(): rank
-            r = k * m + l owns block r. all_gather / reduce_scatter work on dim 0 like
-            all_gather_into_tensor / reduce_scatter_tensor, so results equal the flat ones
-            (bit for bit for all-gather; for sums up to the order of additions).
-  "nested"  the engine's layout (spec section 2, nesting rule): block l * g + k belongs to rank
-            (k, l), i.e. the global shard is sub-chunk k of intra chunk l. This is the natural
-            output of the hierarchy, so it saves the local transpose "flat" needs.
-all_reduce is elementwise, so it has no order. Sizes need not divide the chunk count (chunks
-are uneven) and all_reduce takes any numel (only a last partial row of m elements is padded).
+Order: "flat" is the flat collective's (rank k * m + l owns block k * m + l, results as
+all_gather_into_tensor / reduce_scatter_tensor); "nested" is the engine's (block l * g + k is
+rank (k, l)'s: layout.py's NESTED buffers), the hierarchy's natural output. all_reduce is
+elementwise and takes any numel. A message below ``flat_below_bytes`` (``collectives.runs_flat``,
+which the ledger follows) is one flat collective over all ranks (dim "global"; the crossover is in
+docs/benchmarks.md). Every phase is a ``MeshComm`` collective, counted in its ``CommStats``.
 
-Flat where it wins: a message below ``flat_below_bytes`` (``collectives.runs_flat``, the
-one rule, which the ledger follows) is one collective over mesh["inter", "intra"]._flatten()
-(dim "global"), with the nested order made by a local transpose. Measured on the emulator
-(2 x 2 gloo ranks, ``tools.bench.collectives``): flat is faster below about 1 MiB at 1 Gbit/s,
-and at nearly every size at 10 Gbit/s, where the second phase's pass over the CPU-bound intra
-links costs more than the inter bytes it saves.
-
-Every phase is one of ``MeshComm``'s per-dimension collectives, so it is recorded in the
-model's ``CommStats`` under "intra" / "inter" like any other (bytes are exactly those of the
-unchunked hierarchy; counts grow with the chunks).
-
-How the engine uses it (param_group.py; one ``ParoCC`` per model, built on the model's
-``MeshComm`` by ``paro_shard``, handed to every group as ``group.cc``): every global collective of model states is one call, on the NESTED
-buffers of ``layout.FlatLayout`` ([m][g][sum_g], block (l, k) = rank (k, l)'s G buffer, one size
-on every rank):
-  * global all-gather of a G buffer (unshard with P=G; G -> N at the boundary):
-        pending = cc.all_gather(g_flat, order="nested")   # issue_unshard: inter phase in flight
-        nested = pending.wait()                            # NESTED
-    then ``copy_out_nested`` (into the whole tensors) or ``nested_to_full`` (a FULL buffer).
-    These use every intra index's G layout: with sizes n does not divide, intra shard l' splits
-    into global shards differently from this rank's l, so this rank's own layout is not enough.
-  * global reduce-scatter to a G buffer (G=G each micro-step; G=N -> OS=G at the boundary):
-    ``copy_in_nested`` of the gradients (or ``full_to_nested`` of a FULL buffer), then
-        shard = cc.reduce_scatter(nested, order="nested").wait()   # [sum_g], the G buffer
-  * global all-reduce (G=N -> OS=N): ``cc.all_reduce(acc).wait()`` replaces intra RS + inter
-    AR + intra AG; it is elementwise, so the FULL layout is untouched.
-``HierPending`` has ``wait()`` like ``comm.Pending``, so it can be yielded to ``drive``. On CPU its
-later phases are issued inside ``wait()``: like every collective, waits must happen in the same
-order on every rank (``drive`` guarantees that). On a GPU (``streams``, see streams.py) every
-phase is issued by the call itself, on the gather or reduce side stream, each phase after a
-stream-side wait on the one before; ``wait()`` only makes the consumer's stream wait for the
-last one. Issuing later phases from ``wait()`` there would queue them behind all the compute the
-CPU had issued by then, exposing the whole second phase.
+On CPU the later phases are issued inside ``wait()``, so every rank must wait in the same order
+(``drive`` sees to it). On a GPU (streams.py) the call issues every phase on a side stream at
+once: issued from ``wait()``, they would queue behind all the compute the CPU had issued by then.
 """
 from __future__ import annotations
 
@@ -92,11 +53,8 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class HierPending:
-    """An issued PaRO-CC collective. The first phase of every chunk is already in flight;
-    ``wait()`` drives the remaining phases (overlapping them across chunks) and returns the
-    result. Same contract as ``comm.Pending``: call ``wait()`` exactly where the result is needed
-    — every rank must call it in the same order relative to its other collectives, because the
-    later phases are *issued* inside ``wait()``."""
+    """An issued PaRO-CC collective: ``wait()`` issues the remaining phases and returns the
+    result, so every rank must call it in the same order relative to its other collectives."""
 
     _finish: Callable[[], torch.Tensor] | None
     _result: torch.Tensor | None = None
@@ -112,7 +70,6 @@ class HierPending:
 
     @property
     def tensor(self) -> torch.Tensor:
-        """The result (waits); mirrors ``Pending.tensor`` for code that reads it after wait."""
         return self.wait()
 
 
@@ -133,15 +90,11 @@ def _bounds(total: int, chunks: int) -> list[tuple[int, int]]:
 
 
 class ParoCC:
-    """Hierarchical collectives over the 2D ("inter", "intra") mesh of ``comm``, built from its
-    per-dimension collectives (so they are counted in ``comm.stats`` and run on its streams).
+    """Hierarchical collectives over the mesh of ``comm``, built from its per-dimension ones.
 
-    ``chunk_bytes``: target bytes of the *whole* message per chunk (all-gather output,
-    reduce-scatter input, all-reduce tensor); ``max_chunks`` caps the count, since every chunk
-    adds a latency term per phase. ``chunks`` forces a count (benchmarks, tests).
-    ``flat_below_bytes``: messages smaller than this run as one flat collective over all ranks
-    (``collectives.runs_flat``, which the ledger follows too); 0, the default: never.
-    """
+    ``chunk_bytes``: target bytes of the whole message per chunk; ``max_chunks`` caps the count,
+    since every chunk adds a latency term per phase; ``chunks`` forces one (benchmarks, tests).
+    ``flat_below_bytes``: smaller messages run flat (0, the default: never)."""
 
     def __init__(self, comm: MeshComm, chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_chunks: int = DEFAULT_MAX_CHUNKS,
                  flat_below_bytes: int = 0) -> None:
@@ -156,8 +109,7 @@ class ParoCC:
         self.flat_below_bytes = flat_below_bytes
 
     def runs_flat(self, nbytes: int) -> bool:
-        """Whether a message of ``nbytes`` goes as one flat collective (the eager and the
-        compiled path both ask here, so both run it the same way)."""
+        """Whether a message of ``nbytes`` runs flat (eager and compiled paths both ask here)."""
         return runs_flat(nbytes, self.flat_below_bytes)
 
     @property
@@ -359,13 +311,9 @@ class ParoCC:
 
 def flat_to_nested(t: torch.Tensor, g: int, m: int) -> torch.Tensor:
     """Reorder n = g * m dim-0 blocks from flat rank order (k * m + l) to nested (l * g + k)."""
-    n = g * m
-    blk = t.reshape(n, -1)
-    return blk.view(g, m, -1).transpose(0, 1).reshape(t.shape)
+    return t.reshape(g, m, -1).transpose(0, 1).reshape(t.shape)
 
 
 def nested_to_flat(t: torch.Tensor, g: int, m: int) -> torch.Tensor:
     """Inverse of ``flat_to_nested``."""
-    n = g * m
-    blk = t.reshape(n, -1)
-    return blk.view(m, g, -1).transpose(0, 1).reshape(t.shape)
+    return t.reshape(m, g, -1).transpose(0, 1).reshape(t.shape)

@@ -1,26 +1,16 @@
 """Where collectives are issued on a GPU: two side streams, as FSDP2 does.
 
 Why: a collective issued from the compute stream starts only after every kernel queued before it,
-and a multi-phase one (PaRO-CC: inter then intra, or intra then inter) issued its later phases
-when the consumer called ``wait()``, i.e. behind all the compute queued by then. So on CUDA:
+and PaRO-CC's later phases, issued at the consumer's ``wait()``, would queue behind all compute
+issued by then. So on CUDA all-gathers run on ``gather`` and reductions on ``reduce`` (both high
+priority): the side stream first waits for the compute stream (which wrote the input), every phase
+is issued at once there (each after the one before through a stream-side ``wait_tensor``), and the
+consumer waits for an event recorded after the last (``Pending.wait``). No ``record_stream``: the
+``Pending`` holds the input until the compute stream has waited, and outputs, allocated on the side
+stream, are consumed before the next issue of that kind (``drive`` keeps results referenced).
 
-* all-gathers run on ``gather``, reductions (reduce-scatter, all-reduce) on ``reduce``, both high
-  priority. Issuing first makes the side stream wait for the compute stream (the input was
-  written there), then every phase is issued at once on the side stream: a later phase follows
-  the earlier one through ``wait_tensor`` on the side stream, a stream-side wait on the NCCL
-  work's event that never blocks the CPU.
-* the consumer waits for an event recorded on the side stream after the last phase
-  (``Pending.wait``), so only the consumer, never the compute stream before it, waits.
-* buffer lifetimes need no ``record_stream``: an input allocated on the compute stream is held by
-  the ``Pending`` until the compute stream has waited for the side stream; outputs are allocated
-  on the side stream, and every later issue on that stream first waits for the compute stream,
-  which by then has consumed the previous output (the engine consumes each result before it
-  issues the next collective of the same kind; ``drive`` keeps every result referenced until it
-  is consumed).
-
-On CPU (gloo) ``wait_tensor`` blocks the calling thread, so there the later phases stay where
-they were: issued inside ``wait()`` (see ``paro_cc``); ``streams_for`` returns None. Under
-torch.compile the graph passes schedule collectives, so no side stream is entered while tracing.
+On CPU (gloo) ``wait_tensor`` blocks the thread, so later phases stay inside ``wait()`` and
+``streams_for`` returns None; while torch.compile traces, the graph passes schedule instead.
 """
 from __future__ import annotations
 

@@ -1,29 +1,17 @@
 """What a block does while torch.compile traces it: every collective becomes a graph node.
 
-Why a second path: the eager engine overlaps by keeping collectives in flight across hooks, frees
-storage with ``resize_`` and calls back into Python from backward; none of that can be captured
-in a graph. While tracing, a group's unshard is one autograd Function instead: its forward
-all-gathers the P-level shard into whole tensors, its backward reduces the whole-tensor gradients
-to the G level. Both run the eager path's own moves (``ParoParamGroup.gather_params`` /
-``whole_rows``, ``grad_buffer`` / ``reduce_grad_buffer``: one buffer order, one padding, one
-PaRO-CC call per global collective), so eager and compiled runs move the same bytes over the
-same mesh dimensions. The G-level gradient is returned for ``group.sink``, a leaf that holds no memory
-(a zero-dim tensor expanded to the G buffer's length): autograd's AccumulateGrad sums it across
-micro-steps and a hook hands it to the group's accumulator, the one the eager path fills, so the
-accumulation boundary and the optimizer are shared.
+Why a second path: the eager engine keeps collectives in flight across hooks, frees storage with
+``resize_`` and calls back into Python from backward, none of which a graph captures. While
+tracing, a group's unshard is one autograd Function: forward all-gathers the P-level shard into
+whole tensors, backward reduces the whole-tensor gradients to the G level, both with the eager
+path's own moves (``ParoParamGroup.gather_params`` / ``whole_rows``, ``grad_buffer`` /
+``reduce_grad_buffer``), so eager and compiled runs move the same bytes. The G-level gradient goes
+to ``group.sink``, a leaf that holds no memory, whose hook adds it to the eager path's accumulator.
 
-The last micro-step (``model.set_is_last_backward(True)``) goes one step further: its backward
-adds the accumulator of the earlier micro-steps to this one's G-level gradient and runs the
-boundary's reduction to the OS level (``boundary.reduce_to_os``, the optimizer's own code)
-inside the graph, returning the result for ``group.os_sink``, whose hook sets the master
-gradients. So the inter-group reduction of a block is a graph node right after its intra one, and
-the reorder pass overlaps it with the rest of backward; the optimizer skips groups done this way.
-
-Global (P = G or G = G) collectives are PaRO-CC's intra and inter phases in the graph, as
-eager runs them. Ordering, bucketing and overlap are the passes' job, not this module's.
-
-The sinks are made only when torch.compile starts (``make_sinks_on_compile``): eager-only runs
-never hold them.
+The last micro-step (``model.set_is_last_backward(True)``) also runs the boundary's reduction to
+the OS level (``boundary.reduce_to_os``) in the graph, into ``group.os_sink``, whose hook sets the
+master gradients: the reorder pass then overlaps it with the rest of backward. Ordering, bucketing
+and overlap are the passes' job. The sinks are made only when torch.compile starts.
 """
 from __future__ import annotations
 
@@ -43,9 +31,7 @@ if TYPE_CHECKING:
 
 
 def gather_whole(group: "ParoParamGroup") -> list[torch.Tensor]:
-    """The group's whole tensors: the eager path's gather (``gather_params``, FULL or NESTED)
-    and its rows of each tensor (``whole_rows``), which the graph copies out (one copy per
-    tensor: few, large ops keep compile time low)."""
+    """The group's whole tensors, one copy per tensor (few, large ops keep compile time low)."""
     gathered = group.gather_params().wait()
     out = []
     for t, ref in zip(group.p_layout.tensors, group.refs):
@@ -55,8 +41,7 @@ def gather_whole(group: "ParoParamGroup") -> list[torch.Tensor]:
 
 
 def reduce_to_g(group: "ParoParamGroup", grads: list[torch.Tensor | None]) -> torch.Tensor:
-    """This micro-step's G-level gradient: the eager path's buffer and reduction
-    (``grad_buffer``, ``reduce_grad_buffer``); for G = N the FULL buffer itself."""
+    """This micro-step's G-level gradient (for G = N the FULL buffer itself)."""
     buf = group.grad_buffer(grads)
     pending = group.reduce_grad_buffer(buf)
     return buf if pending is None else pending.wait()
@@ -128,8 +113,7 @@ def _leaf(group: "ParoParamGroup", level: Level) -> torch.Tensor:
 
 
 def make_sinks(group: "ParoParamGroup") -> None:
-    """``group.sink`` (G level, each micro-step) and ``group.os_sink`` (OS level, the last
-    micro-step); see the module docstring."""
+    """``group.sink`` (G level, each micro-step) and ``group.os_sink`` (OS level, the last one)."""
     if not group.trainable:
         return
 
