@@ -1,5 +1,6 @@
 """Shared training workloads for the distributed tests: a tiny Llama, deterministic data,
-a single-process reference run and the same run under paro_shard."""
+a single-process reference run and the same run under paro_shard (``train_paro``; ``sharded``
+and ``train_steps`` for a test's own loop, ``close`` to compare its losses)."""
 from __future__ import annotations
 
 from typing import Any
@@ -136,3 +137,34 @@ def train_paro(strategy, group_size: int, accum: int, mp: MixedPrecision | None 
 
 def full_params(model) -> dict[str, torch.Tensor]:
     return {n: p.full_tensor().detach().float() for n, p in model.named_parameters()}
+
+
+def sharded(mesh, strategy, model=None, **kw):
+    """``make_model()`` (or ``model``) under ``paro_shard`` with the AdamW the references use."""
+    model = paro_shard(model if model is not None else make_model(), mesh, strategy, **kw)
+    return model, ParoOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=0.1)
+
+
+def train_steps(model, opt, steps: int, *, loss_scale: float = 1.0, first_step: int = 0) -> list[tuple[float, float]]:
+    """``steps`` optimizer steps of one micro-step each from step ``first_step``: (mean loss
+    over ranks, grad norm) per step; the loss is scaled by ``loss_scale`` before backward."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = []
+    for step in range(first_step, first_step + steps):
+        loss = model(batch(rank, step, 0)).loss
+        (loss * loss_scale).backward()
+        norm = opt.clip_grad_norm_(MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        out.append(((total / world).item(), norm.item()))
+    return out
+
+
+def close(got_losses, ref_losses, scale: float = 1.0) -> None:
+    """(loss, grad norm) per step to 1e-5 relative; the norm against ``scale`` times the reference's."""
+    assert len(got_losses) == len(ref_losses)
+    for (loss, norm), (ref_loss, ref_norm) in zip(got_losses, ref_losses):
+        assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
+        assert abs(norm - scale * ref_norm) <= 1e-5 * abs(scale * ref_norm) + 1e-7, (norm, scale * ref_norm)
