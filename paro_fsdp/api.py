@@ -13,7 +13,6 @@ from .comm import MeshComm
 from .mesh import MeshGroups, MeshInfo, mesh_device
 from .paro_cc import ParoCC
 from .mixed_precision import MixedPrecision
-from .layout import placements
 from .boundary import drive, push_params
 from .param_group import ParamRef, ParoParamGroup
 from .state import ParoBlock, ParoState
@@ -32,12 +31,10 @@ class ParoModule:
         return self._paro_state.comm.stats
 
     def memory_report(self, optimizer=None) -> dict[str, int]:
-        """Per-rank bytes this rank holds: the model states of the spec's formula, ``P``, ``G``
-        (the accumulator, in its dtype) and ``OS`` (with the optimizer's states when
-        ``optimizer`` is given), and their ``total``; beside them what the boundary adds for a
-        while: ``master_grads`` (fp32, at the OS level, from the boundary to ``zero_grad``) and
-        ``boundary`` (the largest full-size temporaries of G = N or P = N groups, which the
-        optimizer moves side by side); ``peak`` = total + master_grads + boundary."""
+        """Bytes this rank holds: ``P``, ``G`` (the accumulator), ``OS`` (with the optimizer's states
+        when given) and their ``total``; what the boundary adds for a while: ``master_grads`` (fp32,
+        until ``zero_grad``) and ``boundary`` (the largest full-size temporaries of G = N or P = N
+        groups); ``peak`` = total + master_grads + boundary."""
         states = optimizer.inner.state if optimizer is not None else None
         total = {"P": 0, "G": 0, "OS": 0, "master_grads": 0, "boundary_grads": 0, "boundary_params": 0}
         for g in self._paro_state.groups:
@@ -52,9 +49,8 @@ class ParoModule:
 
     def set_is_last_backward(self, is_last: bool) -> None:
         """Whether the next backward is the last micro-step before the optimizer step (as in
-        FSDP2). Compiled blocks then run the accumulation boundary's reductions to the OS level
-        inside their backward graph, where they overlap the rest of backward; the optimizer
-        only does what is left (blocks that ran eagerly). The eager engine ignores it."""
+        FSDP2): compiled blocks then run the boundary's reductions inside their backward graph,
+        overlapping the rest of backward. The eager engine ignores it."""
         for g in self._paro_state.groups:
             g.last_backward = bool(is_last)
             if is_last and g.trainable:  # one graph whatever the step
@@ -62,23 +58,18 @@ class ParoModule:
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide the gradient summed over ranks (and micro-steps) by ``factor`` instead of the
-        world size before the optimizer sees it, as FSDP2's ``set_gradient_divide_factor``.
-        ``1.0`` keeps the plain sum, which trainers that already divide the loss by the global
-        token count want (torchtitan does). Unlike FSDP2's it applies to the whole model: one
-        model has one gradient scale."""
+        world size, as FSDP2's ``set_gradient_divide_factor`` (``1.0``: the plain sum, for loss
+        already divided by the global token count, as torchtitan's). One scale for the model."""
         if not factor > 0:
             raise ValueError(f"set_gradient_divide_factor: factor must be > 0, got {factor}")
         for g in self._paro_state.groups:
             g.grad_divide_factor = float(factor)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
-        """``nn.Module.load_state_dict``, then the fp32 masters of every loaded parameter take
-        the loaded values. Without that a model-only load (initial weights, a seed checkpoint,
-        torchtitan's ``initial_load_path``) would be undone by the next optimizer step, which
-        pushes the old masters back to P. Values may be DTensors (``model.state_dict()``, DCP)
-        or whole plain tensors (an unsharded checkpoint; their masters are then exact in fp32,
-        DTensor values give P's precision). The optimizer's moments are left as they are:
-        load the optimizer's own state for a full resume (it overwrites the masters again)."""
+        """``nn.Module.load_state_dict``, then the fp32 masters of every loaded parameter take the
+        loaded values, or the next step would push the old masters back to P. Values may be
+        DTensors or whole plain tensors (exact fp32 masters). The optimizer's moments are left as
+        they are: a full resume loads the optimizer's own state too."""
         if assign:
             raise ValueError("paro_shard models load in place: assign=True would replace the sharded DTensor parameters")
         # Which parameters a load reaches is decided at their owning modules: a parent's load
@@ -119,28 +110,16 @@ class ParoModule:
 
     def master_state_dict(self) -> dict[str, DTensor]:
         """What this run trains from, keyed by parameter name: each trainable parameter's fp32
-        master at its OS level, each frozen one's P-level parameter (a frozen tensor has no
-        master: P is its only copy). The values are DTensors viewing the engine's storage, so
-        DCP writes each rank's shard (an export of the exact fp32 weights, without gathering a
-        whole model anywhere) and loads in place (then call ``push_masters``)."""
-        info = self._paro_state.info
-        out: dict[str, DTensor] = {}
-        for g in self._paro_state.groups:
-            for i, ref in enumerate(g.refs):
-                if i < len(g.trainable):
-                    t = g.t_layout.tensors[i]
-                    out[ref.fqn] = DTensor.from_local(g.master[i].detach(), info.mesh, placements(g.strategy.os, info.m),
-                                                      run_check=False, shape=t.shape,
-                                                      stride=torch.empty(t.shape, device="meta").stride())
-                else:
-                    out[ref.fqn] = g.sharded_params[i].detach()
-        return out
+        master at its OS level, each frozen one's P-level parameter (its only copy), as DTensors
+        viewing the engine's storage: DCP writes each rank's shard and loads in place (then call
+        ``push_masters``)."""
+        return {ref.fqn: g.os_dtensor(g.t_layout.tensors[i], g.master[i].detach()) if i < len(g.trainable)
+                else g.sharded_params[i].detach() for g in self._paro_state.groups for i, ref in enumerate(g.refs)}
 
     @torch.no_grad()
     def push_masters(self) -> None:
-        """Bring every parameter to the values of its fp32 master, as after an optimizer step
-        (spec step 5): after writing the masters in place (``master_state_dict`` loaded by DCP),
-        without it the P copies would keep their old values until the first step."""
+        """Bring every parameter to its fp32 master's values, as after an optimizer step: call it
+        after writing the masters in place (``master_state_dict`` loaded by DCP)."""
         groups = self._paro_state.groups
         for g in groups:
             g.reshard()  # a gathered copy would be stale
@@ -183,8 +162,8 @@ def _blocks_of(modules: Iterable[nn.Module]) -> list[nn.Module]:
 def _default_blocks(model: nn.Module) -> list[nn.Module]:
     """Each element of every outermost ``nn.ModuleList`` and each value of every outermost
     ``nn.ModuleDict``: a container inside a block (peft's ``lora_A`` / ``lora_B`` ModuleDicts, a
-    layer's experts) stays part of that block, as FSDP2 users wrap whole layers. Nested blocks
-    made every LoRA matrix a block of its own: 53 blocks for a 4-layer model, a collective each."""
+    layer's experts) stays part of that block, as FSDP2 users wrap whole layers (nested blocks
+    would make every LoRA matrix a block, with a collective of its own)."""
     out: list[nn.Module] = []
     inside: set[int] = set()
     for module in model.modules():  # parents before children
@@ -208,26 +187,19 @@ def paro_shard(
 ) -> nn.Module:
     """Shard ``model`` in place with a PaRO ``policy`` and return it.
 
-    Parameters are bucketed per block (each element of every outermost ``nn.ModuleList`` and
-    value of every outermost ``nn.ModuleDict`` by default, or ``blocks``: modules, or containers
-    standing for their elements; the root holds the rest) and per strategy inside a block. The model must hold
-    the same initial values on every rank. It may be built on the CPU: parameters move to the
-    mesh's device shard by shard (the originals are freed), module buffers move whole. The
-    root's parameters stay gathered from forward to backward (as FSDP2 does for its root);
-    the root's hooks sit on the innermost module every parameter is under (a ``PeftModel``'s
-    base model), so calls that bypass the wrapper's forward (``generate``) gather them too;
-    blocks are freed after forward unless ``reshard_after_forward=False``.
+    Parameters are bucketed per block (``_default_blocks``, or ``blocks``: modules, or containers
+    standing for their elements; the root holds the rest) and per strategy inside a block. The
+    model must hold the same initial values on every rank; built on the CPU, it moves to the
+    mesh's device shard by shard. The root's parameters stay gathered from forward to backward (as
+    FSDP2's root); blocks are freed after forward unless ``reshard_after_forward=False``.
 
     A model on the meta device is materialised one tensor at a time: ``param_init_fn(name,
     tensor)`` fills each whole fp32 tensor (identically on every rank), this rank keeps its
-    shards, and the whole tensor is dropped, so no rank ever holds the whole model.
+    shards, and no rank ever holds the whole model.
 
-    ``flat_below_bytes``: global collectives (P = G gathers, G = G reductions, the boundary's
-    global ones) on messages smaller than this run as one flat collective over all ranks instead
-    of PaRO-CC's intra and inter phases, in eager and compiled runs alike; the ledger
-    (``traffic_of(..., flat_below_bytes=)``) follows the same rule. 0 (default): always
-    hierarchical, as the spec's formulas assume. Where flat wins depends on the cluster's links:
-    measure with ``tools.bench.collectives`` (on the emulator's 2 x 2 at 1 Gbit/s about 1 MiB).
+    ``flat_below_bytes``: global collectives on smaller messages run as one flat collective over
+    all ranks instead of PaRO-CC's two phases (the ledger follows the same rule); 0 (default):
+    always hierarchical. Where flat wins depends on the links: ``tools.bench.collectives``.
     """
     if hasattr(model, "_paro_state"):
         raise ValueError("model is already sharded by paro_shard")
@@ -292,13 +264,10 @@ def _move_buffers(model: nn.Module, device: torch.device) -> None:
 
 
 def _entry_module(model: nn.Module) -> nn.Module:
-    """The innermost module through which every call of the model passes: the deepest one that
-    contains every module owning a parameter. The root's hooks (gather the root's groups, cast
-    inputs) go there, so a wrapper whose methods call its inner model directly still meets a
-    sharded model gathered: ``PeftModel.generate`` calls the base model's ``generate``, never
-    the ``PeftModel``'s forward. It stays the model itself when a parameter lives outside every
-    child, or two children hold parameters (GPT-2's ``lm_head``, tied to the embedding inside
-    ``transformer``, is used outside it)."""
+    """The innermost module every call of the model passes through: the deepest one containing
+    every module that owns a parameter. The root's hooks go there, so a wrapper that calls its
+    inner model directly (``PeftModel.generate``) still meets a gathered model. It stays the model
+    itself when a parameter lives outside every child (GPT-2's tied ``lm_head``)."""
     owners = {id(m) for m in model.modules() if any(p is not None for p in m._parameters.values())}
     entry = model
     while owners:

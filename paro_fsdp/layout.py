@@ -3,7 +3,7 @@
 Every tensor is sharded on dim 0 with DTensor's own semantics, so the local shards are exactly
 the ``_local_tensor`` of DTensors with placements N = (Replicate, Replicate),
 I = (Replicate, Shard(0)), G = (_StridedShard(0, split_factor=m), Shard(0)). The G shard of rank
-(k, l) is a sub-slice of its intra shard (the spec's nesting rule), which is what makes
+(k, l) is a sub-slice of its intra shard (the method's nesting rule), which is what makes
 I -> G a local slice and G -> I one inter all-gather.
 
 A group of tensors moves as one flat buffer per level:
@@ -20,10 +20,8 @@ A group of tensors moves as one flat buffer per level:
                      (``g_starts_all`` / ``g_rows_all``), not only this rank's.
 
 Copies between NESTED and whole tensors (and I <-> [g, sum_g]) take a few ops per tensor at any
-mesh size: a size the world size divides is one strided copy; any other size is one gather and
-one scatter (``index`` / ``index_put_``) through row indices built once per (rows, mesh) shape
-(``_Nesting``, shared by every tensor and rank of that shape) as CPU tensors and moved to the
-buffers' device on first use.
+mesh size: one strided copy where the world size divides the rows, else one gather and one
+scatter through row indices built once per (rows, mesh) shape (``_Nesting``).
 """
 from __future__ import annotations
 
@@ -49,15 +47,10 @@ def placements(level: Level, m: int) -> tuple:
     }[level]
 
 
-def _rows(d0: int, info: Coords, level: Level, k: int, l: int) -> tuple[int, int]:  # noqa: E741
-    """(first row, number of rows) of rank (k, l)'s shard, as DTensor defines it."""
-    return _dtensor_rows(d0, info.g, info.m, level, k, l)
-
-
 @functools.lru_cache(maxsize=None)
 def _dtensor_rows(d0: int, g: int, m: int, level: Level, k: int, l: int) -> tuple[int, int]:  # noqa: E741
-    # Pure shape metadata, but DTensor computes it with small tensors: step out of any active
-    # FakeTensorMode (tools/estimate.py shards a fake 7B model), and cache, as layers repeat shapes.
+    """(first row, number of rows) of rank (k, l)'s shard, as DTensor defines it. Out of any
+    FakeTensorMode (DTensor computes it with small tensors) and cached, as layers repeat shapes."""
     with unset_fake_temporarily():
         shape, offset = _compute_local_shape_and_global_offset((d0,), (g, m), [k, l], placements(level, m))
     return (offset[0] if shape[0] else 0), shape[0]
@@ -67,10 +60,8 @@ def _dtensor_rows(d0: int, g: int, m: int, level: Level, k: int, l: int) -> tupl
 def _dtensor_g_rows(d0: int, g: int, m: int) -> list[list[tuple[int, int]]]:
     """[l][k]: (first row, number of rows) of rank (k, l)'s global shard, for every rank at once.
 
-    The same answer as ``_dtensor_rows(..., Level.G, k, l)`` (tests/test_layout.py checks), from
-    DTensor's own split of the rows (each placement's ``_split_tensor``, as ``distribute_tensor``
-    shards, mesh dim by mesh dim): asking rank by rank re-splits the whole tensor per rank, which
-    is quadratic in the world size (seconds per tensor size on 1024 ranks)."""
+    The same answer as ``_dtensor_rows(..., Level.G, k, l)``, from DTensor's own split of the rows
+    mesh dim by mesh dim: asking rank by rank is quadratic in the world size."""
     strided, intra = placements(Level.G, m)
     out: list[list[tuple[int, int]]] = [[(0, 0)] * g for _ in range(m)]
     with unset_fake_temporarily(), torch.inference_mode(False):
@@ -81,17 +72,11 @@ def _dtensor_g_rows(d0: int, g: int, m: int) -> list[list[tuple[int, int]]]:
 
 
 class _Nesting:
-    """Every intra index's G layout of a tensor of ``d0`` rows on a (g, m) mesh, the same for
-    every tensor and rank with that shape (built once, ``_nesting``), and, where the world size
-    does not divide d0, the row indices of its NESTED <-> whole-tensor moves.
-
-    NESTED rows of a tensor are addressed as [m * g, g_pad] (``mg`` = l * g + k: block of rank
-    (k, l); ``r``: row of its global shard) and the padded whole tensor's rows as [m, c] (``bl``:
-    intra shard l, ``bj``: row j in it; l * c + j is the whole tensor's row, since DTensor's
-    Shard(0) chunks by c = ceil(d0 / m)). Entry q of each index is row q of the whole tensor, so
-    q = 0 .. d0-1 covers every real row once and a whole tensor's rows need no index. All are CPU
-    int64 tensors made outside any FakeTensorMode; ``on`` hands them out on the buffers' device.
-    """
+    """Every intra index's G layout of a tensor of ``d0`` rows on a (g, m) mesh (one per shape,
+    ``_nesting``), and, where the world size does not divide d0, the row indices of its NESTED <->
+    whole-tensor moves: NESTED rows as [m * g, g_pad] (``mg`` = l * g + k, ``r``: row of the global
+    shard), the padded whole tensor's as [m, c] (``bl``, ``bj``). Entry q of each index is row q of
+    the whole tensor. CPU int64 tensors made outside any FakeTensorMode; ``on`` moves them."""
 
     def __init__(self, d0: int, g: int, m: int) -> None:
         self.d0, self.g, self.m = d0, g, m
@@ -191,7 +176,7 @@ class TensorLayout:
     off_i: int = 0  # element offset in the I flat buffer
     off_g: int = 0  # element offset in the G flat buffer
     l: int = 0  # this rank's intra index  # noqa: E741
-    nest: Optional[_Nesting] = field(default=None, repr=False, compare=False)  # shared per (d0, g, m)
+    nest: _Nesting = field(default=None, repr=False, compare=False)  # shared per (d0, g, m)
 
     def local_shape(self, level: Level, k: int) -> torch.Size:
         rows = {Level.N: self.d0, Level.I: self.i_rows, Level.G: self.g_rows[k]}[level]
@@ -221,19 +206,12 @@ class TensorLayout:
     def uniform(self) -> bool:
         """Every rank's global shard has g_pad rows at k * g_pad of its intra shard (so
         d0 = m * c = n * g_pad): NESTED <-> FULL is one strided copy and has no padding."""
-        if self.nest is not None:
-            return self.nest.uniform
-        g = len(self.g_rows)
-        return all(starts == [k * self.g_pad for k in range(g)] and rows == [self.g_pad] * g
-                   for starts, rows in zip(self.g_starts_all, self.g_rows_all))
+        return self.nest.uniform
 
     @property
     def uniform_here(self) -> bool:
         """This rank's intra shard is g global shards of g_pad rows: I <-> [g, sum_g] is strided."""
-        if self.nest is not None:
-            return self.nest.uniform_l[self.l]
-        g = len(self.g_rows)
-        return self.g_starts == [k * self.g_pad for k in range(g)] and self.g_rows == [self.g_pad] * g
+        return self.nest.uniform_l[self.l]
 
 
 def tensor_layout(name: str, shape: torch.Size, info: Coords) -> TensorLayout:
@@ -242,9 +220,7 @@ def tensor_layout(name: str, shape: torch.Size, info: Coords) -> TensorLayout:
     for s in shape:
         numel *= s
     row = numel // d0 if d0 else 0
-    # every intra index's G layout (checked the same way on every rank, so all ranks agree on
-    # whether a size nests): the hierarchical global collectives move all of them
-    nest = _nesting(d0, info.g, info.m)
+    nest = _nesting(d0, info.g, info.m)  # every intra index's, so all ranks agree on whether it nests
     if nest.error == "strided":
         raise ValueError(
             f"parameter {name!r} (dim 0 = {d0}) cannot be sharded globally on a "
@@ -254,7 +230,7 @@ def tensor_layout(name: str, shape: torch.Size, info: Coords) -> TensorLayout:
         )
     if nest.error == "tiles":
         raise ValueError(f"parameter {name!r}: global shards do not tile its intra shard on this mesh")
-    i_start, i_rows = _rows(d0, info, Level.I, 0, info.l)
+    i_start, i_rows = _dtensor_rows(d0, info.g, info.m, Level.I, 0, info.l)
     l = info.l  # noqa: E741
     return TensorLayout(name, shape, d0, row, nest.c, i_start, i_rows, nest.starts_all[l], nest.rows_all[l],
                         nest.g_pad, nest.starts_all, nest.rows_all, l=l, nest=nest)
@@ -272,12 +248,10 @@ class FlatLayout:
             off_i += t.size_i
             off_g += t.size_g
         self.sum_i, self.sum_g = off_i, off_g
-        # when every global shard has g_pad rows at k * g_pad, I <-> G is one strided copy per tensor
-        self._uniform = all(t.uniform_here for t in tensors)
-        self._nested_uniform = all(t.uniform for t in tensors)
-        # the index tensors of this rank's I <-> [g, sum_g] moves, made now (outside any tracing)
-        for t in tensors:
-            if not t.uniform_here and t.nest is not None:
+        #: NESTED has no padding and maps to FULL by strided copies (sizes n divides)
+        self.nested_uniform = all(t.uniform for t in tensors)
+        for t in tensors:  # the index tensors of this rank's I <-> [g, sum_g] moves, made outside tracing
+            if not t.uniform_here:
                 t.nest.inter(t.l)
 
     def numel(self, level: Level) -> int:
@@ -358,11 +332,6 @@ class FlatLayout:
         return out
 
     # NESTED <-> FULL / whole tensors (the PaRO-CC global collectives) ---------------------
-    @property
-    def nested_uniform(self) -> bool:
-        """NESTED has no padding and maps to FULL by strided copies (sizes n divides)."""
-        return self._nested_uniform
-
     def numel_nested(self) -> int:
         return self.info.n * self.sum_g
 

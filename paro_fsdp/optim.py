@@ -8,19 +8,15 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .layout import placements
 from .boundary import drive, finalize_grads, push_params, run
 from .param_group import ParoParamGroup
 from .strategy import Level
 
 
 class ParoOptimizer:
-    """Runs the accumulation-boundary work of the spec around an inner optimizer.
-
-    ``clip_grad_norm_`` and ``step`` first reduce the accumulated gradients to the OS level
-    (step 3), the inner optimizer updates the master shards (step 4), and the updated values
-    are moved to the P level (step 5).
-    """
+    """The accumulation boundary around an inner optimizer: ``clip_grad_norm_`` and ``step`` first
+    reduce the accumulated gradients to the OS level, the inner optimizer updates the master
+    shards, and the updated values move to the P level."""
 
     def __init__(self, model: nn.Module, optimizer_class: Type[torch.optim.Optimizer], **kwargs: Any) -> None:
         if not hasattr(model, "_paro_state"):
@@ -40,11 +36,9 @@ class ParoOptimizer:
         self._push = _push_eager
 
     def compile(self, **kwargs: Any) -> None:
-        """Run the push of the updated parameters to the P level (step 5) as one compiled graph
-        (``kwargs`` go to ``torch.compile``): its collectives are then graph nodes, which the
-        passes merge (one all-gather per mesh dimension for the whole model) and schedule. With
-        ``model.set_is_last_backward`` this puts the whole accumulation boundary in graphs; the
-        inner optimizer's update stays as the user built it (compile it as torch documents)."""
+        """Run the push of the updated parameters to the P level as one compiled graph (``kwargs``
+        go to ``torch.compile``), whose collectives the passes merge and schedule; the inner
+        optimizer's update stays as the user built it."""
         self._push = torch.compile(_push_traced, **kwargs)
 
     @property
@@ -73,9 +67,8 @@ class ParoOptimizer:
                 owned += [m.grad for m in g.master if m.numel()]
         local = torch.zeros((), dtype=torch.float32, device=self.groups[0].device)
         if owned:
-            # torch's CPU float32 norm kernels accumulate in float32 (relative errors of ~1e-4 at
-            # 0.5M elements, ~1e-2 at 50M), so the norm would depend on how the tensors are
-            # sharded: accumulate in float64 there (the CUDA kernels reduce in trees)
+            # torch's CPU float32 norm kernels accumulate in float32, so the norm would depend on
+            # the sharding: float64 there (the CUDA kernels reduce in trees)
             wide = {"dtype": torch.float64} if owned[0].device.type == "cpu" and not math.isinf(norm_type) else {}
             norms = torch.stack(torch._foreach_norm(owned, norm_type, **wide))
             local = norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum().float()
@@ -99,11 +92,6 @@ class ParoOptimizer:
             g.zero_grad()
 
     # ---- checkpointing: DTensors keyed by parameter name, loadable by DCP under any mesh ----
-    def _dtensor(self, g, t, local: torch.Tensor) -> DTensor:
-        info = self.state.info
-        return DTensor.from_local(local, info.mesh, placements(g.strategy.os, info.m), run_check=False, shape=t.shape,
-                                  stride=torch.empty(t.shape, device="meta").stride())
-
     def _ensure_state(self) -> None:
         """Create optimizer states before a load (as DCP's helpers do): a zero-lr step on zero grads."""
         if self.inner.state:
@@ -125,8 +113,8 @@ class ParoOptimizer:
         for g in self.groups:
             for t, m in zip(g.t_layout.tensors, g.master):
                 fqn = self.fqn_of[m]
-                master[fqn] = self._dtensor(g, t, m.detach())
-                state[fqn] = {k: (self._dtensor(g, t, v) if torch.is_tensor(v) and v.shape == m.shape and v.dim() else v)
+                master[fqn] = g.os_dtensor(t, m.detach())
+                state[fqn] = {k: (g.os_dtensor(t, v) if torch.is_tensor(v) and v.shape == m.shape and v.dim() else v)
                               for k, v in self.inner.state[m].items()}
         groups = []
         for pg in self.inner.param_groups:

@@ -8,10 +8,8 @@ A group owns, per rank:
 Trainable tensors come first in the P buffer so its I and G prefixes line up with the
 trainable-only buffers of G and OS, and master -> P is one flat copy when levels agree.
 
-Collectives over one mesh dimension go through ``MeshComm``; every *global* one (P=G gather,
-G=G reduction, G=N -> OS=G / OS=N, G -> N) is one PaRO-CC call (``cc``, chunked intra +
-inter phases), on NESTED buffers (layout.py) so no rank order has to be fixed up afterwards.
-The accumulation boundary's moves (G -> OS, OS -> P) are functions of a group: boundary.py.
+Every global collective is one PaRO-CC call (``cc``) on NESTED buffers (layout.py), so no rank
+order is fixed up afterwards. The accumulation boundary's moves are in boundary.py.
 """
 from __future__ import annotations
 
@@ -46,10 +44,8 @@ class ParamRef:
 
     @classmethod
     def of(cls, fqn: str, param: nn.Parameter, owners: list[tuple[nn.Module, str]]) -> "ParamRef":
-        # Why a meta Parameter and not ints: traced code reads whole-tensor shapes from it, and
-        # dynamo keeps Parameter sizes static, while ints or tensors on plain objects turned
-        # symbolic when per-block graphs recompiled for the next block (and the graph passes
-        # then met symbolic collective sizes).
+        # a meta Parameter, not ints: dynamo keeps Parameter sizes static, while ints on plain
+        # objects turned symbolic when per-block graphs recompiled for the next block
         like = nn.Parameter(torch.empty(param.shape, device="meta"), requires_grad=False)
         return cls(fqn, like, tuple(param.stride()), param.requires_grad, owners, param)
 
@@ -63,13 +59,9 @@ class ParamRef:
 
 
 class GradAccumulator:
-    """A group's G-level gradient, summed over micro-steps in the accumulate dtype.
-
-    One owner for the three writers: the eager backward (``reduce_grads`` ensures it, the
-    reduced shard is added when the reduction finishes), the traced path's sink (each micro-step's
-    G-level gradient is added) and the boundary (reads the ``sum``; ``zero_grad`` clears it).
-    Allocated at the first backward, or by ``set_is_last_backward`` so the compiled last
-    micro-step's graph is the same whatever the step."""
+    """A group's G-level gradient, summed over micro-steps in the accumulate dtype: one owner for
+    the eager backward, the traced path's sink and the boundary. Allocated at the first backward,
+    or by ``set_is_last_backward`` so the compiled last micro-step's graph is the same every step."""
 
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
         self.numel, self.dtype, self.device = numel, dtype, device
@@ -122,8 +114,7 @@ class ParoParamGroup:
         self.refs = sorted(refs, key=lambda r: not r.requires_grad)  # trainable first
         self.trainable = [r for r in self.refs if r.requires_grad]
         self.reshard_after_forward = reshard_after_forward and strategy.p != Level.N
-        # every buffer lives on the mesh's device, wherever the model was built: a model built on
-        # CPU and sharded onto a CUDA mesh moves shard by shard (NCCL must never see CPU tensors)
+        # every buffer on the mesh's device: a CPU-built model moves shard by shard (NCCL never sees CPU tensors)
         self.device = device = mesh_device(info)
         layouts = [tensor_layout(r.fqn, r.shape, info) for r in self.refs]
         self.p_layout = FlatLayout(layouts, info)
@@ -145,8 +136,7 @@ class ParoParamGroup:
                 self.p_locals = [o.to(device=device, dtype=mp.param_dtype, copy=True) for o in originals]
             else:
                 self.p_flat = self.p_layout.new(P, mp.param_dtype, device)
-                # its size differs per group: left dynamic, the blocks' graphs would recompile with a
-                # symbolic size after the first, and PaRO-CC's chunking would see symbols
+                # its size differs per group: left dynamic, the next block's graph would recompile symbolic
                 torch._dynamo.mark_static(self.p_flat)
                 self.p_locals = [self.p_layout.local_view(self.p_flat, t, P) for t in layouts]
                 for local, t, o in zip(self.p_locals, layouts, originals):
@@ -187,21 +177,13 @@ class ParoParamGroup:
         self._pending_rs: Pending | HierPending | None = None
         self.grads_ready = False  # reduced to the OS level and handed to the master params
         self.has_grads = False  # at least one backward reached this group since the last step
-        # compiled blocks only (traced.py): the next backward is the last micro-step, so its graph
-        # also reduces the accumulated gradient to the OS level, into ``os_sink``
-        self.last_backward = False
-        self.sink: torch.Tensor | None = None  # gradient leaves of the traced path, made when compiling (traced.py)
+        self.last_backward = False  # compiled blocks: the next backward also reduces to the OS level
+        self.sink: torch.Tensor | None = None  # gradient leaves of the traced path (traced.py)
         self.os_sink: torch.Tensor | None = None
-        # what the summed gradient is divided by at the boundary: None = the world size (a mean
-        # over data-parallel ranks); 1.0 = the plain sum, for trainers whose loss is already
-        # normalised globally (ParoModule.set_gradient_divide_factor, as FSDP2's)
-        self.grad_divide_factor: float | None = None
+        self.grad_divide_factor: float | None = None  # None: the world size (set_gradient_divide_factor)
 
     # ---- the micro-step's moves, one implementation for the eager hooks and traced.py ---------
-    # Buffer order and padding are decided here once: FULL for the intra level, NESTED for the
-    # global one, every global collective one PaRO-CC call (``cc``, which alone picks how a
-    # global collective runs). The eager path issues, prefetches and copies into its persistent
-    # whole-tensor buffers; the traced path (traced.py) runs the same calls inside the graph.
+    # Buffer order and padding are decided here once: FULL for the intra level, NESTED for the global one.
     def gather_params(self) -> Pending | HierPending:
         """Issue the all-gather of the P-level shard: FULL (P = I, one intra all-gather) or
         NESTED (P = G, the global PaRO-CC all-gather, whose inter phase goes first)."""
@@ -304,12 +286,9 @@ class ParoParamGroup:
 
     @torch.no_grad()
     def reload_master(self, fqns: set[str], full: dict[str, torch.Tensor]) -> None:
-        """After the parameters were loaded (a model-only ``load_state_dict``), make the fp32
-        masters of the tensors named in ``fqns`` hold the loaded values: the optimizer updates
-        the masters and pushes them to P, so a master left as it was would undo the load at the
-        next step. ``full`` gives whole fp32 values where the caller had them (exact masters);
-        the others are gathered from P (exact in fp32, P's precision in a lower param dtype,
-        where a master that already rounds to the loaded value is kept)."""
+        """After a model-only ``load_state_dict``, the fp32 masters of ``fqns`` take the loaded
+        values (else the next step would push the old masters back). ``full``: whole values where
+        the caller had them (exact masters); the others are gathered from P."""
         todo = [(i, r) for i, r in enumerate(self.trainable) if r.fqn in fqns]
         if not todo:
             return
@@ -325,9 +304,8 @@ class ParoParamGroup:
                 master.copy_(t.local_slice(whole, self.strategy.os, self.info.k))
                 continue
             loaded = t.local_slice(self.full_params[i].detach(), self.strategy.os, self.info.k)
-            # an element whose master already rounds to the loaded P value keeps its fp32 master:
-            # a full resume that loaded the optimizer's masters before the model (torchtitan's
-            # order) stays exact in a bf16 run; any changed element takes the loaded value
+            # a master that already rounds to the loaded P value stays: a resume that loaded the
+            # optimizer's masters first (torchtitan's order) stays exact in a bf16 run
             same = master.detach().to(loaded.dtype) == loaded
             master.copy_(torch.where(same, master.detach(), loaded.to(torch.float32)))
         if gather and was == ShardState.SHARDED:
@@ -341,6 +319,11 @@ class ParoParamGroup:
         self.has_grads = False
 
     # ---- accounting ------------------------------------------------------------------------
+    def os_dtensor(self, t: TensorLayout, local: torch.Tensor) -> DTensor:
+        """``local``, this rank's OS-level shard of tensor ``t``, as a DTensor viewing it (for DCP)."""
+        return DTensor.from_local(local, self.info.mesh, placements(self.strategy.os, self.info.m), run_check=False,
+                                  shape=t.shape, stride=torch.empty(t.shape, device="meta").stride())
+
     def memory_bytes(self, optimizer_states: dict | None = None) -> dict[str, int]:
         """Bytes this rank holds for P, G, OS (persistent buffers, padding included), the fp32
         master gradients (from the boundary to ``zero_grad``) and the boundary's full-size
@@ -349,15 +332,11 @@ class ParoParamGroup:
         def size(dtype: torch.dtype) -> int:
             return torch.empty((), dtype=dtype).element_size()
 
-        p = self.p_flat if self.p_flat is not None else None
-        p_bytes = p.numel() * p.element_size() if p is not None else sum(t.numel() * t.element_size() for t in self.p_locals)
+        p_bytes = sum(t.numel() * t.element_size() for t in ([self.p_flat] if self.p_flat is not None else self.p_locals))
         S, OS, layout = self.strategy, self.strategy.os, self.t_layout
         g_numel = layout.numel(S.g) if self.trainable else 0
         g_bytes = g_numel * size(self.mp.acc_dtype)
-        if self.master_flat is not None:
-            os_numel = self.master_flat.numel()
-        else:
-            os_numel = sum(m_.numel() for m_ in self.master)
+        os_numel = self.master_flat.numel() if self.master_flat is not None else sum(m_.numel() for m_ in self.master)
         os_bytes = os_numel * 4
         for m_ in self.master:
             for v in (optimizer_states or {}).get(m_, {}).values():
