@@ -46,8 +46,8 @@ from paro_fsdp import ParoOptimizer, init_paro_mesh
 from paro_fsdp.collective_order import CollectiveOrderCheck, CollectiveOrderError
 from paro_fsdp.mesh import device_type_for_backend, local_cuda_index
 from paro_fsdp.train.checkpoint import CheckpointError, CheckpointManager, SchedulerState, TrainState, load_model_weights
-from paro_fsdp.train.config import (ConfigError, JobConfig, grad_accum_steps, group_size, help_text, parse_args,
-                                    tokenizer_spec, validate)
+from paro_fsdp.train.config import ConfigError, JobConfig, grad_accum_steps, group_size, tokenizer_spec
+from paro_fsdp.train.config_parse import help_text, parse_args, validate
 from paro_fsdp.train.data import build_dataloader, describe
 from paro_fsdp.train.faults import (GracefulStop, NonFiniteGuard, TrainingStopped, collective_failure, config_error_exit,
                                     nonfinite_masters, restart_store, resume_command, set_collective_timeout, stuck_line)

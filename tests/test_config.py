@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from paro_fsdp.train.config import ConfigError, JobConfig, grad_accum_steps, group_size, load_toml, parse_args, to_toml
+from paro_fsdp.train.config import ConfigError, JobConfig, grad_accum_steps, group_size, to_toml
+from paro_fsdp.train.config_parse import load_toml, parse_args
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((REPO / "train_configs").glob("*.toml"))

@@ -141,7 +141,7 @@ def test_python_without_torchrun_names_the_torchrun_command():
 
 # ---- 5. a dataset path is never ignored -----------------------------------------------------------
 def test_dataset_path_implies_its_format(tmp_path):
-    from paro_fsdp.train.config import ConfigError, parse_args
+    from paro_fsdp.train.config_parse import ConfigError, parse_args
 
     (tmp_path / "a.txt").write_text("hello")
     (tmp_path / "b.jsonl").write_text('{"text": "hello"}\n')
@@ -158,7 +158,7 @@ def test_dataset_path_implies_its_format(tmp_path):
 def test_debug_config_does_not_profile_and_traces_are_bounded(tmp_path):
     import torch
 
-    from paro_fsdp.train.config import parse_args
+    from paro_fsdp.train.config_parse import parse_args
     from paro_fsdp.train.metrics import build_profiler
 
     cfg, _ = parse_args(["--job.config_file", str(REPO / DEBUG)], 4)

@@ -47,7 +47,7 @@ RUNS = {  # name -> (folder kind, arguments)
 
 # ---- run inside the ranks -----------------------------------------------------------------------
 def _run(argv: list[str], probe: bool = True) -> dict[str, Any]:
-    from paro_fsdp.train.config import parse_args
+    from paro_fsdp.train.config_parse import parse_args
     from train import Trainer
 
     cfg, _ = parse_args(BASE + argv)

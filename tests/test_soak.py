@@ -32,7 +32,7 @@ def _sample() -> tuple[float, int, int]:
 
 def soak(tmp: str) -> dict[str, Any]:
     from paro_fsdp.train.checkpoint import list_checkpoints
-    from paro_fsdp.train.config import parse_args
+    from paro_fsdp.train.config_parse import parse_args
     from train import Trainer
 
     from test_faults import ARGS

@@ -36,7 +36,7 @@ BASE = ["--model.flavor", "debug", "--training.seq_len", "32", "--training.local
 
 # ---- run inside the ranks -----------------------------------------------------------------------
 def _trainer(argv: list[str]):
-    from paro_fsdp.train.config import parse_args
+    from paro_fsdp.train.config_parse import parse_args
     from train import Trainer
 
     cfg, _ = parse_args(BASE + argv)

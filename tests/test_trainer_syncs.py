@@ -87,7 +87,7 @@ def _count_syncs(monkeypatch, trainer_ref: list) -> dict[int, list[str]]:
 def _train(argv: list[str], monkeypatch, count: bool):
     import torch.distributed as dist
 
-    from paro_fsdp.train.config import parse_args
+    from paro_fsdp.train.config_parse import parse_args
     from train import Trainer
 
     _one_rank_env(monkeypatch)
