@@ -1,31 +1,24 @@
 """The method's ledger and memory formula as code, exact for this engine.
 
-Everything here is arithmetic on parameter counts: no tensors, no process group. It exists so
-that what the engine *counts* (``model.comm_stats()``, ``model.memory_report(opt)``) can be
-checked against what the method *says* it costs, by tests on real ranks and by
-``tools/estimate.py`` on a fake 64-rank world.
+Arithmetic on parameter counts only, so that what the engine *counts* (``model.comm_stats()``,
+``model.memory_report(opt)``) can be checked against what the method *says* it costs, by tests on
+real ranks and by ``tools/estimate.py`` on a fake 64-rank world.
 
-Notation (spec): n ranks, m per group, g = n / m groups; Psi = all parameters, Psi' = trainable
-ones; A micro-steps per optimizer step; ``param_bytes`` / ``grad_bytes`` = element size of the
-parameter / gradient dtype (P and its all-gathers / G and its reductions); OS = fp32 master + the
-optimizer's states, ``os_bytes`` per trainable element (AdamW: 4 + 4 + 4 = 12 = the spec's K).
-
-Ring cost per rank of a collective over k ranks on a buffer of S bytes (the full, gathered size,
-``collectives.ring_bytes``): all-gather and reduce-scatter S(k-1)/k, all-reduce 2S(k-1)/k; a collective over k = 1 rank is
-skipped (the engine issues nothing). Global collectives are hierarchical, as the engine runs them:
+Notation: n ranks, m per group, g = n / m groups; Psi = all parameters, Psi' = trainable ones;
+A micro-steps per optimizer step; ``param_bytes`` / ``grad_bytes`` = element size of P and its
+all-gathers / of G and its reductions; ``os_bytes`` per trainable element of OS (AdamW: 12 = K).
+Ring bytes are ``collectives.ring_bytes``; a collective over k = 1 rank is skipped. Global
+collectives are hierarchical, as PaRO-CC runs them:
   global AG(S) = inter AG(S/m) + intra AG(S);   global RS(S) = intra RS(S) + inter RS(S/m);
   global AR(S) = intra RS(S) + inter AR(S/m) + intra AG(S);
-except those below the model's ``flat_below_bytes`` (``collectives.runs_flat``, the rule
-PaRO-CC issues by), which are one flat collective over all n ranks (dim "global"). The ledger
-sizes a message by the bucket's Psi, the engine by its padded buffer: they agree unless a
-bucket's padding carries it across the threshold.
+except below ``flat_below_bytes`` (``collectives.runs_flat``): one flat collective (dim "global").
+The ledger sizes a message by the bucket's Psi, the engine by its padded buffer.
 
-The spec's table, row by row, and where each row is in the engine:
+The method's table, row by row, and where each row is in the engine:
 
   each micro-step, params   P=N none | P=I intra AG(Psi) | P=G global AG(Psi)       ParoParamGroup.unshard
-      once per gather: a block is gathered twice per micro-step (forward, and again in backward
-      because it is freed after forward); the root block's parameters are kept gathered from
-      forward to backward, so they are gathered once (``psi_kept``, see paro_fsdp/api.py).
+      per gather: twice for a block (forward, and backward after it was freed), once for the
+      root, which stays gathered from forward to backward (``psi_kept``)
   each micro-step, grads    G=N none | G=I intra RS(Psi') | G=G global RS(Psi')     reduce_grads
   boundary, grads -> OS     N->N global AR | N->I intra RS + inter AR(/m) |          finalize_grads
                             N->G global RS | I->N inter AR(/m) + intra AG |
@@ -33,16 +26,11 @@ The spec's table, row by row, and where each row is in the engine:
                             G->N global AG | G->I inter AG(/m) | G->G none     (all of Psi', grad dtype)
   boundary, params -> P     OS=N none | OS=I: P=N intra AG, else none |         push_params
                             OS=G: P=N global AG, P=I inter AG(/m), P=G none    (Psi', param dtype)
-  gradient clipping         one global (flat) all-reduce of one fp32 scalar      ParoOptimizer.clip_grad_norm_
-      (not in the spec's table; reported under dim "global" as the engine records it)
+  gradient clipping         one flat all-reduce of one fp32 scalar (dim "global")  clip_grad_norm_
 
-Memory per rank (bytes): M = param_bytes Psi/d(P) + grad_bytes Psi'/d(G) + os_bytes Psi'/d(OS),
-d(N) = 1, d(I) = m, d(G) = n.
-
-Exactness: the engine moves padded flat buffers (every tensor padded to a multiple of m rows, and
-global shards to the largest one in the intra group). When dim 0 of every tensor is divisible by
-n there is no padding and these formulas equal the engine's counts exactly (LLaMA 7B/13B/65B on
-64 ranks qualify); otherwise the engine's numbers are slightly larger.
+Memory per rank: M = param_bytes Psi/d(P) + grad_bytes Psi'/d(G) + os_bytes Psi'/d(OS), d(N) = 1,
+d(I) = m, d(G) = n. Exact when n divides dim 0 of every tensor (no padding: LLaMA 7B/13B/65B on 64
+ranks); otherwise the engine's padded buffers make its numbers slightly larger.
 """
 from __future__ import annotations
 
@@ -52,26 +40,14 @@ from typing import Any, Iterable
 from ..collectives import CommStats, ring_bytes, runs_flat
 from ..strategy import Level, Strategy, StrategyLike
 
-__all__ = [
-    "Bucket",
-    "Ledger",
-    "buckets_of",
-    "formula_bytes",
-    "formula_memory",
-    "memory_of",
-    "traffic_of",
-]
+__all__ = ["Bucket", "Ledger", "buckets_of", "formula_bytes", "formula_memory", "memory_of", "traffic_of"]
 
 _N, _I, _G = Level.N, Level.I, Level.G
 
 
 class Ledger:
-    """The spec's collectives for one rank of an (n, m) mesh, counted into ``stats``.
-
-    ``stats`` is a ``CommStats``, the engine's counter type, so ``model.comm_stats().as_dict() ==
-    traffic_of(...).as_dict()`` is the check. A bucket's collectives per step are scaled by the
-    micro-step count, so counts may be floats.
-    """
+    """The method's collectives for one rank of an (n, m) mesh, counted into ``stats``, a
+    ``CommStats`` like the engine's (counts scale by the micro-step count: they may be floats)."""
 
     def __init__(self, n: int, m: int, flat_below_bytes: int = 0) -> None:
         if n % m:
@@ -173,16 +149,8 @@ def _bucket_traffic(t: Ledger, b: Bucket, grad_accum: int, param_bytes: int, gra
         t.add("all_gather", "inter", psi_t / t.m, param_bytes)
 
 
-def traffic_of(
-    buckets: Iterable[Bucket],
-    n: int,
-    m: int,
-    grad_accum: int = 1,
-    param_bytes: int = 2,
-    grad_bytes: int = 2,
-    clip: bool = True,
-    flat_below_bytes: int = 0,
-) -> CommStats:
+def traffic_of(buckets: Iterable[Bucket], n: int, m: int, grad_accum: int = 1, param_bytes: int = 2,
+               grad_bytes: int = 2, clip: bool = True, flat_below_bytes: int = 0) -> CommStats:
     """Collectives per rank for one optimizer step of ``grad_accum`` micro-steps (forward,
     backward; then, if ``clip``, ``clip_grad_norm_``; then ``step``), bucket by bucket, so that
     counts as well as bytes match ``model.comm_stats()`` (use ``buckets_of(model)``, and the
@@ -195,9 +163,8 @@ def traffic_of(
     return t.stats
 
 
-def memory_of(
-    buckets: Iterable[Bucket], n: int, m: int, param_bytes: int = 2, grad_bytes: int = 2, os_bytes: int = 12
-) -> dict[str, float]:
+def memory_of(buckets: Iterable[Bucket], n: int, m: int, param_bytes: int = 2, grad_bytes: int = 2,
+              os_bytes: int = 12) -> dict[str, float]:
     """Per-rank bytes of P, G, OS and their total, summed over buckets, and the fp32 master
     gradients beside them (``memory_report`` keys; ``grad_bytes``: the accumulator's dtype)."""
     out = {"P": 0.0, "G": 0.0, "OS": 0.0, "master_grads": 0.0}
@@ -223,45 +190,22 @@ def _whole_model(strategy: StrategyLike, psi: int, psi_trainable: int, psi_kept:
     ]
 
 
-def formula_bytes(
-    strategy: StrategyLike,
-    psi: int,
-    psi_trainable: int,
-    n: int,
-    m: int,
-    grad_accum: int = 1,
-    psi_kept: int = 0,
-    param_bytes: int = 2,
-    grad_bytes: int = 2,
-    clip: bool = True,
-) -> dict[str, float]:
-    """The spec's ledger for a whole model under one strategy: per-rank bytes per optimizer step.
-
-    ``psi_kept``: parameters gathered once per micro-step instead of twice because they stay
-    gathered from forward to backward (the root block's: embeddings, final norm, output layer
-    of the Llama model). Returns ``{"intra", "inter", "global", "total"}``; "global" is the
-    clip-norm all-reduce (``clip=False`` drops it). Global collectives are hierarchical, as the
-    spec has them: a model sharded with ``flat_below_bytes`` runs some flat, and only
-    ``traffic_of(buckets_of(model), ..., flat_below_bytes=)`` knows its messages' sizes.
-    """
+def formula_bytes(strategy: StrategyLike, psi: int, psi_trainable: int, n: int, m: int, grad_accum: int = 1,
+                  psi_kept: int = 0, param_bytes: int = 2, grad_bytes: int = 2, clip: bool = True) -> dict[str, float]:
+    """The method's ledger for a whole model under one strategy: per-rank bytes per optimizer step,
+    ``{"intra", "inter", "global", "total"}`` ("global": the clip-norm all-reduce, dropped with
+    ``clip=False``); every global collective hierarchical. ``psi_kept``: parameters gathered once
+    per micro-step (the root block's), not twice."""
     t = traffic_of(_whole_model(strategy, psi, psi_trainable, psi_kept), n, m, grad_accum, param_bytes, grad_bytes, clip)
     out = {dim: t.bytes(dim=dim) for dim in ("intra", "inter", "global")}
     out["total"] = sum(out.values())
     return out
 
 
-def formula_memory(
-    strategy: StrategyLike,
-    psi: int,
-    psi_trainable: int,
-    n: int,
-    m: int,
-    param_bytes: int = 2,
-    grad_bytes: int = 2,
-    os_bytes: int = 12,
-) -> dict[str, float]:
-    """The spec's per-rank model-state memory M = 2Psi/d(P) + 2Psi'/d(G) + K Psi'/d(OS), with the
-    dtype sizes as parameters. Returns ``{"P", "G", "OS", "total"}`` in bytes."""
+def formula_memory(strategy: StrategyLike, psi: int, psi_trainable: int, n: int, m: int, param_bytes: int = 2,
+                   grad_bytes: int = 2, os_bytes: int = 12) -> dict[str, float]:
+    """The method's per-rank model-state memory M = 2Psi/d(P) + 2Psi'/d(G) + K Psi'/d(OS), with the
+    dtype sizes as parameters: ``{"P", "G", "OS", "total"}`` in bytes."""
     return memory_of(_whole_model(strategy, psi, psi_trainable, 0), n, m, param_bytes, grad_bytes, os_bytes)
 
 
@@ -277,10 +221,7 @@ def buckets_of(model: Any) -> list[Bucket]:
     out = []
     for block in state.blocks:
         for g in block.groups:
-            if g.strategy.p == _N:
-                gathers = 0
-            else:
-                gathers = 2 if g.reshard_after_forward and not block.is_root else 1
+            gathers = 0 if g.strategy.p == _N else (2 if g.reshard_after_forward and not block.is_root else 1)
             out.append(Bucket(g.strategy, sum(r.numel for r in g.refs),
                               sum(r.numel for r in g.trainable), gathers))
     return out

@@ -1,62 +1,31 @@
-"""The strategy advisor's time model: PARO_SPEC.md section 5's guideline as a calibrated cost model.
+"""The strategy advisor's time model: the method's guideline as a calibrated cost model.
 
-Why: PaRO's benefit depends on the model, the cluster and the batch, so the user needs to know
-*which* of the 27 strategies to run before renting GPUs, and the trainer's
-``paro_strategy = "auto"`` needs the same answer at start-up. This module predicts, for every
-strategy, the per-GPU memory and the step time, and picks the fastest strategy that fits.
-It is plain arithmetic (no process group, no tensors); ``cost/calibrate.py`` measures a real
-mesh and returns the :class:`Cluster` the model reads.
+Why: PaRO's benefit depends on the model, the cluster and the batch, so the user (and the
+trainer's ``paro_strategy = "auto"``) needs to know which of the 27 strategies to run before
+renting GPUs. This predicts every strategy's per-GPU memory and step time, and picks the fastest
+that fits. Plain arithmetic; model states and bytes are exact (``cost.ledger``, tested against
+the engine's ``memory_report`` / ``comm_stats``).
 
-Model states and bytes are exact, not modelled: both come from ``paro_fsdp.cost.ledger``
-(``memory_of`` / ``traffic_of`` over the engine's buckets: the root block, gathered once per
-micro-step, and one bucket per transformer layer, gathered twice), which tests check against
-the engine's ``memory_report`` / ``comm_stats`` on real ranks and on a fake 64-rank mesh.
-
-Memory per GPU = model states (ledger, exact)
-  + gathered-parameter working set: P != N: the current and the prefetched block's whole
-    parameters (2 x layer x param bytes) + the root's (kept from forward to backward);
-    with ``reshard_after_forward=False`` every block stays gathered until its backward (Psi);
-  + gradient working set: one block's whole gradient before its reduction and the one in
-    flight (2 x layer x max(param, grad bytes));
-  + activations (:func:`activation_bytes`): the tensors autograd saves for this Llama, per token
-    per layer 24h + 8f + 4 heads + 8 bytes with 2-byte activations, root 8h + 4V + 20 (equal to
-    what saved-tensor hooks count: on CPU in tests/test_advisor.py, and on an H200 with CUDA's
-    SDPA for the LLaMA-7B shape, 3.459 GiB for 4 layers x 2 x 2048 tokens); with activation
-    checkpointing only each block's input (2h per token) + one recomputed layer; plus a transient
-    of max(one layer, 6V per token: the logits, their fp32 copy and log-softmax at the loss).
-  It fits when it is at most ``memory_gib x usable_memory_fraction`` of the cluster's GPU.
+Memory per GPU = model states (ledger)
+  + gathered parameters (P != N): the current and the prefetched block's + the root's (all of
+    Psi with ``reshard_after_forward=False``)
+  + gradient working set: one block's whole gradient and the one in flight
+  + activations (``model.activation_bytes``: what autograd saves, checked by saved-tensor hooks).
+  It fits when at most ``memory_gib x usable_memory_fraction``.
 
 Step time = A x (compute_fwd + compute_bwd + exposed_fwd + exposed_bwd) + boundary + optimizer.
-  Compute. FLOPs per token (Psi_mm = weights used in matmuls: all but norms and the embedding
-  table, Psi'_mm their trainable part, L layers, h hidden, s seq_len):
-    forward  2 Psi_mm + 4 L s h                  (attention scores and values counted in full)
-    backward 2 Psi_mm + 2 Psi'_mm + 8 L s h      (activation grads always: gradients flow back
-                                                  to the earliest trainable layer; weight grads
-                                                  only for trainable weights)
-    + one more forward of the layers with activation checkpointing.
-  Full training: 6 Psi_mm + 12 L s h per token (the usual 6 Psi). Divided by the cluster's
-  ``achieved_tflops``: an end-to-end figure for this model's kernels (``tools.calibrate``
-  measures it by timing a transformer block's forward + backward at the model's shape).
-  Communication. A collective on k ranks over a mesh dimension takes
-    hops x latency + ring bytes / bandwidth,     hops = k - 1 (AG, RS) or 2(k - 1) (AR),
-  ring bytes from the ledger (S(k-1)/k, 2S(k-1)/k), bandwidth = bus bandwidth per GPU of the
-  links that dimension's rings use: the ``intra`` link (NVLink) when its rings stay inside a
-  node, else the node's network shared by the rings that leave the node at once (with groups
-  = nodes: the m inter rings of a node each get 1/m of its NICs, ``inter.bandwidth_gbs``;
-  see ``cost.cluster.link_for`` for other layouts). Intra and inter parts of a hierarchical collective add
-  up (one communication stream; each bucket's inter phase waits for / feeds its intra phase).
-  Overlap. Per micro-step collectives overlap that micro-step's compute up to a fraction
-  ``overlap`` of it (prefetched all-gathers in forward and backward, reduce-scatters behind the
-  next block's backward), except what cannot be prefetched: in forward the root's and the first
-  layer's gathers, in backward the first re-gathered layer and the last reduction (the root's,
-  or the earliest trainable layer's). So
-    exposed_fwd = first + max(0, rest - overlap x compute_fwd)   (and the same for backward).
-  Boundary collectives (grads to the OS level, updated params to the P level, the clip-norm
-  all-reduce) are fully exposed, and so is the optimizer: AdamW on the OS shard, memory bound,
-  (28 + grad bytes) bytes per element / ``memory_bandwidth_gbs``.
-Not modelled: per-call framework overhead, gradient accumulation adds, stragglers, network
-congestion beyond the per-node NIC share, and PaRO-CC's chunked overlap of the intra and inter
-phases of one collective (the model adds them, which is what unchunked collectives do).
+  Compute: ``model.flops_per_token`` (6 Psi_mm + 12 L s h for full training; no weight-gradient
+  FLOPs for frozen weights; one more forward with activation checkpointing) / ``achieved_tflops``.
+  Communication: hops x latency + ring bytes / bandwidth on the links each mesh dimension's rings
+  use (``cluster.link_for``); a hierarchical collective's intra and inter parts add up.
+  Overlap: per micro-step collectives hide behind up to ``overlap`` of that micro-step's compute,
+  except what cannot be prefetched (forward: the root's and the first layer's gathers; backward:
+  the first re-gathered layer and the last reduction):
+    exposed = first + max(0, rest - overlap x compute)
+  Boundary collectives and the optimizer (AdamW on the OS shard, (28 + grad bytes) bytes per
+  element / ``memory_bandwidth_gbs``) are fully exposed.
+Not modelled: framework overhead, accumulation adds, stragglers, congestion beyond the per-node
+NIC share, PaRO-CC's chunked overlap of one collective's phases.
 """
 from __future__ import annotations
 
@@ -64,31 +33,21 @@ import os
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence, Union
 
-from ..collectives import CommStats
+from ..collectives import CommStats, hops
 from .ledger import Bucket, Ledger, memory_of, traffic_of
 from ..models.llama import LlamaArgs
 from ..strategy import ALL_STRATEGIES, Level, Strategy, StrategyLike
-from ..collectives import hops
 from .cluster import GB, AdvisorError, Cluster, GiB, link_for, link_seconds, load_cluster
 from .model import ModelSpec, activation_bytes, buckets, flops_per_token, model_spec
 
-__all__ = [
-    "ACTIVATION_CHECKPOINT_MODES",
-    "DTYPE_BYTES",
-    "NAMED_STRATEGIES",
-    "Prediction",
-    "choose_strategy",
-    "format_table",
-    "predict",
-    "rank_strategies",
-    "traffic_time",
-]
+__all__ = ["ACTIVATION_CHECKPOINT_MODES", "DTYPE_BYTES", "NAMED_STRATEGIES", "Prediction", "choose_strategy",
+           "format_table", "predict", "rank_strategies", "traffic_time"]
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "bfloat16": 2, "float16": 2, "float32": 4}
 ACTIVATION_CHECKPOINT_MODES = ("none", "full", "auto")
 NAMED_STRATEGIES = ("NNN", "NNG", "NGG", "GGG", "III", "NIG", "IIG", "IGG", "ING")
-OS_BYTES = 12  # fp32 master + AdamW's two fp32 moments: the spec's K
-_N, _I, _G = Level.N, Level.I, Level.G
+OS_BYTES = 12  # fp32 master + AdamW's two fp32 moments: the method's K
+_N = Level.N
 
 
 @dataclass
@@ -154,26 +113,15 @@ def traffic_time(t: CommStats, n: int, m: int, cluster: Cluster) -> dict[str, fl
         out[dim] += link_seconds(link_for(dim, cluster, n, m), kind, k, e["bytes"], e["count"])
     return out
 
+
 def _ttime(t: CommStats, n: int, m: int, cluster: Cluster) -> float:
     return sum(traffic_time(t, n, m, cluster).values())
 
 
-def predict(
-    model: Union[str, LlamaArgs, ModelSpec],
-    strategy: StrategyLike,
-    n: int,
-    m: int,
-    micro_batch: int,
-    grad_accum: int,
-    seq_len: int,
-    cluster: Cluster,
-    trainable_fraction: float = 1.0,
-    dtype: str = "bf16",
-    reduce_dtype: Optional[str] = None,
-    activation_checkpoint: str = "none",
-    reshard_after_forward: bool = True,
-    accumulate_dtype: Optional[str] = "fp32",
-) -> Prediction:
+def predict(model: Union[str, LlamaArgs, ModelSpec], strategy: StrategyLike, n: int, m: int, micro_batch: int,
+            grad_accum: int, seq_len: int, cluster: Cluster, trainable_fraction: float = 1.0, dtype: str = "bf16",
+            reduce_dtype: Optional[str] = None, activation_checkpoint: str = "none",
+            reshard_after_forward: bool = True, accumulate_dtype: Optional[str] = "fp32") -> Prediction:
     """Predicted memory and step time of one strategy (see the module docstring for the model).
 
     ``activation_checkpoint``: "none", "full" or "auto" (full only if needed to fit).
@@ -187,14 +135,13 @@ def predict(
         if d not in DTYPE_BYTES:
             raise AdvisorError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {d!r}")
     if activation_checkpoint == "auto":
-        plain = predict(spec, strategy, n, m, micro_batch, grad_accum, seq_len, cluster, dtype=dtype,
-                        reduce_dtype=reduce_dtype, activation_checkpoint="none",
-                        reshard_after_forward=reshard_after_forward, accumulate_dtype=accumulate_dtype)
-        if plain.fits:
-            return plain
-        return predict(spec, strategy, n, m, micro_batch, grad_accum, seq_len, cluster, dtype=dtype,
-                       reduce_dtype=reduce_dtype, activation_checkpoint="full",
-                       reshard_after_forward=reshard_after_forward, accumulate_dtype=accumulate_dtype)
+        for mode in ("none", "full"):  # full only if needed to fit
+            pred = predict(spec, strategy, n, m, micro_batch, grad_accum, seq_len, cluster, dtype=dtype,
+                           reduce_dtype=reduce_dtype, activation_checkpoint=mode,
+                           reshard_after_forward=reshard_after_forward, accumulate_dtype=accumulate_dtype)
+            if pred.fits:
+                break
+        return pred
     ckpt = activation_checkpoint == "full"
     s = Strategy.parse(strategy)
     pb, gb = DTYPE_BYTES[dtype], DTYPE_BYTES[reduce_dtype or dtype]
@@ -266,21 +213,11 @@ def predict(
     )
 
 
-def rank_strategies(
-    model: Union[str, LlamaArgs, ModelSpec],
-    n: int,
-    m: int,
-    micro_batch: int,
-    grad_accum: int,
-    seq_len: int,
-    cluster: Cluster,
-    trainable_fraction: float = 1.0,
-    dtype: str = "bf16",
-    reduce_dtype: Optional[str] = None,
-    activation_checkpoint: str = "auto",
-    reshard_after_forward: bool = True,
-    strategies: Optional[Iterable[StrategyLike]] = None,
-) -> list[Prediction]:
+def rank_strategies(model: Union[str, LlamaArgs, ModelSpec], n: int, m: int, micro_batch: int, grad_accum: int,
+                    seq_len: int, cluster: Cluster, trainable_fraction: float = 1.0, dtype: str = "bf16",
+                    reduce_dtype: Optional[str] = None, activation_checkpoint: str = "auto",
+                    reshard_after_forward: bool = True,
+                    strategies: Optional[Iterable[StrategyLike]] = None) -> list[Prediction]:
     """Every strategy's prediction, ranked: those that fit by step time, then the OOM ones."""
     spec = model_spec(model, trainable_fraction) if not isinstance(model, ModelSpec) else model
     names = [Strategy.parse(x).name for x in (strategies or ALL_STRATEGIES)]
@@ -316,21 +253,11 @@ def format_table(preds: Sequence[Prediction], cluster: Optional[Cluster] = None,
     return "\n".join(lines)
 
 
-def choose_strategy(
-    model_args: Union[str, LlamaArgs, ModelSpec],
-    n: int,
-    m: int,
-    micro_batch: int,
-    grad_accum: int,
-    seq_len: int,
-    dtype: str,
-    cluster: Union[Cluster, str, os.PathLike],
-    trainable_fraction: float = 1.0,
-    reduce_dtype: Optional[str] = None,
-    activation_checkpoint: str = "none",
-    reshard_after_forward: bool = True,
-    strategies: Optional[Iterable[StrategyLike]] = None,
-) -> tuple[Strategy, str]:
+def choose_strategy(model_args: Union[str, LlamaArgs, ModelSpec], n: int, m: int, micro_batch: int, grad_accum: int,
+                    seq_len: int, dtype: str, cluster: Union[Cluster, str, os.PathLike], trainable_fraction: float = 1.0,
+                    reduce_dtype: Optional[str] = None, activation_checkpoint: str = "none",
+                    reshard_after_forward: bool = True,
+                    strategies: Optional[Iterable[StrategyLike]] = None) -> tuple[Strategy, str]:
     """The fastest strategy that fits, and the ranked table to log (the trainer's ``auto``).
 
     ``activation_checkpoint``/``reshard_after_forward``: what the run will actually do (the
