@@ -38,7 +38,7 @@ STEPS = 12
 
 # ---- inside the 4-rank world ------------------------------------------------------------------
 def _trainer(argv: list[str]):
-    from paro_fsdp.train.config import parse_args
+    from paro_fsdp.train.config_parse import parse_args
     from train import Trainer
 
     cfg, _ = parse_args(ARGS + argv)
@@ -344,14 +344,15 @@ def test_every_timeout_text_is_named_a_timeout():
 
 def test_sigterm_while_blocked_in_a_collective_wait_says_one_line_and_exits_1(tmp_path):
     """torchrun SIGTERMs every rank once one failed; a rank blocked in C++ (here a store wait,
-    the GIL released, as in a collective's wait) still says why it stops, exits 1, and says it
-    once even when its own line was written first (``said``)."""
+    the GIL released, as in a collective's wait) still says why it stops once its deadline
+    passes, exits 1, and says nothing when its own line was written first (``said``)."""
     script = f"""
 import datetime, os, sys, time
 sys.path.insert(0, {str(REPO)!r})
 import torch.distributed as dist
-from paro_fsdp.train.faults import report_sigterm
-said = report_sigterm(lambda: "stopped: rank 0", lambda line: os.write(2, (line + "\\n").encode()))
+from paro_fsdp.train.faults import GracefulStop
+stop = GracefulStop(lambda signum: "stopped: rank 0", lambda line: os.write(2, (line + "\\n").encode()), hard_s=6.0)
+said = stop.said
 if sys.argv[1] == "said":
     assert said()
     os.write(2, b"own line\\n")

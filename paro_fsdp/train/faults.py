@@ -1,36 +1,18 @@
-"""What the trainer does when something breaks mid-run: a lost or hung rank, a non-finite step.
+"""What the trainer does when something breaks mid-run: a lost or hung rank, a signal, a bad step.
 
 Why each piece exists:
-- ``restart_store``: under ``torchrun --max-restarts N`` a restarted gloo group fails in
-  ``connectFullMesh`` on the addresses the dead attempt left in the agent's store (torch 2.13,
-  also a bare ``init_process_group``). Keys under a per-attempt prefix start every attempt
-  clean; NCCL exchanges its unique id through the same store, so it gets the same treatment.
-- ``collective_failure``: a dead peer or a collective timeout surfaces as a long backend
-  traceback on every surviving rank; one line that says which it was, and that torchrun's
-  restart resumes from the latest checkpoint, is what an operator needs at 3 a.m.
-- ``report_sigterm``: when one rank fails, torchrun SIGTERMs the others within 0.1 s; a survivor
-  still waiting for its own collective timeout would die without a word (or, torn down by the
-  interpreter, abort from a backend thread), so it says in one line why it stopped.
-- ``GracefulStop``: a scheduler's pre-emption (SIGTERM, which torchrun forwards to its workers
-  and follows with SIGKILL ``--shutdown-timeout`` = 30 s later) or Ctrl-C (SIGINT to the whole
-  process group, then torchrun's forwarded SIGINT) must cost at most the current step, not the
-  steps since the last checkpoint. Each rank notes the signal; its vote rides in the loss
-  all-reduce every step already does (no extra collective, no extra device read on a normal
-  step), so every rank sees the same sum at the same step, however far apart the signals
-  arrived, and all of them stop after that step, save it and exit 0. A rank that cannot reach
-  the end of its step in time (a peer died or hung: the same SIGTERM comes from torchrun then)
-  says so in one line and exits 1, as ``report_sigterm`` does.
-- ``config_error_exit``: torchrun prints a ChildFailedError summary of every rank that failed
-  (7 lines each, plus its own traceback), and SIGTERMs the others, possibly before rank 0 said
-  why. So under torchrun rank 0 says the line first and records it in torchrun's error file;
-  the ranks of its node that hit the same error leave with status 0 once rank 0 has said it, and
-  rank 0 leaves with status 2 last: the summary names one failure, rank 0's, with that line.
-- ``NonFiniteGuard``: one bad batch must not poison the fp32 masters (and every checkpoint after
-  it). The loss and the gradient norm are already global (all-reduced), so every rank takes the
-  same decision without another collective. The lr schedule still advances on a skipped step:
-  it is a function of the step number (as torchtitan's, and as PyTorch's GradScaler recipe, which
-  skips only ``optimizer.step()``), so a run with skips ends its schedule at ``training.steps``
-  and a resume's lr equals the uninterrupted run's; Adam's own step count does not advance.
+- ``restart_store``: a gloo group restarted by ``torchrun --max-restarts`` fails on the addresses
+  the dead attempt left in the agent's store; keys under a per-attempt prefix start clean.
+- ``collective_failure``: a dead peer or a timeout surfaces as a long backend traceback on every
+  survivor; an operator needs one line saying which, and that a restart resumes.
+- ``GracefulStop``: a pre-emption (SIGTERM, SIGKILL 30 s later) or Ctrl-C must cost at most the
+  current step. Votes ride in the loss all-reduce, so every rank stops after the same step,
+  saves it and exits 0; a rank that cannot get there in time says so in one line and exits 1.
+- ``config_error_exit``: torchrun's summary lists every failed rank and may SIGTERM them before
+  rank 0 said why; so rank 0 says the line first and fails last, the others leave quietly.
+- ``NonFiniteGuard``: one bad batch must not poison the fp32 masters. Loss and norm are global,
+  so every rank decides alike without a collective; the lr schedule follows the step number
+  (as GradScaler skips only ``optimizer.step()``), so a resume's lr matches the unbroken run's.
 """
 from __future__ import annotations
 
@@ -55,9 +37,8 @@ class TrainingStopped(RuntimeError):
 
 # ---- process group under torchrun restarts ----------------------------------------------------
 def restart_store(timeout: datetime.timedelta) -> Optional[dist.Store]:
-    """The store a rank started by torchrun should initialise its process group on: torchrun's
-    TCPStore under the prefix ``paro/attempt<TORCHELASTIC_RESTART_COUNT>``. None outside torchrun
-    (the default ``env://`` init is then right)."""
+    """torchrun's TCPStore under ``paro/attempt<TORCHELASTIC_RESTART_COUNT>``, for the process
+    group; None outside torchrun (``env://`` is then right)."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None:
         return None
@@ -69,9 +50,8 @@ def restart_store(timeout: datetime.timedelta) -> Optional[dist.Store]:
 
 
 def set_collective_timeout(timeout: datetime.timedelta) -> int:
-    """Apply ``timeout`` to every process group of this process, the mesh's sub-groups included
-    (the engine's collectives run on those: a timeout set on the default group alone never
-    fires for them). Returns how many groups took it."""
+    """Apply ``timeout`` to every process group, the mesh's sub-groups included (the engine's
+    collectives run there); returns how many took it."""
     from torch.distributed import distributed_c10d as c10d
 
     groups = list(getattr(getattr(c10d, "_world", None), "pg_map", {}) or [c10d._get_default_group()])
@@ -119,59 +99,10 @@ def _first_line(text: str) -> str:
     return line if len(line) <= 160 else line[:157] + "..."
 
 
-# ---- stopped by torchrun ------------------------------------------------------------------------
-def report_sigterm(describe: Callable[[], str], write_line: Callable[[str], None]) -> Callable[[], bool]:
-    """On SIGTERM: ``write_line(describe())`` once, then leave with exit status 1 (``os._exit``:
-    a process group whose peer failed cannot be torn down safely). Returns ``said``: call it
-    before the process writes its own last line; True: write it, and a SIGTERM after it
-    (torchrun's, while this rank is still closing) ends the process without a second line;
-    False: a SIGTERM's line is being written, write nothing. Call from the main thread.
-
-    Why a thread: Python runs a signal handler only between bytecodes of the main thread, and a
-    survivor is blocked in a collective's C++ wait (the GIL released) until its own timeout, by
-    which time torchrun has SIGTERMed it. CPython's C-level handler writes the signal number to
-    the wakeup fd at once; a daemon thread waiting on that fd reports. (A process stopped by
-    SIGSTOP, or stuck in the kernel, takes no signal at all: torchrun SIGKILLs it 30 s later.)"""
-    read_fd, write_fd = os.pipe()
-    os.set_blocking(write_fd, False)
-    once = threading.Lock()  # held: the process said its last line (or is saying it)
-
-    def leave() -> None:
-        if once.acquire(blocking=False):
-            try:
-                write_line(describe())
-            finally:
-                os._exit(1)
-        os._exit(1)
-
-    def watch() -> None:
-        while True:
-            data = os.read(read_fd, 64)
-            if not data:
-                return
-            if signal.SIGTERM in data:
-                leave()
-
-    signal.signal(signal.SIGTERM, lambda signum, frame: leave())
-    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
-    threading.Thread(target=watch, name="paro-sigterm", daemon=True).start()
-    return lambda: once.acquire(blocking=False)
-
-
-def sigterm_line(rank: int, step: int) -> str:
-    """What a rank stopped by SIGTERM says: torchrun sends it to every worker once one failed
-    (that one's own line says why) and at each restart; a scheduler sends it to cancel."""
-    return (f"rank {rank} at step {step}: stopped by SIGTERM (torchrun stops every rank once one fails, whose own line "
-            f"says why; or the job was cancelled); under torchrun --max-restarts N the group restarts and resumes from "
-            f"the latest checkpoint")
-
-
 # ---- SIGTERM / SIGINT: finish the step, save it, exit 0 -------------------------------------------
 def shutdown_grace_s() -> float:
-    """How long torchrun waits after forwarding a SIGTERM / SIGINT before it SIGKILLs its workers:
-    ``--shutdown-timeout`` (torch >= 2.9), which defaults to ``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` or
-    30 s (torch.distributed.launcher.api.LaunchConfig; ``close(timeout=30)`` in earlier releases).
-    A worker cannot read torchrun's flag, only the environment variable."""
+    """torchrun's grace between a forwarded SIGTERM / SIGINT and SIGKILL (``--shutdown-timeout``,
+    default ``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` or 30 s); a worker can read only the variable."""
     try:
         return float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
     except ValueError:
@@ -179,17 +110,17 @@ def shutdown_grace_s() -> float:
 
 
 class GracefulStop:
-    """SIGTERM and SIGINT, noted (``requested``) rather than acted on at once: the trainer adds
+    """SIGTERM and SIGINT, noted (``requested``) rather than acted on: the trainer adds
     ``votes()`` to the step's loss all-reduce and stops after the first step whose sum is
-    positive (``Trainer.train``). A daemon thread watches the signal wakeup fd (the main thread
-    may be inside a collective's C++ wait, where Python runs no handler) and enforces two
-    deadlines from the first signal: reaching the agreed step (``reach_s``: 5 s plus three of the
-    longest steps seen, so a rank whose peer died or hung does not hold up torchrun's restart for
-    long) and finishing the save (``hard_s``: torchrun's grace period less 5 s). A deadline
-    missed, or the same signal again after 2 s (Ctrl-C pressed twice), writes ``describe()``
-    with ``write_line`` once and ends the process with status 1.
+    positive. A daemon thread watches the signal wakeup fd (a main thread inside a collective's
+    C++ wait runs no Python handler) and enforces two deadlines from the first signal: reaching
+    the agreed step (5 s plus three of the longest steps, so a rank whose peer died does not hold
+    up torchrun's restart) and finishing the save (``hard_s``: torchrun's grace less 5 s). A
+    missed deadline, or the same signal again after 2 s, writes ``describe(signum)`` once and
+    exits 1 (``os._exit``: a group whose peer failed cannot be torn down safely).
 
-    ``said()`` as for ``report_sigterm``: True, and the process then writes its own last line."""
+    ``said()``: True, and the process then writes its own last line; a later signal exits
+    without a second one. False: a signal's line is being written, write nothing."""
 
     def __init__(self, describe: Callable[[int], str], write_line: Callable[[str], None],
                  hard_s: Optional[float] = None) -> None:
@@ -277,17 +208,14 @@ def resume_command(argv: list[str]) -> str:
     import sys
 
     def without_fresh(args: list[str]) -> list[str]:
-        out, i = [], 0
-        while i < len(args):
-            a = args[i]
-            if a == "--job.fresh" or a.startswith("--job.fresh="):
-                if a == "--job.fresh" and i + 1 < len(args) and args[i + 1].lower() in ("true", "false", "1", "0", "yes",
-                                                                                         "no", "on", "off"):
-                    i += 1
-                i += 1
+        out, after_flag = [], False
+        for a in args:
+            if after_flag and a.lower() in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+                after_flag = False  # the bare flag's value
                 continue
-            out.append(a)
-            i += 1
+            after_flag = a == "--job.fresh"
+            if not after_flag and not a.startswith("--job.fresh="):
+                out.append(a)
         return out
 
     cmd: Optional[list[str]] = None
@@ -313,14 +241,10 @@ def resume_command(argv: list[str]) -> str:
 
 # ---- a configuration error under torchrun ---------------------------------------------------------
 def config_error_exit(line: str, rank: int, write_line: Callable[[str], None], wait_s: float = 60.0) -> int:
-    """Report the configuration error ``line`` under torchrun; returns the exit status. Rank 0
-    writes the line, puts it in torchrun's error file (the summary's ``traceback :`` field) and in
-    the agent's store, waits (up to ``wait_s``) for the other ranks of its node to acknowledge the
-    same error, and returns 2. Those ranks return 0 without a word once rank 0 said the same line
-    (torchrun's summary then lists one failure); any rank whose error differs, or that hears
-    nothing from rank 0 in time, writes its own line and returns 2. Ranks of other nodes return 2
-    (their local rank 0 writes the line on that node's console). Outside torchrun: rank 0 writes
-    the line, every rank returns 2."""
+    """Report the configuration error ``line``; returns the exit status. Rank 0 writes it (and
+    into torchrun's error file and store), waits up to ``wait_s`` for its node's ranks to
+    acknowledge the same line, and returns 2; those return 0 silently. A rank whose error
+    differs, or that hears nothing in time, writes its own line; other nodes' ranks return 2."""
     store = _agent_store()
     node0 = os.environ.get("GROUP_RANK", "0") == "0"
     if rank == 0:
@@ -375,9 +299,8 @@ def _wait_key(store: dist.Store, key: str, wait_s: float) -> Optional[str]:
 
 
 def _write_error_file(line: str) -> None:
-    """torchrun's per-worker error file (``$TORCHELASTIC_ERROR_FILE``), in the format of
-    torch.distributed.elastic's ErrorHandler: its summary shows ``py_callstack`` as the
-    failure's ``traceback :``, here the one line instead of a link to the elastic docs."""
+    """torchrun's per-worker error file in ErrorHandler's format: its summary shows
+    ``py_callstack`` as the ``traceback :``, here the one line."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
@@ -407,11 +330,10 @@ class NonFiniteGuard:
 
     def allows_step(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, optimizer,
                     stop_votes: Optional[torch.Tensor] = None) -> bool:
-        """True when the step is finite. Otherwise logs (returns the line via ``self.last``),
-        and returns False or raises ``TrainingStopped``. Every rank must call it (the name of the
-        offending parameter is found with one small collective, only on a bad step).
-        ``stop_votes`` (all-reduced with the loss) is read in the same one transfer on a normal
-        step; ``self.stop_votes`` then holds it (a second read only when it or the step is not 0 / finite)."""
+        """True when the step is finite; otherwise False (the line in ``self.last``) or
+        ``TrainingStopped``. Every rank calls it: a bad step names its parameter with one small
+        collective. ``stop_votes`` (all-reduced with the loss) lands in ``self.stop_votes``, read
+        with the same one device-to-host copy on a normal step."""
         finite = torch.isfinite(torch.stack([loss.float(), grad_norm.float()])).all()
         self.stop_votes = (0, 0)
         if stop_votes is None:
