@@ -29,9 +29,8 @@ def torch_supported() -> bool:
     return SUPPORTED_TORCH[0] <= torch_version() <= SUPPORTED_TORCH[1]
 
 # ---- 0. renamed collectives -------------------------------------------------------------------
-#: ``dist.all_gather_single`` (torch >= 2.13) is ``dist.all_gather_into_tensor`` of torch 2.11 and
-#: 2.12 renamed: same arguments, same ``_allgather_base`` path; 2.13 keeps the old name as a
-#: deprecated alias (a warning per call). Test: tests/test_compat.py.
+#: ``dist.all_gather_single`` (torch >= 2.13) is 2.11 / 2.12's ``dist.all_gather_into_tensor``
+#: renamed (the old name warns per call in 2.13). Test: tests/test_compat.py.
 all_gather_single: Callable = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 #: ``dist.reduce_scatter_single`` (torch >= 2.13) is ``dist.reduce_scatter_tensor`` of 2.11 / 2.12.
 reduce_scatter_single: Callable = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -66,19 +65,13 @@ def _all_gather_coalesced_cpu(shards: list[torch.Tensor], group_size: int, group
 def use_safe_gloo_all_gather() -> None:
     """On CPU, run the functional all-gather through gloo's single-tensor all-gather.
 
-    Bug (torch 2.11 to 2.14, gloo): ``_c10d_functional.all_gather_into_tensor``, which c10d routes to
-    ``allgather_into_tensor_coalesced``, runs in a gloo work item that corrupts the heap or hangs
-    when it is in flight while another process group also has work in flight: exactly PaRO-CC's
-    overlap of an inter and an intra phase, and prefetching. A 4-rank loop of concurrent gathers
-    on both mesh dimensions dies with "malloc(): unaligned tcache chunk detected" within a few
-    hundred iterations (5 of 6 runs). The same gather issued through
-    ``dist.all_gather_single(async_op=True)`` survives it.
-
-    The workaround: the op's CPU kernel is that call, with its work registered for
-    ``wait_tensor`` as the C++ kernel does: same op, same graphs, same semantics for eager and
-    compiled code; other devices keep torch's kernel. Once per process (idempotent); every
-    ``MeshComm`` installs it. Test: tests/test_gloo_concurrency.py (the loop above, 1000
-    iterations on 4 ranks)."""
+    Bug (torch 2.11 to 2.14, gloo): ``_c10d_functional.all_gather_into_tensor`` (c10d routes it
+    to ``allgather_into_tensor_coalesced``) corrupts the heap or hangs while another process group
+    has work in flight: exactly PaRO-CC's overlapped phases, and prefetching ("malloc(): unaligned
+    tcache chunk detected"). ``dist.all_gather_single(async_op=True)`` survives it, so the op's CPU
+    kernel is that call, its work registered for ``wait_tensor`` as the C++ kernel does (same op,
+    same graphs); other devices keep torch's kernel. Idempotent; every ``MeshComm`` installs it.
+    Test: tests/test_gloo_concurrency.py (concurrent gathers on both mesh dimensions, 4 ranks)."""
     global _GLOO_LIB
     if _GLOO_LIB is not None:
         return
@@ -93,14 +86,12 @@ def use_safe_gloo_all_gather() -> None:
 def isolate_compile_cache(rank: int) -> None:
     """Give this rank its own inductor / AOTAutograd cache folder (a subfolder of the usual one).
 
-    Bug (torch 2.13, inductor FX-graph / AOTAutograd cache): a rank's graphs name its own
-    process groups, which differ between ranks (each intra group has its own name). With the
-    selective-checkpoint region around the traced gathers (traced.py), torch replayed a cache
-    entry compiled by one rank on another, which then failed with "Could not resolve the process
-    group registered under the name 1". Per-rank folders cost only cross-rank cache sharing.
-    Call it before compiling (the trainer, the tests and ``tools.bench.compiled`` do); idempotent.
-    Test: tests/test_compat.py (each rank's folder is its own; the failure itself needs warm
-    inductor caches shared by 4 compiling ranks, minutes on CPU, so it is not replayed)."""
+    Bug (torch 2.13, inductor FX-graph / AOTAutograd cache): a rank's graphs name its own process
+    groups, and with the selective-checkpoint region around the traced gathers (traced.py) torch
+    replayed one rank's cache entry on another ("Could not resolve the process group registered
+    under the name 1"). Per-rank folders cost only cross-rank cache sharing. Call it before
+    compiling; idempotent. Test: tests/test_compat.py (each rank's folder is its own; the failure
+    itself needs warm caches shared by 4 compiling ranks, so it is not replayed)."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     tag = f"paro-rank{rank}"
@@ -117,9 +108,7 @@ def _overlap_module():
 
 
 _TORCH_ROOFLINE: Callable | None = None
-#: The module function inductor's overlap scheduler prices compute nodes with: torch 2.13 and
-#: 2.14 name it ``estimate_roofline_runtime_ms``; 2.11 and 2.12 ``estimate_runtime_analytical``
-#: (called for every compute node, for its log, after the custom estimate).
+#: What inductor's overlap scheduler prices compute nodes with: 2.13+ and 2.11 / 2.12 names.
 ROOFLINE_NAMES = ("estimate_roofline_runtime_ms", "estimate_runtime_analytical")
 
 
@@ -132,12 +121,10 @@ def roofline_name() -> str:
 def route_roofline_estimate(estimate: Callable | None) -> None:
     """Make inductor's overlap scheduler price compute with ``estimate`` (None: torch's own).
 
-    Bug (torch 2.11 to 2.14): the overlap scheduler (``OverlapScheduler``) prices every mm node
-    with its GPU roofline (2.13+: before consulting
-    ``aten_distributed_optimizations.custom_runtime_estimation``; 2.11: after it, for its log);
-    on a machine without a GPU (or triton) that asks for the GPU's DRAM bandwidth and fails. The
-    workaround replaces the module's roofline function (``roofline_name()``), which the scheduler
-    looks up at call time. Test: tests/test_compat.py (torch's roofline called on a CPU matmul node)."""
+    Bug (torch 2.11 to 2.14): ``OverlapScheduler`` prices every mm node with its GPU roofline
+    (2.13+: before ``custom_runtime_estimation``; 2.11: after it, for its log), which fails
+    without a GPU (or triton). The workaround replaces the module's roofline function, which the
+    scheduler looks up at call time. Test: tests/test_compat.py (a CPU matmul node)."""
     global _TORCH_ROOFLINE
     overlap = _overlap_module()
     name = roofline_name()
@@ -147,11 +134,8 @@ def route_roofline_estimate(estimate: Callable | None) -> None:
 
 
 # ---- 4. dynamo 2.14: a G = N group's boundary inside a compiled backward ------------------------
-#: Gap (torch 2.14.0 / 2.14.1; not 2.11 to 2.13): with the boundary in the graph
-#: (``set_is_last_backward(True)`` under torch.compile), dynamo fails to trace the reduction to
-#: the OS level of a group whose gradients are kept whole (G = N: NNN, NNG, ...), a generator
-#: (``boundary.reduce_to_os``) driven inside the autograd Function's backward, with
-#: "generator already executing"; it then runs that frame eagerly. The result is the eager
-#: engine's (exact, tested), but that micro-step is not compiled. Other G levels are unaffected.
+#: Gap (torch 2.14.0 / 2.14.1): with the boundary in the graph (``set_is_last_backward(True)``
+#: under torch.compile), dynamo fails to trace a G = N group's ``boundary.reduce_to_os`` inside the
+#: backward ("generator already executing") and runs that frame eagerly: exact, not compiled.
 #: Test: tests/test_compile.py (strict xfail on 2.14: it fails once torch fixes it).
 G_N_BOUNDARY_GRAPH_FALLS_BACK: bool = (2, 14) <= torch_version()

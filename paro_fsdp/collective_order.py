@@ -1,19 +1,14 @@
 """A debug check that every rank issues the same collectives in the same order.
 
-Why: a collective that one rank issues and another does not (or issues with another shape, or on
-another mesh dimension) hangs until the timeout, or on gloo can even pair with the wrong peer
-call and return garbage. The engine's eager path is the same program on every rank, but compiled
-graphs are not: per-rank compile caches, uneven layouts and recompiles can give ranks different
-graphs, and nothing else would notice before the hang.
+Why: a collective one rank issues and another does not (or with another shape or mesh dimension)
+hangs until the timeout, or on gloo pairs with the wrong call. Compiled graphs can differ per rank
+(compile caches, uneven layouts, recompiles) and nothing else would notice before the hang.
 
-How: ``CollectiveOrderCheck`` is a dispatch mode over one step. Every ``_c10d_functional``
-collective (eager, and those inside inductor's compiled code, which call the same ops) is
-fingerprinted by kind, mesh dimension, shape and dtype -- the group's name differs between the
-ranks of different groups, its dimension does not -- and, *before* it is issued, the fingerprint
-is compared across all ranks on a gloo group of their own (the sequence's hash is logged). So a mismatch stops every rank at the first difference, with one line that names it,
-instead of hanging. The end of the step is compared too (a rank with fewer collectives meets the
-others' next one). It costs one small all-gather per collective: a debug switch for one step
-(the trainer's ``comm.check_collective_order``), not for production.
+How: a dispatch mode over one step fingerprints every ``_c10d_functional`` collective (eager and
+inside compiled code) by kind, mesh dimension (not the group's name, which differs between
+groups), shape and dtype, and compares it across ranks on a gloo group of their own *before* it
+is issued, and the end of the step too: a mismatch stops every rank with one line. One small
+all-gather per collective: a debug switch (the trainer's ``comm.check_collective_order``).
 """
 from __future__ import annotations
 

@@ -1,15 +1,10 @@
 """What one collective is: its kinds and mesh dimensions, the bytes one rank sends in its ring,
 its ring steps, whether a global one runs flat, and ``CommStats``, the one counter of collectives.
 
-Why one module under everything else: the engine counts what it issues (``comm.MeshComm``), the
-ledger counts what the method says it issues (``cost.ledger``), the graph passes price the
-collectives of a compiled graph (``passes``) and the cost model times them (``cost.predict``); all
-must use the same formula, and the engine's counter and the ledger's must compare as equals.
-
-Ring cost per rank of a collective over k ranks on a buffer of S bytes (the full, gathered size):
-all-gather and reduce-scatter send S(k-1)/k in k-1 ring steps, all-reduce 2S(k-1)/k in 2(k-1).
-This is the *logical* cost: gloo runs reduce-scatter as an all-reduce, so its wire bytes are
-higher. No torch here: the advisor is arithmetic.
+Why one module under everything else: the engine (``comm.MeshComm``), the ledger
+(``cost.ledger``), the graph passes and the cost model must use the same formula, and the
+engine's counter and the ledger's must compare as equals. The cost is the *logical* ring cost
+(gloo's wire bytes are higher). No torch here: the advisor is arithmetic.
 """
 from __future__ import annotations
 
@@ -34,22 +29,16 @@ def hops(kind: str, k: int) -> int:
 
 
 def runs_flat(nbytes: float, flat_below_bytes: float) -> bool:
-    """Whether a global collective of ``nbytes`` (the whole message: all-gather output,
-    reduction input) runs as one flat collective over all ranks instead of PaRO-CC's intra and
-    inter phases. The one rule: ``paro_cc.ParoCC`` issues by it and ``cost.ledger`` counts by it.
-    Flat wins where a second phase's latency and its extra pass over the fast links cost more
-    than the inter bytes it saves: small messages, or inter links about as fast as intra ones
-    (``tools.bench.collectives`` measures the crossover on a cluster). 0: never flat."""
+    """Whether a global collective of ``nbytes`` (the whole message) runs as one flat collective
+    instead of PaRO-CC's two phases: the one rule, by which ``paro_cc`` issues and ``cost.ledger``
+    counts. Flat wins where a second phase costs more than the inter bytes it saves. 0: never."""
     return 0 < nbytes < flat_below_bytes
 
 
 class CommStats:
-    """Count and ring bytes of collectives per (kind, mesh dimension), per rank.
-
-    ``model.comm_stats()`` is one (what ran) and ``cost.ledger.traffic_of`` returns one (what the
-    method says runs), so comparing them is comparing ``as_dict()``. kind: all_gather /
-    reduce_scatter / all_reduce; dim: intra / inter / global. The engine counts calls (ints); the
-    ledger scales a bucket's collectives by the micro-step count, which may make counts floats."""
+    """Count and ring bytes of collectives per (kind, mesh dimension), per rank: what ran
+    (``model.comm_stats()``) or what the method says runs (``cost.ledger.traffic_of``, whose counts
+    may be floats), compared through ``as_dict()``."""
 
     def __init__(self) -> None:
         self._count: dict[tuple[str, str], float] = defaultdict(int)

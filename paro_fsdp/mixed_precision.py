@@ -10,22 +10,14 @@ import torch
 @dataclass(frozen=True)
 class MixedPrecision:
     """``param_dtype``: dtype of P (stored shard, all-gathers, compute).
-    ``reduce_dtype``: dtype gradients travel in (every reduce-scatter / all-reduce, per micro-step
-    and at the accumulation boundary); defaults to ``param_dtype``. Never float16: every
-    gradient reduction is a plain SUM over the ranks, divided by n only at the step, and an fp16
-    sum of n gradients overflows (65504) at scale where FSDP2 pre- and post-divides; bf16 has
-    fp32's range. ``param_dtype=torch.float16`` is accepted with a bf16 or fp32 ``reduce_dtype``.
-    ``accumulate_dtype``: dtype of the G-level buffer that sums gradients over micro-steps;
-    fp32 by default, as FSDP2 keeps its sharded gradients. Why: with A micro-steps the running
-    sum grows ~A times larger than each addend, and a bf16 sum rounds away up to a quarter of a
-    late micro-step's gradient at A = 64. ``None`` accumulates in ``reduce_dtype`` (half the
-    G memory, the old behaviour, an explicit choice).
-    ``cast_forward_inputs``: the floating-point tensors among the model's inputs are cast to
-    ``param_dtype`` before its forward, as FSDP2's ``MixedPrecisionPolicy.cast_forward_inputs``
-    (default True), so a bf16 model takes the fp32 features a data loader makes. Only at the
-    model's entry, not at every block: a block's fp32 inputs (RoPE tables) are deliberate. With
-    ``param_dtype=torch.float32`` (no mixed precision) nothing is cast. ``False``: inputs pass
-    as given.
+    ``reduce_dtype``: dtype gradients travel in (defaults to ``param_dtype``). Never float16: every
+    gradient reduction is a plain sum over the ranks, divided only at the step, and an fp16 sum
+    overflows at scale; bf16 has fp32's range.
+    ``accumulate_dtype``: dtype of the G-level sum over micro-steps; fp32 by default, as FSDP2's
+    sharded gradients, since the running sum outgrows each addend and bf16 rounds late micro-steps
+    away (docs/api.md). ``None``: the reduce dtype (half the G memory).
+    ``cast_forward_inputs``: floating-point model inputs cast to ``param_dtype`` at the model's
+    entry only (a block's fp32 inputs, RoPE tables, are deliberate), as FSDP2's.
     """
 
     param_dtype: torch.dtype = torch.float32

@@ -61,23 +61,18 @@ def calibrate_in_process(
 ) -> Cluster:
     """Measure the mesh this process belongs to and return a :class:`Cluster`.
 
-    Collective: every rank of ``mesh`` (the PaRO ("inter", "intra") mesh) must call it. For each
-    mesh dimension of size > 1 and each of all-gather / reduce-scatter / all-reduce, times
-    ``reps`` calls at several buffer sizes (every group of the dimension runs at once, as in
-    training; the fastest call counts), fits time = hops x latency + ring bytes / bandwidth, and keeps the slowest rank's
-    numbers; measures matmul FLOP/s, a transformer block's forward + backward at
-    ``model_args``' shape (the ``achieved_tflops`` the advisor uses), memory bandwidth (an
-    in-place add), and how much a collective overlaps with compute. All ranks agree on the result
-    (max-reduced). ``gpus_per_node`` is set to the intra size, so the intra dimension maps to the
-    ``intra`` link."""
+    Collective: every rank of the PaRO ``mesh`` calls it. Per mesh dimension of size > 1 and
+    collective kind, times ``reps`` calls at several sizes (every group at once, as in training;
+    the fastest call, the slowest rank) and fits hops x latency + ring bytes / bandwidth; measures
+    matmul FLOP/s, a transformer block's forward + backward at ``model_args``' shape (the
+    ``achieved_tflops``), memory bandwidth and how much a collective overlaps compute.
+    ``gpus_per_node`` is the intra size, so the intra dimension maps to the ``intra`` link."""
     import torch
     import torch.distributed as dist
 
+    from .. import _compat
     from ..models.llama import TransformerBlock, rope_tables
 
-    from .. import _compat
-
-    # the non-deprecated names where this torch has them (same c10d collectives)
     all_gather, reduce_scatter = _compat.all_gather_single, _compat.reduce_scatter_single
     info_dims = {d: mesh.get_group(d) for d in ("intra", "inter")}
     sizes = {d: dist.get_world_size(grp) for d, grp in info_dims.items()}
@@ -93,8 +88,7 @@ def calibrate_in_process(
             torch.cuda.synchronize()
 
     def timed(fn, r: int) -> float:
-        """The fastest of ``r`` timed calls after a warm-up: the figure least disturbed by other
-        work on a shared machine (a collective's figure is then the slowest rank's)."""
+        """The fastest of ``r`` timed calls after a warm-up: the least disturbed on a shared machine."""
         fn()
         sync()
         ts = []
@@ -125,12 +119,9 @@ def calibrate_in_process(
                 numel = max(k, int(mib * 2**20 / 4) // k * k)  # fp32 elements, divisible by k
                 full = torch.ones(numel, device=dev)
                 shard = torch.ones(numel // k, device=dev)
-                if kind == "all_gather":
-                    fn = lambda: all_gather(full, shard, group=grp)  # noqa: E731
-                elif kind == "reduce_scatter":
-                    fn = lambda: reduce_scatter(shard, full, group=grp)  # noqa: E731
-                else:
-                    fn = lambda: dist.all_reduce(full, group=grp)  # noqa: E731
+                fn = {"all_gather": lambda: all_gather(full, shard, group=grp),
+                      "reduce_scatter": lambda: reduce_scatter(shard, full, group=grp),
+                      "all_reduce": lambda: dist.all_reduce(full, group=grp)}[kind]
                 dist.barrier()
                 raw.append(timed(fn, reps))
                 ring.append(ring_bytes(kind, numel * 4, k))
@@ -223,6 +214,3 @@ def calibrate_in_process(
         description=f"measured by tools.calibrate on {m * g} ranks ({g} groups x {m}), {dist.get_backend()} on {device}",
         source="tools.calibrate", measured={**measured, "matmul_tflops": 2 * nmm**3 / t_mm / 1e12},
     )
-
-
-# ---- the command line: python -m tools.calibrate ---------------------------------------------

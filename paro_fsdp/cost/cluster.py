@@ -55,20 +55,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-__all__ = [
-    "AdvisorError",
-    "Cluster",
-    "GB",
-    "GiB",
-    "Link",
-    "cluster_from_dict",
-    "cluster_to_toml",
-    "link_for",
-    "link_seconds",
-    "load_cluster",
-    "presets",
-    "resolve_cluster_path",
-]
+__all__ = ["AdvisorError", "Cluster", "GB", "GiB", "Link", "cluster_from_dict", "cluster_to_toml", "link_for",
+           "link_seconds", "load_cluster", "presets", "resolve_cluster_path"]
 
 GiB = 2**30
 
@@ -271,7 +259,6 @@ def cluster_to_toml(c: Cluster, comments: Sequence[str] = ()) -> str:
         lines += ["", "[measured]"]
         lines += [f"{k} = {_toml_value(v)}" for k, v in c.measured.items()]
     return "\n".join(lines) + "\n"
-
 
 
 def _scaled(link: Link, factor: float, cap: Link) -> Link:

@@ -15,15 +15,8 @@ from ..models.llama import FLAVORS, LlamaArgs, flavor
 from ..strategy import Level, Strategy, StrategyLike
 from .cluster import AdvisorError
 
-__all__ = [
-    "ModelSpec",
-    "activation_bytes",
-    "buckets",
-    "custom_model",
-    "flops_per_token",
-    "model_spec",
-    "trainable_layers",
-]
+__all__ = ["ModelSpec", "activation_bytes", "buckets", "custom_model", "flops_per_token", "model_spec",
+           "trainable_layers"]
 
 _N = Level.N
 
@@ -174,9 +167,9 @@ def buckets(spec: ModelSpec, strategy: StrategyLike, reshard_after_forward: bool
     return out
 
 
-
 def flops_per_token(spec: ModelSpec, seq_len: int, checkpoint: bool) -> tuple[float, float]:
-    """(forward, backward) FLOPs per token; see ``cost/predict.py``'s docstring."""
+    """(forward, backward) FLOPs per token: 2 Psi_mm + 4 L s h forward (attention in full),
+    2 Psi_mm + 2 Psi'_mm + 8 L s h backward (weight gradients for trainable weights only)."""
     L, h = spec.n_layers, spec.dim
     mm = L * spec.layer_matmul + spec.root_matmul
     mm_t = spec.trainable_layers * spec.layer_matmul + (spec.root_matmul if spec.root_trainable else 0)
@@ -186,4 +179,3 @@ def flops_per_token(spec: ModelSpec, seq_len: int, checkpoint: bool) -> tuple[fl
     if checkpoint:
         bwd += 2 * L * spec.layer_matmul + attn
     return float(fwd), float(bwd)
-
