@@ -1,15 +1,12 @@
 """What a checkpoint folder must prove before DCP may read it: intact files, this model's
 shapes, and nothing in it that executes code.
 
-Why: DCP stores no checksums, so a truncated or bit-flipped shard loads as wrong weights, and a
-checkpoint of a larger model loads silently into the matching subset of a smaller one. DCP also
-unpickles ``.metadata`` and every non-tensor value with a full unpickler, and a pickle can call
-anything it can name: a crafted folder would run code on every rank. So ``safe_load`` is the
-one way this project reads a checkpoint (the trainer's resume, ``checkpoint.initial_load_path``,
-the torchtitan plug-in, safetensors): ``.metadata`` is unpickled by an unpickler that resolves
-only the exact classes DCP's metadata is made of (looked up in a table, never imported or
-reached through an attribute), and every non-tensor value is deserialised by
-``torch.load(weights_only=True)`` alone, its result handed to DCP's planner.
+Why: DCP stores no checksums (a damaged shard loads as wrong weights), loads a larger model's
+checkpoint silently into the matching subset of a smaller one, and unpickles ``.metadata`` and
+every non-tensor value with a full unpickler, so a crafted folder would run code on every rank.
+``safe_load`` is the one way this project reads a checkpoint: ``.metadata`` through an unpickler
+that resolves only the classes DCP's metadata is made of (from a table, never imported), every
+non-tensor value through ``torch.load(weights_only=True)``.
 """
 from __future__ import annotations
 
@@ -52,16 +49,11 @@ class CheckpointError(RuntimeError):
 
 # ---- .metadata without arbitrary code --------------------------------------------------------
 def _metadata_globals() -> dict[tuple[str, str], Any]:
-    """(module, name) -> object for every global a DCP ``.metadata`` pickle names, and nothing
-    else: DCP's metadata dataclasses, the file system writer's ``_StorageInfo``, ``torch.Size``,
-    the real ``torch.dtype`` objects, the layout lookup ``torch.serialization._get_layout`` (a
-    dict lookup of torch's layouts) and the path classes of ``StorageMeta.checkpoint_id``.
+    """(module, name) -> object for every global a DCP ``.metadata`` pickle names, and nothing else.
 
-    Why a table: ``pickle.Unpickler.find_class`` imports the module and, from protocol 4 on,
-    follows dotted names, so allowing "a module" allows everything it imports (``os.system`` is
-    an attribute of DCP's metadata module). Each object here only stores its arguments when
-    called (REDUCE / NEWOBJ / OBJ / INST) or when given state (BUILD), and an argument that
-    would do more needs a global of its own, which is refused."""
+    Why a table: ``find_class`` imports the module and follows dotted names, so allowing "a
+    module" allows everything it imports (``os.system`` is an attribute of DCP's metadata module).
+    Each object here only stores its arguments or state; anything more needs a global of its own."""
     from torch.distributed.checkpoint import filesystem, metadata as md
 
     table: dict[tuple[str, str], Any] = {}
@@ -99,10 +91,9 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_metadata_file(path: str | os.PathLike) -> Metadata:
-    """The ``Metadata`` in the DCP ``.metadata`` file ``path``, read with ``_MetadataUnpickler``
-    and checked for what DCP would trust next: that every storage entry names a file inside
-    the folder (a crafted entry could make the reader feed any file on the machine into the
-    weights). Raises ``CheckpointError`` (one line) for anything else."""
+    """The ``Metadata`` in the DCP ``.metadata`` file ``path``, read with ``_MetadataUnpickler``;
+    every storage entry must name a file inside the folder (else any file on the machine could
+    feed the weights). Raises ``CheckpointError`` (one line)."""
     try:
         with open(path, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
@@ -178,13 +169,10 @@ def _hf_reader_types() -> tuple[type, ...]:
 
 
 def safe_load(state: dict[str, Any], path: Optional[str] = None, *, storage_reader: Any = None) -> None:
-    """Load the checkpoint folder ``path`` (or what ``storage_reader`` reads) into ``state``,
-    in place, as ``dcp.load`` does: the one entry point through which this project reads a
-    checkpoint, so no load can run code. ``storage_reader``: a ``SafeReader``, or torch's
-    ``HuggingFaceStorageReader`` (safetensors: tensors and a JSON header, no pickle); any other
-    reader would unpickle ``.metadata`` itself and is refused. Collective under a process group.
-    Raises ``CheckpointError`` (hostile or malformed ``.metadata``) or DCP's
-    ``CheckpointException`` (it wraps what failed on each rank)."""
+    """Load the checkpoint folder ``path`` (or what ``storage_reader`` reads) into ``state`` in
+    place, as ``dcp.load`` does, so that no load can run code. ``storage_reader``: a ``SafeReader``
+    or torch's ``HuggingFaceStorageReader`` (no pickle); any other is refused. Collective. Raises
+    ``CheckpointError`` (hostile or malformed ``.metadata``) or DCP's ``CheckpointException``."""
     if storage_reader is None:
         if path is None:
             raise TypeError("safe_load needs a path or a storage_reader")
@@ -200,10 +188,9 @@ def safe_load(state: dict[str, Any], path: Optional[str] = None, *, storage_read
 
 
 def first_line(exc: BaseException, prefer: type[BaseException] = BaseException) -> str:
-    """The cause of ``exc`` in one line (DCP's CheckpointException lists every rank's traceback:
-    the lowest failing rank whose error is a ``prefer`` is the message, else the lowest failing
-    rank). A full disk reaches one rank as ``OSError: No space left on device`` and another as
-    torch's zip writer's ``unexpected pos``: ``prefer=OSError`` names the first."""
+    """The cause of ``exc`` in one line: of a DCP CheckpointException, the lowest failing rank whose
+    error is a ``prefer`` (a full disk is an ``OSError`` on one rank, ``unexpected pos`` on
+    another), else the lowest failing rank."""
     causes = dcp_causes(exc)
     if causes:
         rank, cause = next(((r, c) for r, c in causes if isinstance(c, prefer)), causes[0])

@@ -21,10 +21,8 @@ _ops = torch.ops._c10d_functional
 
 @dataclass
 class Pending:
-    """The result of an issued collective; ``wait()`` before reading it.
-
-    On a side stream (streams.py) the collective was already waited there: ``wait()`` makes the
-    current stream wait for ``event``, and ``keep`` holds the input until then."""
+    """The result of an issued collective; ``wait()`` before reading it. On a side stream
+    (streams.py), ``wait()`` makes the current stream wait for ``event``; ``keep`` holds the input."""
 
     tensor: torch.Tensor
     issued: bool
@@ -50,15 +48,11 @@ def on_side_stream(streams: CommStreams, kind: str, keep: Any, issue: Callable[[
 
 
 class MeshComm:
-    """Collectives over one mesh dimension ("intra", "inter") or all ranks ("global").
+    """Collectives over one mesh dimension ("intra", "inter") or all ranks ("global", flat).
 
-    ``all_gather / reduce_scatter / all_reduce`` issue one collective (on a side stream on a
-    GPU) and return a ``Pending``; the ``functional_*`` calls under them issue it where the
-    caller stands and return the functional result (``wait_tensor`` before reading). PaRO-CC
-    (``paro_cc.ParoCC``) builds its phases from those, so every collective is issued and counted
-    in ``stats`` here. ``dim="global"`` is the flat collective over the flattened mesh (small
-    tensors: the grad-norm scalar; and the traced path's, which the graph pass turns into
-    PaRO-CC)."""
+    ``all_gather / reduce_scatter / all_reduce`` issue one (on a side stream on a GPU) and return
+    a ``Pending``; the ``functional_*`` calls under them, from which PaRO-CC builds its phases,
+    issue it where the caller stands. Every collective is issued and counted in ``stats`` here."""
 
     def __init__(self, groups: MeshGroups, streams: CommStreams | None = None) -> None:
         self.info = groups

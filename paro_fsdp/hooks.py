@@ -1,11 +1,8 @@
 """The autograd Functions through which the engine sees forward and backward.
 
-``Unshard`` hands a block its whole parameters (the collectives already ran) and, in backward,
-receives their gradients in one call: the natural place to reduce a block's gradients as one
-bucket. ``OnBackward`` is an identity whose backward calls back into the engine: on a block's
-outputs it fires just before the block's backward, on its inputs just after.
-Both are plain autograd Functions, which dynamo/AOTAutograd can trace. They know nothing of
-blocks: the engine (state.py) hands them the tensors and the callbacks.
+Why autograd Functions: ``Unshard``'s backward receives a block's gradients in one call, the
+natural place to reduce them as one bucket, and dynamo / AOTAutograd can trace both. They know
+nothing of blocks: the engine (state.py) hands them the tensors and the callbacks.
 """
 from __future__ import annotations
 
@@ -32,10 +29,9 @@ class Unshard(torch.autograd.Function):
 
 
 class OnBackward(torch.autograd.Function):
-    """Identity on some tensors whose backward calls ``callback`` once the gradients of all of
-    them are ready. On a block's outputs: just before the block's own backward (re-gather its
-    parameters, prefetch the next). On its inputs: once the block's backward has produced the
-    input gradients (free fully frozen groups, which get no ``Unshard`` backward of their own)."""
+    """Identity whose backward calls ``callback`` once all the tensors' gradients are ready: on a
+    block's outputs just before its backward, on its inputs just after (frozen groups get no
+    ``Unshard`` backward of their own)."""
 
     @staticmethod
     def forward(ctx, callback: Callable[[], None], *tensors: torch.Tensor):  # type: ignore[override]

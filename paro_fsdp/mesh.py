@@ -40,13 +40,9 @@ def local_cuda_index(local_rank: int | None = None) -> int:
 
 
 def init_paro_mesh(group_size: int, backend: str | None = None) -> DeviceMesh:
-    """Initialise the process group if needed and return the (n // m, m) mesh.
-
-    The device type follows the backend (``device_type_for_backend``): any backend string that
-    serves CUDA with NCCL puts the mesh on this process's GPU (``local_cuda_index``), which is
-    selected before the process group starts and passed to it as ``device_id``, so NCCL binds
-    its communicators to the right GPU at once.
-    """
+    """Initialise the process group if needed and return the (n // m, m) mesh. A backend that
+    serves CUDA puts the mesh on this process's GPU, passed as ``device_id`` so NCCL binds its
+    communicators to it at once."""
     if not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"group_size must be a positive integer, got {group_size!r}")
     if not dist.is_initialized():
@@ -68,9 +64,8 @@ def init_paro_mesh(group_size: int, backend: str | None = None) -> DeviceMesh:
     device_type = device_type_for_backend(dist.get_backend())
     if device_type == "cuda":
         torch.cuda.set_device(local_cuda_index())
-    # one mesh per shape and default group: every new mesh creates process groups (threads,
-    # sockets), so a second call (another model, a test case) reuses the first one's
-    # (the cache holds the default group itself, so a re-initialised world never matches it)
+    # one mesh per shape and default group (each mesh creates process groups: threads, sockets);
+    # keyed by the default group itself, so a re-initialised world never matches
     cached = _MESHES.get((world, group_size))
     if cached is None or cached[0] is not dist.group.WORLD:
         mesh = init_device_mesh(device_type, (world // group_size, group_size), mesh_dim_names=MESH_DIMS)

@@ -153,14 +153,9 @@ class ParoState:
     def next_block(self, block: ParoBlock, backward: bool) -> ParoBlock | None:
         """The block expected to run next: registration order forward, the reverse of the
         recorded forward order in backward."""
-        if backward:
-            order = self.forward_order[::-1]
-            if block.is_root:
-                return order[0] if order else None
-        else:
-            order = [b for b in self.blocks if not b.is_root]
-            if block.is_root:
-                return order[0] if order else None
+        order = self.forward_order[::-1] if backward else [b for b in self.blocks if not b.is_root]
+        if block.is_root:
+            return order[0] if order else None
         if block in order:
             i = order.index(block)
             return order[i + 1] if i + 1 < len(order) else None

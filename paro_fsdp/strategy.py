@@ -22,7 +22,7 @@ class Level(str, enum.Enum):
     G = "G"  # partitioned over all n ranks, nested inside the intra shard
 
     def divisor(self, n: int, m: int) -> int:
-        """d(level) of the spec's memory formula."""
+        """d(level) of the method's memory formula."""
         return {Level.N: 1, Level.I: m, Level.G: n}[self]
 
 

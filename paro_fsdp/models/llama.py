@@ -161,17 +161,12 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def init_param(self, name: str, tensor: torch.Tensor, seed: Optional[int] = None) -> None:
-        """Initialise one parameter in place, on the device it lives on: a model materialised on
-        GPUs is filled there, not on one CPU thread per rank and copied.
+        """Initialise one parameter in place, on the device it lives on (not one CPU thread per rank).
 
-        With a ``seed`` the values depend only on (seed, name, device type), so a model built on
-        the meta device and materialised tensor by tensor inside ``paro_shard`` (``param_init_fn``)
-        gets the same values on every rank, in any order: the generator lives on the tensor's
-        device. On CPU the values are those of a CPU generator (the same as ever); on CUDA those
-        of a CUDA generator, identical on GPUs of one model (CUDA's kernels spread elements over
-        threads by the GPU's multiprocessor count, so a job must not mix GPU models). With
-        ``$PARO_INIT_RNG=cpu`` every device gets the CPU generator's values (drawn on the CPU and
-        copied: slow for a large model), so a GPU run starts from a CPU run's exact weights."""
+        With a ``seed`` the values depend only on (seed, name, device type), so a model materialised
+        tensor by tensor inside ``paro_shard`` gets the same values on every rank, in any order
+        (CUDA's values depend on the GPU model: a job must not mix them). ``$PARO_INIT_RNG=cpu``
+        draws on the CPU on every device, so a GPU run starts from a CPU run's exact weights."""
         if tensor.dim() == 1:
             tensor.fill_(1.0)
             return
