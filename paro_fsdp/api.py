@@ -175,16 +175,10 @@ def _default_blocks(model: nn.Module) -> list[nn.Module]:
     return out
 
 
-def paro_shard(
-    model: nn.Module,
-    mesh: DeviceMesh,
-    policy: PolicyLike = "IIG",
-    mp: Optional[MixedPrecision] = None,
-    blocks: Optional[Iterable[nn.Module]] = None,
-    reshard_after_forward: bool = True,
-    param_init_fn: Optional[Callable[[str, torch.Tensor], None]] = None,
-    flat_below_bytes: int = 0,
-) -> nn.Module:
+def paro_shard(model: nn.Module, mesh: DeviceMesh, policy: PolicyLike = "IIG", mp: Optional[MixedPrecision] = None,
+               blocks: Optional[Iterable[nn.Module]] = None, reshard_after_forward: bool = True,
+               param_init_fn: Optional[Callable[[str, torch.Tensor], None]] = None,
+               flat_below_bytes: int = 0) -> nn.Module:
     """Shard ``model`` in place with a PaRO ``policy`` and return it.
 
     Parameters are bucketed per block (``_default_blocks``, or ``blocks``: modules, or containers

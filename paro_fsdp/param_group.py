@@ -97,18 +97,9 @@ class ShardState(enum.Enum):
 
 
 class ParoParamGroup:
-    def __init__(
-        self,
-        name: str,
-        strategy: Strategy,
-        refs: list[ParamRef],
-        info: MeshInfo,
-        comm: MeshComm,
-        cc: ParoCC,
-        mp: MixedPrecision,
-        reshard_after_forward: bool,
-        param_init_fn: Callable[[str, torch.Tensor], None] | None = None,
-    ) -> None:
+    def __init__(self, name: str, strategy: Strategy, refs: list[ParamRef], info: MeshInfo, comm: MeshComm, cc: ParoCC,
+                 mp: MixedPrecision, reshard_after_forward: bool,
+                 param_init_fn: Callable[[str, torch.Tensor], None] | None = None) -> None:
         self.name, self.strategy, self.info, self.mp = name, strategy, info, mp
         self.comm, self.cc = comm, cc  # one-dimension collectives; global ones (PaRO-CC), both the model's
         self.refs = sorted(refs, key=lambda r: not r.requires_grad)  # trainable first

@@ -49,16 +49,9 @@ def fit_alpha_beta(points: Sequence[tuple[float, float]]) -> tuple[float, float]
     return 1.0 / slope, a
 
 
-def calibrate_in_process(
-    mesh: Any,
-    model_args: Optional[Union[str, LlamaArgs]] = None,
-    micro_batch: int = 1,
-    seq_len: int = 128,
-    dtype: str = "bf16",
-    sizes_mib: Optional[Sequence[float]] = None,
-    reps: int = 3,
-    name: str = "calibrated",
-) -> Cluster:
+def calibrate_in_process(mesh: Any, model_args: Optional[Union[str, LlamaArgs]] = None, micro_batch: int = 1,
+                         seq_len: int = 128, dtype: str = "bf16", sizes_mib: Optional[Sequence[float]] = None,
+                         reps: int = 3, name: str = "calibrated") -> Cluster:
     """Measure the mesh this process belongs to and return a :class:`Cluster`.
 
     Collective: every rank of the PaRO ``mesh`` calls it. Per mesh dimension of size > 1 and
