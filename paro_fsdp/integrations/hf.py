@@ -10,16 +10,11 @@
     ...                                          # train
     save_model(model, out) / save_adapter(model, out)   # from_pretrained / PeftModel.from_pretrained load it
 
-Why this order: a model built whole on every rank (``from_pretrained``) holds it n times; built
-on the meta device, ``paro_shard`` materialises one tensor at a time and ``load_weights`` reads
-through torch's ``HuggingFaceStorageReader`` (safetensors slices: JSON headers and raw tensors,
-nothing that runs code) into the fp32 masters at the OS level and the frozen parameters at the P
-level, so no rank ever holds the whole model and the masters are as exact as the file. The
-export writes the same DTensors with ``HuggingFaceStorageWriter``: each rank its shards, then
-rank 0 joins them tensor by tensor into files of at most 5 GB and the index transformers reads.
-
-Loading goes through ``paro_fsdp.checkpoint_files.safe_load``, the one entry point through
-which the project reads any checkpoint.
+Why this order: ``from_pretrained`` on every rank holds the model n times; built on the meta
+device, ``paro_shard`` materialises one tensor at a time and ``load_weights`` reads each rank's
+safetensors slices (through ``checkpoint_files.safe_load``: nothing that runs code) straight into
+the fp32 masters and frozen P, so no rank holds the whole model and the masters are exact. The
+export writes the same DTensors back, rank 0 joining them into files and the index.
 """
 from __future__ import annotations
 
@@ -119,11 +114,9 @@ def _pretrained(model: nn.Module) -> nn.Module:
 
 
 def decoder_blocks(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks, as transformers names them for device placement
-    (``_no_split_modules``: ``LlamaDecoderLayer``, ``GPT2Block``, ...), outermost only; else the
-    elements of the largest ``nn.ModuleList``. What ``paro_shard(blocks=)``, activation
-    checkpointing and per-block compile take: the default blocks would also make every
-    ``ModuleDict`` peft adds (``lora_A``, ``lora_B``) a block of its own."""
+    """The transformer blocks (``_no_split_modules``, outermost only; else the largest
+    ``nn.ModuleList``'s elements), for ``paro_shard(blocks=)``, AC and per-block compile: the
+    default blocks would make each ``ModuleDict`` peft adds a block of its own."""
     names = set(getattr(_pretrained(model), "_no_split_modules", None) or ())
     blocks: list[nn.Module] = []
     inside: set[int] = set()
@@ -165,11 +158,8 @@ def _linear_names(model: nn.Module) -> list[str]:
 
 def add_lora(model: nn.Module, rank: int, alpha: float = 16.0, dropout: float = 0.0,
              target_modules: Optional[Iterable[str]] = None, base_path: str = "") -> nn.Module:
-    """peft's ``get_peft_model`` with a ``LoraConfig``: the base weights frozen
-    (``requires_grad=False``: ``paro_shard`` gives them no gradient buffer and no optimizer
-    state), the adapters trainable. Call it on the meta model, before ``paro_shard``;
-    ``init_for_load`` then draws the adapters as peft does. ``target_modules`` None: peft's
-    default for the architecture."""
+    """peft's ``get_peft_model`` on the meta model, before ``paro_shard``: frozen base weights
+    get no gradient buffer or optimizer state. ``target_modules`` None: peft's default."""
     from peft import LoraConfig, get_peft_model
 
     targets = list(target_modules) if target_modules else lora_targets(model)
@@ -190,10 +180,8 @@ def count_trainable(model: nn.Module) -> tuple[int, int]:
 
 
 def init_for_load(seed: int) -> Callable[[str, torch.Tensor], None]:
-    """``paro_shard``'s ``param_init_fn`` for a model whose weights ``load_weights`` reads
-    next: zeros, except peft's adapters, drawn as peft draws them (``lora_A`` Kaiming-uniform
-    with a = sqrt(5), ``lora_B`` zero; an embedding's A zero and B normal) from a generator
-    seeded by (seed, name), so every rank draws the same values in any order."""
+    """``paro_shard``'s ``param_init_fn`` before ``load_weights``: zeros, except peft's adapters,
+    drawn as peft draws them, seeded by (seed, name) so every rank draws alike in any order."""
 
     def init(name: str, tensor: torch.Tensor) -> None:
         with torch.no_grad():
@@ -210,8 +198,7 @@ def init_for_load(seed: int) -> Callable[[str, torch.Tensor], None]:
 
 def materialise_buffers(model: nn.Module, device: torch.device) -> None:
     """Buffers left on the meta device (RoPE's ``inv_freq``) allocated on ``device`` and filled
-    by the model's own ``_init_weights``, as transformers fills them after a meta-device load.
-    A buffer it does not fill is refused rather than left as garbage."""
+    by the model's ``_init_weights``; one it does not fill is refused, not left as garbage."""
     pretrained = _pretrained(model)
     for name, module in model.named_modules():
         meta = [k for k, b in module._buffers.items() if b is not None and b.is_meta]
@@ -232,9 +219,8 @@ def materialise_buffers(model: nn.Module, device: torch.device) -> None:
 
 # ---- loading: each rank reads its shards ---------------------------------------------------------
 def base_name(fqn: str) -> Optional[str]:
-    """The name a parameter has in the base model's safetensors: a ``PeftModel``'s
-    ``base_model.model.`` prefix and the ``.base_layer`` of a wrapped layer dropped; None for
-    the adapters (they are not in the base model's files)."""
+    """A parameter's name in the base model's safetensors (peft's prefix and ``.base_layer``
+    dropped); None for the adapters."""
     if ".lora_" in fqn or ".lora_magnitude_vector" in fqn:
         return None
     return fqn.removeprefix("base_model.model.").replace(".base_layer.", ".")
@@ -254,9 +240,8 @@ def stored_shapes(path: str) -> dict[str, tuple[int, ...]]:
 
 
 def check_weights(names: dict[str, tuple[int, ...]], path: str, key: Callable[[str], Optional[str]] = base_name) -> None:
-    """Raise ``HFModelError`` unless the folder holds every tensor the model will load
-    (``names``: parameter name -> shape, e.g. of the meta model) with its shape: a partial load
-    is never silent."""
+    """Raise ``HFModelError`` unless the folder holds every tensor of ``names`` (name -> shape)
+    with its shape: a partial load is never silent."""
     stored = stored_shapes(path)
     wanted = {key(n): s for n, s in names.items() if key(n) is not None}
     missing = [n for n in wanted if n not in stored]
@@ -271,11 +256,9 @@ def check_weights(names: dict[str, tuple[int, ...]], path: str, key: Callable[[s
 
 
 def load_weights(model: nn.Module, path: str, key: Callable[[str], Optional[str]] = base_name) -> int:
-    """Read the folder's safetensors into a ``paro_shard`` model: trainable parameters into
-    their fp32 masters (as exact as the file), frozen ones into P; each rank reads only the
-    slices it holds (``HuggingFaceStorageReader`` through ``safe_load``), then P takes the
-    masters' values. ``key``: parameter name -> name in the files (None: not loaded, e.g. the
-    adapters). Returns the number of tensors loaded. Collective."""
+    """Read the folder's safetensors into a ``paro_shard`` model's fp32 masters (frozen ones
+    into P), each rank only its slices; ``key``: name in the files (None: not loaded). Returns
+    how many tensors it loaded. Collective."""
     targets = {key(fqn): v for fqn, v in model.master_state_dict().items() if key(fqn) is not None}
     check_weights({k: tuple(v.shape) for k, v in targets.items()}, path, key=lambda n: n)
     safe_load(targets, storage_reader=_reader(path))
@@ -299,9 +282,8 @@ def _file_index(values: dict[str, DTensor], dtype: torch.dtype, max_bytes: int) 
 
 
 def _write_safetensors(values: dict[str, DTensor], folder: str, dtype: torch.dtype, max_bytes: int) -> None:
-    """Every rank writes its shards of ``values`` (DCP), rank 0 joins them into whole tensors in
-    ``folder`` (files of at most ``max_bytes`` and ``model.safetensors.index.json``), one tensor
-    in memory at a time, and drops the shards. Collective."""
+    """Every rank writes its shards of ``values``; rank 0 joins them, one tensor in memory at a
+    time, into files of at most ``max_bytes`` and the index. Collective."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
@@ -337,12 +319,9 @@ def _publish(tmp: str, out_dir: str) -> str:
 def save_model(model: nn.Module, out_dir: str, config: Any, *, dtype: torch.dtype = torch.float32,
                values: Optional[dict[str, DTensor]] = None, extra_files: Iterable[str] = (),
                max_shard_bytes: int = SHARD_BYTES) -> str:
-    """Write a folder ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads: ``config``
-    (``dtype`` recorded in it) and the weights in ``dtype`` as safetensors, from the fp32
-    masters (frozen weights from P), no rank holding more than its shards and one tensor.
-    ``values``: the tensors to write under their Hugging Face names (default: the model's own
-    ``master_state_dict``); ``extra_files``: copied in (tokenizer files). Collective; returns
-    ``out_dir``."""
+    """Write a folder ``AutoModelForCausalLM.from_pretrained`` loads: ``config`` and the fp32
+    masters (frozen weights: P) in ``dtype``. ``values``: tensors under their Hugging Face names
+    (default ``master_state_dict``); ``extra_files``: copied in. Collective; returns ``out_dir``."""
     values = model.master_state_dict() if values is None else values
     tmp = _prepare(out_dir)
     _write_safetensors(values, tmp, dtype, max_shard_bytes)
@@ -355,9 +334,8 @@ def save_model(model: nn.Module, out_dir: str, config: Any, *, dtype: torch.dtyp
 
 
 def save_adapter(model: nn.Module, out_dir: str, *, dtype: torch.dtype = torch.float32) -> str:
-    """Write the LoRA adapter of a ``paro_shard``-ed ``PeftModel`` as ``save_pretrained`` does
-    (``adapter_config.json`` + ``adapter_model.safetensors``, peft's key names), which
-    ``PeftModel.from_pretrained(base, out_dir)`` loads. Collective; returns ``out_dir``."""
+    """Write the LoRA adapter as peft's ``save_pretrained`` does, for ``PeftModel.from_pretrained``.
+    Collective; returns ``out_dir``."""
     from peft import get_peft_model_state_dict
 
     adapter = get_peft_model_state_dict(model, state_dict=model.master_state_dict(), save_embedding_layers=False)

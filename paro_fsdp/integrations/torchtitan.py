@@ -1,41 +1,20 @@
-"""PaRO inside torchtitan 0.3's own ``Trainer``: one flag away from FSDP2.
+"""PaRO inside torchtitan 0.3's own ``Trainer``: one flag away from FSDP2 (docs/torchtitan.md).
 
     python -m torchtitan.train --module paro_fsdp.integrations.torchtitan \\
         --config llama3_8b_paro --paro.strategy IIG --paro.group_size 8
 
-What torchtitan keeps: its model, data, loss, LR schedule, metrics, checkpointer and training
-loop. What changes, and why:
-- ``parallelize_paro`` replaces ``parallelize_llama``: torchtitan's own activation
-  checkpointing and per-block compile, then ``paro_shard`` instead of ``fully_shard``. Blocks are
-  the values of ``model.layers`` (a ModuleDict), unwrapped from torchtitan's checkpoint
-  wrapper: the engine's hooks must run inside the checkpointed call, so the recomputation
-  re-gathers what the forward gathered. Gradients are summed over ranks (divide factor 1.0),
-  as torchtitan's FSDP2 setup does: its loss already divides by the global token count.
-- Parameters are materialised inside ``paro_shard`` one tensor at a time with torchtitan's own
-  per-parameter initialisers (``param_init``), each seeded from (seed, name), so every rank
-  draws the same values and no rank holds the whole model; the trainer's ``to_empty`` /
-  ``init_weights`` that follow then only touch buffers.
-- ``ParoOptimizersContainer`` runs ``ParoOptimizer`` (the fp32 masters live at the OS level,
-  not in the parameters): torchtitan's ``clip_grad_norm_`` sees no ``.grad`` (norm 0, no
-  clipping), so the container clips by the global norm at ``step()`` and the trainer logs
-  that norm. Its state dict is torchtitan's flat ``state.{fqn}.{name}`` format with DTensor
-  values, so checkpoints interchange with FSDP2 runs (weights come from the model's state
-  dict; loading them refreshes the masters, see ``ParoModule.load_state_dict``), plus each
-  parameter's fp32 master (``state.{fqn}.master_fp32``): in bf16 the model's state dict holds
-  P in bf16, and a resume that rebuilt the masters from it would drift from the run it resumes.
-  FSDP2 ignores the extra key; a checkpoint without it (FSDP2's) loads the masters from the
-  model's weights, as before.
-- ``ParoTrainer`` tells the model which micro-batch is the last (``set_is_last_backward``), and
-  computes torchtitan's chunked loss unchunked: the chunks call ``lm_head`` outside the model's
-  forward, where its sharded weight is not gathered.
-- Its checkpointer reads through ``paro_fsdp.checkpoint_files.safe_load`` (``safe_dcp_load``),
-  with or without ``paro.enable``: torchtitan's own ``dcp.load`` unpickles ``.metadata`` and
-  every non-tensor value with a full unpickler, so a crafted resume or ``initial_load_path``
-  folder would run code on every rank.
+torchtitan keeps its model, data, loss, LR schedule, metrics, checkpointer and loop. What
+changes: ``parallelize_paro`` (its AC and per-block compile, then ``paro_shard`` on the blocks
+unwrapped from the AC wrapper, so recomputation re-gathers; gradients summed, as its loss is
+already divided by the global token count); parameters drawn inside ``paro_shard`` by its own
+per-parameter initialisers, seeded by name; ``ParoOptimizersContainer`` (clips at ``step()``,
+its ``clip_grad_norm_`` sees no ``.grad``; a flat DTensor state dict that interchanges with
+FSDP2, plus each fp32 master so a bf16 resume does not drift); ``ParoTrainer`` (marks the last
+micro-batch, computes the chunked loss unchunked, reads checkpoints through ``safe_load``:
+torchtitan's ``dcp.load`` would unpickle a crafted folder on every rank).
 
 Not supported (a clear error at start-up): tensor, pipeline, context and expert parallelism,
-HSDP replicate degrees (PaRO's group size replaces them), and optimizer param groups by regex
-(one catch-all group; per-tensor *strategies* go in ``paro.policy``).
+HSDP replicate degrees (PaRO's group size replaces them), and regex optimizer param groups.
 """
 from __future__ import annotations
 
@@ -283,20 +262,14 @@ class ParoOptimizersContainer(OptimizersContainer):
         p = self.paro
         p._ensure_state()
         for fqn, m in self._names():
-            master = state_dict.get(f"state.{fqn}.{MASTER}")
-            if master is not None:
-                master = master.to_local() if isinstance(master, DTensor) else master
-                if master.data_ptr() != m.data_ptr():
-                    m.copy_(master)
             state = p.inner.state[m]
-            for key in list(state):
+            for key, old in [(MASTER, m)] + [(k, state[k]) for k in list(state)]:
                 value = state_dict.get(f"state.{fqn}.{key}")
-                if value is None:
-                    continue
                 value = value.to_local() if isinstance(value, DTensor) else value
-                if torch.is_tensor(state[key]):
-                    if state[key].data_ptr() != value.data_ptr():
-                        state[key].copy_(value)
+                if value is None or (torch.is_tensor(old) and old.data_ptr() == value.data_ptr()):
+                    continue  # not saved, or DCP loaded it in place
+                if torch.is_tensor(old):
+                    old.copy_(value)
                 else:
                     state[key] = value
         for pg in p.inner.param_groups:
@@ -422,22 +395,22 @@ def to_paro(config: Trainer.Config, **paro: Any) -> ParoTrainer.Config:
     return ParoTrainer.Config(**values, paro=ParoConfig(**paro))
 
 
+def _llama3(name: str) -> ParoTrainer.Config:
+    from torchtitan.models.llama3 import config_registry
+
+    return to_paro(getattr(config_registry, name)())
+
+
 def llama3_debug_paro() -> ParoTrainer.Config:
     """torchtitan's debug Llama 3 (``llama3_debugmodel``) with PaRO IIG in groups of 8."""
-    from torchtitan.models.llama3.config_registry import llama3_debugmodel
-
-    return to_paro(llama3_debugmodel())
+    return _llama3("llama3_debugmodel")
 
 
 def llama3_8b_paro() -> ParoTrainer.Config:
     """Llama 3 8B (``llama3_8b``) with PaRO IIG, groups of 8 GPUs (one node)."""
-    from torchtitan.models.llama3.config_registry import llama3_8b
-
-    return to_paro(llama3_8b())
+    return _llama3("llama3_8b")
 
 
 def llama3_70b_paro() -> ParoTrainer.Config:
     """Llama 3 70B (``llama3_70b``) with PaRO IIG, groups of 8 GPUs (one node)."""
-    from torchtitan.models.llama3.config_registry import llama3_70b
-
-    return to_paro(llama3_70b())
+    return _llama3("llama3_70b")

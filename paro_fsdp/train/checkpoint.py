@@ -1,33 +1,16 @@
 """Checkpoints with torch.distributed.checkpoint (DCP): atomic saves, pruning, resume.
 
-What is saved (one DCP checkpoint per step folder ``step-<N>``):
-  optimizer     ``ParoOptimizer.state_dict()``: the fp32 master weights (these *are* the model
-                weights: P is recomputed from them on load) and the Adam states, as DTensors
-                keyed by parameter name, plus the param groups;
-  lr_scheduler  the scheduler's step counter;
-  dataloader    the global sample position;
-  train_state   the step and the RNG states.
-Why it reshards: every tensor is a DTensor whose placements describe the saving run's strategy
-and mesh; DCP stores each shard with its global offsets and, on load, reads the pieces each
-rank of the *loading* run needs for its own placements. So a checkpoint of IIG on 4 ranks
-loads under GGG on 2 ranks, and back.
+A ``step-<N>`` folder holds the optimizer (fp32 masters, which *are* the weights, and Adam
+states, as DTensors by parameter name), the lr scheduler's step, the data position and the
+step with RNG states. Why DTensors: DCP reads whatever pieces the *loading* run's placements
+need, so IIG on 4 ranks loads under GGG on 2, and back.
 
-Why atomic: DCP writes into ``step-<N>.tmp`` and rank 0 renames it to ``step-<N>`` only after
-every rank finished writing, so a crash mid-save leaves a ``.tmp`` folder that is never loaded
-(and is removed at the next start), never a checkpoint that loads wrongly. A pruned checkpoint
-is renamed to ``.tmp`` before it is deleted, for the same reason.
-
-Why verified: each save also writes a manifest of file sizes and CRC32s, checked before a
-load, and the checkpoint's shapes are compared with this model's (checkpoint_files.py), so a
-damaged file or another model's checkpoint stops the run with one line, never loads partly.
-A ``step-<N>`` folder without the manifest is refused (``--checkpoint.verify false`` loads it
-unverified): this trainer never renames a folder into place before its manifest is written, so
-one without it was copied incompletely or written by something else.
-
-Why damage is moved aside: a ``step-<N>`` folder without DCP's ``.metadata`` cannot be loaded by
-anyone. Skipping it silently would resume from an earlier step and, N steps later, overwrite
-the evidence; so it is renamed ``step-<N>.damaged`` (never loaded, never pruned, never
-overwritten), the log says so in one line, and the run resumes from the latest complete one.
+Why atomic: DCP writes ``step-<N>.tmp``, renamed into place once every rank finished, so a
+crash mid-save never leaves a checkpoint that loads wrongly (pruning renames first too). Why
+verified: a manifest of sizes and CRC32s and a shape check stop a damaged file or another
+model's checkpoint with one line; a folder without the manifest was not written by this
+trainer whole. Why damage is moved aside (``step-<N>.damaged``): skipping it silently would
+resume earlier and later overwrite the evidence (docs/failures.md).
 """
 from __future__ import annotations
 
@@ -229,13 +212,10 @@ _MODEL_KEYS = "model.flavor, model.tokenizer, model.vocab_size"  # what decides 
 
 def load_model_weights(model: torch.nn.Module, path: str, verify_files: bool = True,
                        warn: Optional[Callable[[str], None]] = None) -> str:
-    """Load model weights only from the DCP folder ``path`` into a ``paro_shard`` model, whose
-    ``load_state_dict`` then refreshes the fp32 masters (else the next step would push the old
-    masters back). Keys are parameter names, or ``optimizer.master.<name>`` in a checkpoint of
-    this trainer (its fp32 masters: exact). Returns which of the two it was. Collective.
-
-    A folder without this trainer's manifest (torchtitan's, plain DCP's) loads, since that is
-    what such folders are; ``warn`` gets one line saying its files could not be verified."""
+    """Load only model weights from the DCP folder ``path`` (keys: parameter names, or this
+    trainer's ``optimizer.master.<name>``) into a ``paro_shard`` model, whose ``load_state_dict``
+    refreshes the fp32 masters; returns which it was. A folder without a manifest (torchtitan's,
+    plain DCP's) loads after one ``warn`` line. Collective."""
     if not os.path.isfile(os.path.join(path, ".metadata")):
         raise CheckpointError(f"checkpoint.initial_load_path = {path!r} is not a DCP checkpoint folder (no .metadata); "
                               f"valid: a folder written by torch.distributed.checkpoint, e.g. a step-N folder")
@@ -259,12 +239,10 @@ def load_model_weights(model: torch.nn.Module, path: str, verify_files: bool = T
 
 def _checked_load(path: str, target: Callable[[Any], tuple[Any, str]], verify_files: bool, what: str, *, damage_fix: str,
                   misfit_fix: str, unverified_fix: Optional[str], warn: Optional[Callable[[str], None]]) -> None:
-    """Verify ``path`` against its manifest, compare its shapes with the state ``target(metadata)``
-    returns (with the key prefix to compare), then load it with ``safe_load``. Every failure is
-    one ``CheckpointError`` starting with ``what`` and ending with the fix that fits its cause:
-    ``damage_fix`` (damaged files), ``misfit_fix`` (another model). Without a manifest (and
-    ``verify_files``): refused with ``unverified_fix``, or, given ``warn``, loaded after one
-    warning line. Collective."""
+    """Verify ``path``, compare its shapes with ``target(metadata)``'s state (and key prefix),
+    then ``safe_load`` it. Every failure is one ``CheckpointError`` starting with ``what`` and
+    ending with the fix for its cause (``damage_fix``, ``misfit_fix``; no manifest:
+    ``unverified_fix``, or with ``warn`` a warning and the load). Collective."""
     if verify_files and not os.path.isfile(os.path.join(path, MANIFEST)):
         if warn is None:
             raise CheckpointError(f"{what} has no {MANIFEST}, so its files cannot be verified (this trainer writes one with "

@@ -28,9 +28,8 @@ class Job:
     description: str = "default job"
     """Free text, printed at start-up"""
     fresh: bool = False
-    """Start afresh: once the config is valid, rank 0 deletes what a previous run wrote in job.dump_folder (the
-    checkpoint folder, TensorBoard folder, profiler traces, compile schedules and metrics.jsonl; nothing else) before
-    anything is written. A config error deletes nothing. `make train` passes it unless RESUME=1"""
+    """Once the config is valid, delete what a previous run wrote in job.dump_folder (checkpoints, TensorBoard,
+    traces, compile schedules, metrics.jsonl; nothing else). `make train` passes it unless RESUME=1"""
 
 
 @dataclass
@@ -134,9 +133,8 @@ class Parallelism:
     paro_reshard_after_forward: bool = True
     """Free gathered block parameters after forward (re-gather in backward)"""
     paro_flat_below_mb: float = 0
-    """Global collectives on messages below this many MiB run as one flat collective over all
-    ranks instead of PaRO-CC's intra and inter phases (0: never; measure where flat wins on your
-    cluster with tools.bench.collectives)"""
+    """Global collectives below this many MiB run flat over all ranks instead of PaRO-CC's intra
+    and inter phases (0: never; tools.bench.collectives measures where flat wins)"""
 
 
 @dataclass
@@ -155,21 +153,17 @@ class Compile:
     backend: str = "inductor"
     """torch.compile backend: inductor (the graph passes run in it), aot_eager or eager"""
     scope: Literal["model", "blocks"] = "blocks"
-    """blocks: each transformer block on its own, as torchtitan does (identical blocks compile
-    once); model: one graph over all blocks, so the reorder pass can prefetch across blocks and
-    the root's collectives are graph nodes too (a longer cold compile; docs/benchmarks.md)"""
+    """blocks: each block on its own, as torchtitan (identical blocks compile once); model: one graph,
+    so reorder can prefetch across blocks (a longer cold compile; docs/benchmarks.md)"""
     passes: list[str] = field(default_factory=lambda: list(GRAPH_PASSES))
-    """Graph passes to run, any of: bucketing, reorder ([] for none; inductor only). Global
-    collectives are PaRO-CC (intra and inter phases) in the graph without a pass"""
+    """Graph passes to run, any of: bucketing, reorder ([] for none; inductor only)"""
     push_graph: bool = False
-    """Also compile the optimizer's push of the updated parameters to P (its all-gathers merged
-    into one per mesh dimension). Off by default: it saves a few launches per step and costs
-    about as much compile time as a block (docs/benchmarks.md)"""
+    """Also compile the optimizer's push of the updated parameters to P (off: it saves a few
+    launches per step for about a block's compile time; docs/benchmarks.md)"""
     max_prefetch_mb: float = -1
     """reorder pass: bound on gathered parameters in flight, MiB (-1: no bound, 0: no prefetch)"""
     dump_schedule: bool = False
-    """Write each compiled graph's collective schedule before/after the passes (text, JSON, PNG)
-    to job.dump_folder/compile, and as a TensorBoard text entry"""
+    """Write each graph's collective schedule before/after the passes to job.dump_folder/compile and TensorBoard"""
 
 
 @dataclass
@@ -191,9 +185,8 @@ class Profiling:
     keep_latest_k: int = 3
     """Keep each rank's newest k trace files (older ones are deleted as new ones are written); 0 keeps all"""
     timeline: bool = True
-    """With metrics.enable_tensorboard: draw each traced step's timeline (compute, intra and inter
-    collectives, per rank) as a TensorBoard image, with its overlap and link-busy fractions as
-    scalars (needs matplotlib)"""
+    """With metrics.enable_tensorboard: each traced step's timeline (compute, intra and inter collectives, per
+    rank) as a TensorBoard image, its overlap and link-busy fractions as scalars (needs matplotlib)"""
 
 
 @dataclass
@@ -208,17 +201,14 @@ class Checkpoint:
     load_step: int = -1
     """Resume from this step's checkpoint; -1: the latest complete one (if any)"""
     verify: bool = True
-    """Check every file of a checkpoint against the sizes and CRC32 checksums written with it (paro_manifest.json)
-    before loading; a step-N folder without that manifest is refused (false: load it unverified), an
-    initial_load_path folder without one (torchtitan's, plain DCP's) loads with a warning"""
+    """Check a checkpoint's files against its paro_manifest.json (sizes, CRC32) before loading; a step-N folder
+    without one is refused (false: load it unverified), an initial_load_path one loads with a warning"""
     initial_load_path: str = ""
-    """With no checkpoint to resume from: start from the model weights of this DCP folder (keys =
-    parameter names, as torchtitan's model-only checkpoints, or a step-N folder of this trainer:
-    its fp32 masters); the optimizer, lr schedule and data start fresh"""
+    """With no checkpoint to resume from: the model weights of this DCP folder (torchtitan's model-only, or a
+    step-N folder: its fp32 masters); optimizer, lr schedule and data start fresh"""
     last_save_in_hf: bool = False
-    """After the last step also write the weights as a Hugging Face folder (step-N-hf next to the checkpoints:
-    config.json + safetensors that AutoModelForCausalLM.from_pretrained loads; with [peft], the adapter folder
-    step-N-hf-adapter that PeftModel.from_pretrained loads)"""
+    """After the last step also write step-N-hf beside the checkpoints, which AutoModelForCausalLM.from_pretrained
+    loads (with [peft]: step-N-hf-adapter, for PeftModel.from_pretrained)"""
     export_dtype: Literal["float32", "bfloat16"] = "float32"
     """dtype of the weights checkpoint.last_save_in_hf writes"""
 
@@ -232,9 +222,8 @@ class Comm:
     train_timeout_seconds: int = 100
     """Collective timeout after the first step"""
     check_collective_order: bool = False
-    """Debug: before each collective of one step, compare it (kind, mesh dimension, shape, dtype)
-    across ranks and stop at the first difference with one line, instead of hanging (the first
-    step; with compile.enable the second, after compiling). One small gloo all-gather per collective"""
+    """Debug: compare each collective of one step (the first; compiled: the second) across ranks, stopping at the
+    first difference with one line instead of hanging; one small gloo all-gather per collective"""
 
 
 @dataclass

@@ -177,10 +177,8 @@ def parse_args(argv: list[str], world_size: Optional[int] = None, local_world_si
                 raise ConfigError(f"--world {text!r} must be an integer (the number of ranks to estimate for)") from None
             continue
         if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
-            raise ConfigError(
-                f"unexpected argument {arg!r}; valid: --section.key value (sections: {', '.join(SECTIONS)}), "
-                "--print-config, --check-config [--world N], --estimate [--world N], --help"
-            )
+            raise ConfigError(f"unexpected argument {arg!r}; valid: --section.key value (sections: {', '.join(SECTIONS)}), "
+                              "--print-config, --check-config [--world N], --estimate [--world N], --help")
         name, eq, text = arg[2:].partition("=")
         section, _, key = name.partition(".")
         if section not in SECTIONS:
@@ -191,14 +189,11 @@ def parse_args(argv: list[str], world_size: Optional[int] = None, local_world_si
         if not eq:
             tp = hints[key]
             nxt = argv[i] if i < len(argv) else None
-            if tp is bool:
-                if nxt is not None and not nxt.startswith("--"):
-                    text, i = nxt, i + 1
-                else:
-                    text = "true"
+            if tp is bool and (nxt is None or nxt.startswith("--")):
+                text = "true"  # a bare flag
+            elif tp is not bool and (nxt is None or (nxt.startswith("--") and len(nxt) > 2)):
+                raise ConfigError(f"--{name} needs a value; valid: {_type_name(tp)}")
             else:
-                if nxt is None or (nxt.startswith("--") and len(nxt) > 2):
-                    raise ConfigError(f"--{name} needs a value; valid: {_type_name(tp)}")
                 text, i = nxt, i + 1
         if name == "job.config_file":
             config_file = text
@@ -249,8 +244,6 @@ def _is_strategy(text: str) -> bool:
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
 
 
 def validate(cfg: JobConfig, world_size: Optional[int], local_world_size: Optional[int] = None, for_training: bool = True) -> None:
@@ -308,35 +301,27 @@ def validate(cfg: JobConfig, world_size: Optional[int], local_world_size: Option
     per_step = t.local_batch_size * (world_size or 1)
     if world_size is not None and t.global_batch_size != -1 and (t.global_batch_size < per_step or t.global_batch_size % per_step):
         examples = ", ".join(str(per_step * k) for k in (1, 2, 4))
-        raise ConfigError(
-            f"training.global_batch_size = {t.global_batch_size} is not a multiple of training.local_batch_size "
-            f"({t.local_batch_size}) x data-parallel ranks ({world_size}) = {per_step}; valid: -1 or a multiple of {per_step} (e.g. {examples})"
-        )
+        raise ConfigError(f"training.global_batch_size = {t.global_batch_size} is not a multiple of training.local_batch_size "
+                          f"({t.local_batch_size}) x data-parallel ranks ({world_size}) = {per_step}; valid: -1 or a multiple of {per_step} (e.g. {examples})")
     if p.paro_strategy.strip().lower() == "auto":
         if p.paro_policy:
             raise ConfigError("parallelism.paro_strategy = \"auto\" cannot be combined with parallelism.paro_policy "
                               "(the advisor picks one strategy for the whole model); valid: an explicit strategy, or no paro_policy")
     elif not _is_strategy(p.paro_strategy):
-        raise ConfigError(
-            f"parallelism.paro_strategy = {_show(p.paro_strategy)} is not a PaRO strategy; valid: three letters of N, I, G "
-            "for the P, G, OS levels, e.g. IIG, NIG, IGG, ING, GGG (ZeRO-3), NNG (ZeRO-1), NNN (DDP)"
-        )
+        raise ConfigError(f"parallelism.paro_strategy = {_show(p.paro_strategy)} is not a PaRO strategy; valid: three letters of "
+                          "N, I, G for the P, G, OS levels, e.g. IIG, NIG, IGG, ING, GGG (ZeRO-3), NNG (ZeRO-1), NNN (DDP)")
     for pattern, strategy in p.paro_policy.items():
         if not _is_strategy(strategy):
-            raise ConfigError(
-                f"parallelism.paro_policy.{pattern} = {_show(strategy)} is not a PaRO strategy; valid: three letters of N, I, G, e.g. IIG"
-            )
+            raise ConfigError(f"parallelism.paro_policy.{pattern} = {_show(strategy)} is not a PaRO strategy; valid: three "
+                              "letters of N, I, G, e.g. IIG")
     if p.paro_flat_below_mb < 0:
         raise ConfigError(f"parallelism.paro_flat_below_mb = {p.paro_flat_below_mb} is invalid; valid: 0 (never flat) "
                           "or a positive size in MiB")
     if p.paro_group_size != -1 and p.paro_group_size < 1:
         raise ConfigError(f"parallelism.paro_group_size = {p.paro_group_size} is invalid; valid: -1 (ranks per node) or a positive divisor of the world size")
-    if p.paro_group_size != -1 and world_size is not None:
-        if world_size % p.paro_group_size:
-            raise ConfigError(
-                f"parallelism.paro_group_size = {p.paro_group_size} does not divide the world size {world_size}; "
-                f"valid: -1 (ranks per node) or one of {_divisors(world_size)}"
-            )
+    if p.paro_group_size != -1 and world_size is not None and world_size % p.paro_group_size:
+        raise ConfigError(f"parallelism.paro_group_size = {p.paro_group_size} does not divide the world size {world_size}; "
+                          f"valid: -1 (ranks per node) or one of {_divisors(world_size)}")
     if "hierarchical" in cfg.compile.passes:
         raise ConfigError("compile.passes: 'hierarchical' is no longer a pass: compiled graphs run global collectives "
                           "as PaRO-CC (intra and inter phases) as the eager engine does; drop it, "

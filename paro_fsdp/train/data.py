@@ -107,15 +107,8 @@ class DataLoader:
     after epoch; :meth:`state_dict` / :meth:`load_state_dict` save and restore the position at
     an optimizer-step boundary."""
 
-    def __init__(
-        self,
-        windows: np.ndarray,
-        local_batch_size: int,
-        dp_rank: int,
-        dp_world: int,
-        grad_accum: int,
-        seed: int,
-    ) -> None:
+    def __init__(self, windows: np.ndarray, local_batch_size: int, dp_rank: int, dp_world: int, grad_accum: int,
+                 seed: int) -> None:
         self.windows = windows
         self.num_windows = len(windows)
         self.local_batch_size, self.dp_rank, self.dp_world = local_batch_size, dp_rank, dp_world
@@ -171,17 +164,8 @@ class DataLoader:
         self.base, self.micro = int(state["samples_consumed"]), 0
 
 
-def build_dataloader(
-    dataset: str,
-    dataset_path: Optional[str],
-    tokenizer: Tokenizer,
-    seq_len: int,
-    local_batch_size: int,
-    dp_rank: int,
-    dp_world: int,
-    grad_accum: int,
-    seed: int,
-) -> DataLoader:
+def build_dataloader(dataset: str, dataset_path: Optional[str], tokenizer: Tokenizer, seq_len: int,
+                     local_batch_size: int, dp_rank: int, dp_world: int, grad_accum: int, seed: int) -> DataLoader:
     """Load, tokenize and pack the dataset; return this rank's loader."""
     tokens = tokenize_documents(load_documents(dataset, dataset_path), tokenizer)
     if tokens.max(initial=0) >= tokenizer.vocab_size:

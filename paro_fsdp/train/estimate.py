@@ -1,14 +1,10 @@
-"""The engine's own count of every PaRO strategy's per-rank memory and per-step communication, on a
-fake world: ``estimate(...)``.
+"""The engine's own count of every PaRO strategy's per-rank memory and per-step communication,
+on a fake world: ``estimate(...)`` (``train.py --estimate``, ``python -m tools.estimate``).
 
-Why: ``paro_fsdp.cost.ledger`` says what each strategy *should* cost; this measures what the engine
-*does*, for a world of any size, without hardware. In one process it starts torch's fake process
-group and, under ``FakeTensorMode`` (shapes only: a 7B model costs no memory and no FLOPs), runs one
-real optimizer step of A micro-steps through ``paro_shard`` + ``ParoOptimizer`` per strategy;
-``comm_stats()`` and ``memory_report(opt)`` are returned beside the ledger's formulas. Used by
-``train.py --estimate`` and ``python -m tools.estimate`` (whose docstring says why its shortcuts,
-1- and 2-layer runs extended linearly, a short sequence, fused AdamW, are exact). It needs a
-process without a real process group (it starts, or reuses, the fake one).
+Why: ``cost.ledger`` says what each strategy *should* cost; this measures what the engine
+*does*, at any world size, without hardware: one real optimizer step per strategy through
+``paro_shard`` + ``ParoOptimizer`` on torch's fake process group under ``FakeTensorMode`` (shapes
+only), beside the ledger's formulas. Needs a process without a real process group.
 """
 from __future__ import annotations
 
@@ -34,11 +30,8 @@ _meshes: dict[tuple[int, int], Any] = {}
 
 
 def ensure_fake_world(world: int) -> None:
-    """Make this process rank 0 of a fake process group of ``world`` ranks.
-
-    A fake group of another size is replaced (it has no state worth keeping); a real one is an
-    error, since the estimate would otherwise issue real collectives.
-    """
+    """Make this process rank 0 of a fake ``world``-rank group (replacing a fake one of another
+    size; a real one is an error: the estimate would issue real collectives)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
@@ -174,17 +167,14 @@ def estimate(
     accumulate_dtype: Optional[str] = "fp32",
     flat_below_bytes: int = 0,
 ) -> list[dict[str, Any]]:
-    """Measure each strategy on a fake ``world``-rank mesh and put the spec's formulas beside it.
+    """Measure each strategy on a fake ``world``-rank mesh, the ledger's formulas beside it.
 
-    ``model``: a flavor name of ``paro_fsdp.models.llama.FLAVORS`` or ``LlamaArgs``. One dict per
-    strategy, all sizes per rank in bytes: ``mem_{P,G,OS,total}`` (engine's memory_report after
-    the step) and ``formula_mem_*``; ``{intra,inter,global}_bytes`` (engine's comm_stats for one
-    optimizer step of ``grad_accum`` micro-steps; "global" is the clip-norm scalar all-reduce)
-    and ``formula_*_bytes``; ``collectives`` (``{"kind/dim": {"count", "bytes"}}``); the
-    parameter counts ``psi``, ``psi_trainable``, ``psi_kept`` (root, gathered once per
-    micro-step); ``layers_run``. ``flat_below_bytes``: the models' flat threshold for global
-    collectives (``paro_shard``); the formula columns stay the spec's (all hierarchical). A strategy the engine refuses (e.g. level G on a tensor whose
-    rows do not nest on this mesh) gets an ``error`` entry instead of numbers.
+    ``model``: a flavor name or ``LlamaArgs``. One dict per strategy, sizes per rank in bytes:
+    ``mem_{P,G,OS,total}`` and ``formula_mem_*``; ``{intra,inter,global}_bytes`` for one optimizer
+    step of ``grad_accum`` micro-steps and ``formula_*_bytes`` (always hierarchical, whatever
+    ``flat_below_bytes``); ``collectives`` (``{"kind/dim": {"count", "bytes"}}``); ``psi``,
+    ``psi_trainable``, ``psi_kept`` (the root); ``layers_run``. A strategy the engine refuses gets
+    an ``error`` entry instead.
     """
     args = flavor(model) if isinstance(model, str) else model
     if seq_len > args.max_seq_len:
@@ -247,10 +237,9 @@ def _ratio(a: float, b: float) -> str:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    """The rows of ``estimate`` as a fixed-width table: memory in GiB, traffic in GB (1e9 bytes)
-    per rank per optimizer step (MiB / MB for models too small to read in those), each measured
-    value next to its formula and their ratio (1.0000: the engine does what the spec says; above
-    1 only where the layout pads tensors whose dim 0 the world size does not divide)."""
+    """The rows of ``estimate`` as a fixed-width table (GiB / GB per rank per step, MiB / MB for
+    small models), each measured value beside its formula and their ratio (above 1 only where
+    the layout pads a tensor whose dim 0 the world size does not divide)."""
     ok = [r for r in rows if "error" not in r]
     big_mem = max((r["mem_total"] for r in ok), default=0) >= GiB / 8
     big_comm = max((r["intra_bytes"] + r["inter_bytes"] for r in ok), default=0) >= GB / 8

@@ -1,11 +1,7 @@
 """The trainer's Hugging Face path: ``--model.name hf --model.hf_path DIR`` (and ``[peft]``).
 
-The pieces are ``paro_fsdp.integrations.hf``'s; this module decides them from the config: the
-model's shapes for the log line, the FLOP count and the advisor; the meta model (with LoRA);
-its weights read after sharding; the loss; the export at the end. Every problem of the folder
-(no config.json, an architecture transformers does not know, weights that do not match, a
-tokenizer larger than the embedding, LoRA targets that match nothing) is an ``HFModelError``:
-one line naming the fix, which the trainer prints before exiting with status 2.
+The pieces are ``integrations.hf``'s; this module picks them from the config. Every problem
+of the folder is an ``HFModelError``: one line naming the fix, and exit status 2.
 """
 from __future__ import annotations
 

@@ -1,14 +1,10 @@
-"""What a run reports: one log line per ``log_freq`` steps on rank 0, the same numbers as
-TensorBoard scalars and as ``metrics.jsonl`` lines, and torch.profiler traces.
+"""What a run reports: a log line per ``log_freq`` steps on rank 0, the same numbers as
+TensorBoard scalars and ``metrics.jsonl`` lines, and torch.profiler traces.
 
-Why these numbers: PaRO trades memory for communication, so next to loss and speed every line
-shows the model-state bytes this rank holds (P + G + OS, from the engine) and the bytes the
-step moved inside groups (intra) and between groups (inter), from the engine's ledger.
-
-On CUDA nothing here waits for the GPU between log steps: the trainer keeps loss and grad norm
-as device tensors, ``StepTimer`` records CUDA events, and both are read once per log window. Log
-lines on CUDA add MFU (when the GPU's peak is known), reserved memory, allocator retries and the
-peak memory of the window (the allocator's peaks are reset at the start of each window).
+Why these numbers: PaRO trades memory for communication, so beside loss and speed each line
+shows this rank's model-state bytes (P + G + OS) and the bytes the step moved intra and inter
+group, from the engine's ledger. On CUDA nothing here waits for the GPU between log steps:
+loss, grad norm and CUDA timing events are read once per log window.
 """
 from __future__ import annotations
 
@@ -27,9 +23,8 @@ from .config import JobConfig
 
 MiB = float(2**20)
 
-# Dense peak FLOP/s per GPU (TFLOP/s), by a substring of torch.cuda.get_device_name(); the first
-# match wins, so the specific names come first. "fp32" is plain FP32 (PyTorch's default matmul
-# precision "highest"); "tf32" applies when torch.set_float32_matmul_precision allows TF32.
+# Dense peak TFLOP/s per GPU by a substring of its name, the first match winning (specific names
+# first); "fp32" is matmul precision "highest", "tf32" when set_float32_matmul_precision allows it.
 PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
     ("H200", {"bf16": 989.0, "tf32": 494.7, "fp32": 66.9}),
     ("H100 PCIe", {"bf16": 756.0, "tf32": 378.0, "fp32": 51.2}),
@@ -41,8 +36,7 @@ PEAK_TFLOPS_ENV = "PARO_PEAK_TFLOPS"
 
 
 def peak_host_rss_bytes() -> int:
-    """Peak resident set size of this process (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def host_now() -> dict[str, float]:
@@ -115,9 +109,8 @@ def peak_flops(device: torch.device, param_dtype: torch.dtype) -> Optional[float
 
 
 def cuda_memory(device: torch.device) -> dict[str, float]:
-    """The caching allocator's numbers for the current window (host-side reads, no sync): peak
-    allocated and reserved since the last ``reset_peak_memory_stats``, reserved now, and the
-    cumulative count of cudaMalloc retries (each one freed the cache and retried: memory pressure)."""
+    """The caching allocator's window peaks, reserved now and cudaMalloc retries (memory
+    pressure); host-side reads, no sync."""
     stats = torch.cuda.memory_stats(device)
     return {
         "cuda_max_allocated": float(torch.cuda.max_memory_allocated(device)),
@@ -172,9 +165,7 @@ class MetricsLogger:
         return step % self.cfg.metrics.log_freq == 0 or step == self.total_steps
 
     def begin_window(self) -> None:
-        """Start a log window: on CUDA the allocator's peaks restart from the current usage. The
-        trainer calls it before its first step; ``log`` calls it after each window's line (but
-        the last)."""
+        """Start a log window: on CUDA the allocator's peaks restart from the current usage."""
         if self.enabled and self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
@@ -190,13 +181,8 @@ class MetricsLogger:
         step_time = step_times[-1] if step_times else avg
         tps = self.tokens_per_step / step_time if step_time > 0 else 0.0
         cuda = cuda_memory(self.device) if self.device.type == "cuda" else None
-        if cuda is not None:
-            peak, peak_name = cuda["cuda_max_allocated"], "cuda_max_allocated"
-        else:
-            peak, peak_name = peak_host_rss_bytes(), "peak_rss"
-        mfu = None
-        if self.peak_flops:
-            mfu = 100.0 * self.flops_per_token * tps / (self.peak_flops * self.world_size)
+        peak, peak_name = (cuda["cuda_max_allocated"], "cuda_max_allocated") if cuda else (peak_host_rss_bytes(), "peak_rss")
+        mfu = 100.0 * self.flops_per_token * tps / (self.peak_flops * self.world_size) if self.peak_flops else None
         eta = avg * (self.total_steps - step)
         # under torch.compile the ledger sees only collectives run eagerly (the graphs' own are in
         # the compile schedule dump), so say so rather than print a misleading 0
@@ -234,8 +220,7 @@ class MetricsLogger:
         if mfu is not None:
             scalars["throughput/mfu_pct"] = mfu
         if cuda is not None:
-            scalars["memory/cuda_reserved_MiB"] = cuda["cuda_reserved"] / MiB
-            scalars["memory/cuda_max_reserved_MiB"] = cuda["cuda_max_reserved"] / MiB
+            scalars.update({f"memory/{k}_MiB": cuda[k] / MiB for k in ("cuda_reserved", "cuda_max_reserved")})
             scalars["memory/cuda_alloc_retries"] = cuda["cuda_alloc_retries"]
         if self.writer is not None:
             for tag, value in scalars.items():
@@ -256,10 +241,9 @@ class MetricsLogger:
 
 def build_profiler(cfg: JobConfig, rank: int, device: torch.device, start_step: int,
                    on_trace: Optional[Callable[[str], None]] = None):
-    """A torch.profiler that traces one step every ``profile_freq`` steps into
-    ``dump_folder/save_traces_folder`` (one ``rank{r}.*.pt.trace.json`` per rank and window, the
-    newest ``keep_latest_k`` kept), or a null context. Call ``.step()`` after every training step. ``on_trace(path)`` is called
-    with each trace file written (the timeline image, ``timeline.TimelineWriter``)."""
+    """A torch.profiler tracing one step every ``profile_freq`` steps into
+    ``dump_folder/save_traces_folder`` (each rank's newest ``keep_latest_k`` kept), or a null
+    context; ``.step()`` after every step; ``on_trace(path)`` gets each trace written."""
     p = cfg.profiling
     if not p.enable_profiling:
         return contextlib.nullcontext(_NoProfiler())
@@ -302,12 +286,8 @@ class _NoProfiler:
 
 
 class StepTimer:
-    """The time of each step, read once per log window.
-
-    On CPU: host wall time between ``start`` and ``stop``. On CUDA: a timing event recorded on the
-    current stream at ``start`` and one at ``stop``, and nothing waits for the GPU until
-    ``collect``, which waits for the window's last event (the one sync of the window) and returns
-    the GPU time between each pair: what the step's kernels took while the host queued ahead."""
+    """The time of each step, read once per log window: host wall time on CPU; on CUDA a pair of
+    timing events per step, synced once in ``collect`` (the GPU's time, while the host queued ahead)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

@@ -1,11 +1,9 @@
 """Build the model for a config: Llama args (or a Hugging Face folder, ``hf_model``), activation
 checkpointing, then PaRO sharding.
 
-Activation checkpointing wraps each block's whole ``__call__``, engine hooks included: in
-backward the recomputation re-runs the engine's pre-forward hook, which sees it is inside backward
-and hands the block its gathered parameters again without prefetching or freeing anything; the
-block is freed after its own backward as usual. (torchtitan's order, hooks outside a checkpointed
-``forward``, is not supported: the recomputation saves different tensors than the forward did.)
+Activation checkpointing wraps each block's whole ``__call__``, engine hooks included, so the
+recomputation in backward re-runs the pre-forward hook, which hands the block its gathered
+parameters again (hooks outside a checkpointed ``forward`` would save other tensors than forward).
 """
 from __future__ import annotations
 
@@ -116,10 +114,9 @@ def parallelize(model: nn.Module, cfg: JobConfig, mesh: Any, device: torch.devic
 
 
 def apply_compile(model: nn.Module, cfg: JobConfig) -> None:
-    """torch.compile the model in place (whole, or block by block as torchtitan does), after
-    ``paro_shard``: each block's gathers and gradient reductions are nodes of its graphs. The
-    graph passes of ``[compile] passes`` are installed before this by whoever drives the run
-    (``passes.install_for``: the trainer, the GPU check), so the package never imports them."""
+    """torch.compile the model in place (whole, or block by block) after ``paro_shard``, so its
+    collectives are graph nodes. Whoever drives the run installs ``[compile] passes`` first
+    (``passes.install_for``): the package never imports them."""
     from paro_fsdp.traced import isolate_compile_cache
 
     isolate_compile_cache(torch.distributed.get_rank())

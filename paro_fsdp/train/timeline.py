@@ -1,35 +1,18 @@
-"""Each profiled step's timeline as a TensorBoard image: per rank, when compute ran and when the
-intra-group and inter-group collectives ran, from the torch.profiler trace of that step.
+"""Each profiled step's timeline as a TensorBoard image: per rank, when compute and the intra-,
+inter-group and global collectives ran, from that step's torch.profiler trace (docs/trainer.md).
 
-Why: the point of PaRO's schedules is that collectives run under compute and that the slow
-inter-group link stays busy. The TensorBoard profiler plugin (torch-tb-profiler) that used to
-show traces is deprecated and its trace view no longer renders in current Chromium, so the
-trainer draws the one picture that matters into TensorBoard's Images tab, next to the scalars.
+Why: PaRO's schedules exist to run collectives under compute and keep the slow inter link busy,
+and the TensorBoard profiler plugin no longer renders, so the trainer draws that one picture.
 
-What the trace tells (torch 2.13, measured on both paths; compiled code calls the same ops):
-- CUDA / NCCL: the ``ncclDevKernel_*`` kernels (and ``record_param_comms`` ops) carry "Process
-  Group Name" / "Process Group Description" args; ``group_dims`` maps the names to mesh dims
-  (DeviceMesh describes its groups as mesh_intra / mesh_inter, the fallback).
-- CPU / gloo: a collective runs on a worker thread of its process group (``gloo:all_gather``,
-  ``gloo:all_reduce`` events; reduce-scatter runs as an all-reduce) and nothing in the trace
-  names the group: there are no record_param_comms events, and the group-name arguments of the
-  functional ops are recorded as "". The worker threads are fixed per group, so
-  ``gloo_threads`` learns them once per process (every group runs one tiny all-reduce per worker
-  thread under a short profiler session) and the trace is classified by thread id.
+How the trace names a collective's group: on NCCL, kernels carry "Process Group Name" /
+"Description" args (``group_dims`` maps names to mesh dims). On gloo nothing names it, but each
+group's collectives run on fixed worker threads, which ``gloo_threads`` learns once per process.
 
-Rows: compute (CUDA: every other kernel; CPU: the ops of the thread that ran the step, outside
-collective calls), intra, inter, global (a flat collective over all ranks: it crosses both
-links), other (a collective of no known group), and wait (the step's thread blocked in
-``wait_tensor``: exposed communication). Times are ms from the start of the step (the
-``ProfilerStep#`` range; on CUDA extended to the last kernel).
-
-Fractions, of the step unless said otherwise:
-- ``overlap_fraction``: of the time some collective runs, the share during which compute runs.
-- ``inter_busy_fraction`` / ``intra_busy_fraction``: the share of the step an inter (or global) /
-  intra (or global) collective runs: how close the link is to its limit.
-- ``compute_fraction``: the share of the step compute runs.
-A collective's span is from its start on this rank to its end, so it includes waiting for the
-slowest peer to join: busy is an upper bound on the time bytes are on the wire.
+Rows: compute, intra, inter, global (flat over all ranks: both links), other (no known group)
+and wait (the step's thread blocked in ``wait_tensor``: exposed communication), ms from the step's
+start. ``overlap_fraction``: of the time a collective runs, the share compute runs too;
+``inter_busy_fraction`` / ``intra_busy_fraction``: the share of the step that link carries a
+collective (from its start on this rank, so an upper bound); ``compute_fraction``.
 """
 from __future__ import annotations
 
@@ -198,7 +181,7 @@ def gloo_threads(dims: Mapping[str, str], delay_s: float = 0.03) -> dict[int, st
     """Which gloo worker threads serve which group (thread id -> dim of ``dims``, group name ->
     dim): every rank calls it (it runs collectives). Per group, each rank in turn joins late, so
     the others' pending all-reduces occupy every worker thread; a short profiler session records
-    the threads. Once per process (a gloo group keeps its threads); about 0.1 s per rank of each group."""
+    the threads. Once per process: a gloo group keeps its threads."""
     import torch
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _resolve_process_group

@@ -1,9 +1,7 @@
 """Tokenizers for the trainer: a byte-level default, and HuggingFace ``tokenizer.json`` files.
 
-The byte-level tokenizer needs no vocabulary file, so the default run works offline on any
-machine; its 256 byte ids plus BOS/EOS fit the ``debug`` flavor after the trainer widens the
-embedding to ``vocab_size`` (258). A ``tokenizer.json`` (the file HuggingFace ships next to a
-model) is loaded with the ``tokenizers`` package when it is installed.
+The byte-level one needs no vocabulary file, so the default run works offline (258 ids: the
+trainer widens the ``debug`` embedding to fit); a ``tokenizer.json`` needs ``tokenizers``.
 """
 from __future__ import annotations
 
@@ -24,11 +22,8 @@ class Tokenizer(Protocol):
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as ids 0..255, then BOS = 256 and EOS = 257.
-
-    Why bytes: no vocabulary to download or train, every string round-trips exactly, and the
-    vocabulary is small enough for the CPU-sized ``debug`` model.
-    """
+    """UTF-8 bytes as ids 0..255, then BOS = 256 and EOS = 257: nothing to download or train,
+    and every string round-trips exactly."""
 
     name = "byte"
 
