@@ -1,8 +1,7 @@
 """Every collective the engine issues, counted as it runs.
 
-One implementation per collective, built on the traceable ``_c10d_functional`` ops so the same
-calls run eagerly and appear in compiled graphs. Each is counted per rank in a ``CommStats`` with
-the ring formula of ``collectives.ring_bytes`` (the logical cost; gloo's wire bytes are higher).
+One implementation per collective, on the traceable ``_c10d_functional`` ops so the same calls
+run eagerly and appear in compiled graphs, each counted with ``collectives.ring_bytes``.
 """
 from __future__ import annotations
 
@@ -60,7 +59,9 @@ class MeshComm:
         use_safe_gloo_all_gather()
         self.streams = streams  # side streams for collectives on a GPU (None on CPU): streams.py
 
-    def _issue(self, kind: str, keep: torch.Tensor, issue: Callable[[], torch.Tensor]) -> Pending:
+    def _issue(self, kind: str, dim: str, keep: torch.Tensor, issue: Callable[[], torch.Tensor]) -> Pending:
+        if self.info.size(dim) == 1:  # nothing to exchange: the input is the result
+            return Pending(keep, False)
         streams = active(self.streams)
         if streams is None:
             return Pending(issue(), True)
@@ -89,17 +90,11 @@ class MeshComm:
     # ---- on the side stream of its kind on a GPU: a Pending ------------------------------------
     def all_gather(self, shard: torch.Tensor, dim: str) -> Pending:
         """Concatenate every rank's 1-D ``shard`` in rank order along ``dim``."""
-        if self.info.size(dim) == 1:
-            return Pending(shard, False)
-        return self._issue("gather", shard, lambda: self.functional_all_gather(shard, dim))
+        return self._issue("gather", dim, shard, lambda: self.functional_all_gather(shard, dim))
 
     def reduce_scatter(self, full: torch.Tensor, dim: str, *, op: str = "sum") -> Pending:
         """Reduce the 1-D ``full`` over ``dim`` and keep this rank's 1/k piece."""
-        if self.info.size(dim) == 1:
-            return Pending(full, False)
-        return self._issue("reduce", full, lambda: self.functional_reduce_scatter(full, dim, op=op))
+        return self._issue("reduce", dim, full, lambda: self.functional_reduce_scatter(full, dim, op=op))
 
     def all_reduce(self, t: torch.Tensor, dim: str, *, op: str = "sum") -> Pending:
-        if self.info.size(dim) == 1:
-            return Pending(t, False)
-        return self._issue("reduce", t, lambda: self.functional_all_reduce(t, dim, op=op))
+        return self._issue("reduce", dim, t, lambda: self.functional_all_reduce(t, dim, op=op))

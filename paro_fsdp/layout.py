@@ -13,11 +13,9 @@ A group of tensors moves as one flat buffer per level:
   G     [sum_g]      this rank's global shard of every tensor, padded to the largest global
                      shard of any rank, so every rank's G buffer has the same size (inter
                      rings and the hierarchical global collectives both need that);
-  NESTED [m, g, sum_g] every rank's G buffer, block (l, k) = rank (k, l)'s: the output of a
-                     PaRO-CC global all-gather and the input of its global reduce-scatter
-                     (``paro_cc``, order "nested"). Block (l, k) holds rows of intra shard l, so
-                     NESTED <-> FULL / whole tensors needs every intra index's G layout
-                     (``g_starts_all`` / ``g_rows_all``), not only this rank's.
+  NESTED [m, g, sum_g] every rank's G buffer, block (l, k) = rank (k, l)'s: a PaRO-CC global
+                     all-gather's output and reduce-scatter's input. Block (l, k) holds rows of
+                     intra shard l, so NESTED <-> FULL needs every intra index's G layout.
 
 Copies between NESTED and whole tensors (and I <-> [g, sum_g]) take a few ops per tensor at any
 mesh size: one strided copy where the world size divides the rows, else one gather and one

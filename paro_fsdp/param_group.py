@@ -5,8 +5,8 @@ A group owns, per rank:
   full  while unsharded, padded whole tensors the block computes with (freed when resharded);
   G     the gradient accumulator at the G level, in grad dtype, summed over micro-steps;
   OS    the fp32 master shard at the OS level (the optimizer's parameters; its states follow).
-Trainable tensors come first in the P buffer so its I and G prefixes line up with the
-trainable-only buffers of G and OS, and master -> P is one flat copy when levels agree.
+Trainable tensors come first in P, so its prefixes line up with the trainable-only G and OS
+buffers and master -> P is one flat copy when levels agree.
 
 Every global collective is one PaRO-CC call (``cc``) on NESTED buffers (layout.py), so no rank
 order is fixed up afterwards. The accumulation boundary's moves are in boundary.py.

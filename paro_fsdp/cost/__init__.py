@@ -7,8 +7,5 @@
   predict.py    step time and memory of every strategy, ranking, ``choose_strategy``
   calibrate.py  measuring a real mesh into a ``Cluster`` (every rank calls it)
 
-The facts about one collective (ring bytes, ring steps, when a global one runs flat, the
-``CommStats`` counter) are ``paro_fsdp.collectives``, beside the modules that issue them. Above
-the engine: ``train/estimate.py`` (the engine on a fake world beside the ledger); the advisor's
-and the calibration's command lines are ``tools/advisor.py`` and ``tools/calibrate.py``.
+The facts about one collective are ``paro_fsdp.collectives``, beside the modules that issue them.
 """

@@ -2,10 +2,8 @@
 cost model reads.
 
 Why in the package: the trainer's ``paro_strategy = "auto"`` without a cluster file calibrates
-at start-up, and ``tools.calibrate``, ``tools.bench.advisor_check`` and ``tools.bench`` calibrate the
-mesh they run on; all call :func:`calibrate_in_process` on every rank. Collectives are timed at
-several sizes and fitted with the same alpha-beta ring model the time model prices
-(``cluster.link_seconds``), so what is measured is what is predicted.
+at start-up, as the tools do. Collectives are fitted with the alpha-beta ring model the time model
+prices (``cluster.link_seconds``), so what is measured is what is predicted.
 """
 from __future__ import annotations
 

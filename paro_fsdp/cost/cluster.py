@@ -1,11 +1,7 @@
 """The cluster the cost model prices: GPUs, their memory and FLOP/s, and the links between them.
 
-Why a file format: a user describes the cluster they will rent once (or measures it with
-``python -m tools.calibrate``) and every prediction reads it; presets for common clusters ship
-with the package (``paro_fsdp/cost/clusters/*.toml``, found through ``importlib.resources``).
-:func:`load_cluster` reads and validates a file, naming the field on any problem;
-:func:`cluster_to_toml` writes one back. :func:`link_for` says which link a mesh dimension's
-rings run on, given how the mesh sits on the nodes.
+Why a file format: a user describes the cluster once (or measures it with ``python -m
+tools.calibrate``) and every prediction reads it; presets ship in ``paro_fsdp/cost/clusters/``.
 """
 from __future__ import annotations
 
@@ -193,10 +189,7 @@ def cluster_from_dict(data: Mapping[str, Any], where: str = "cluster") -> Cluste
     if not isinstance(measured, dict):
         raise AdvisorError(f"{where}: [measured] must be a table")
     return Cluster(
-        name=opt.get("name", Path(str(where)).stem), gpus_per_node=values["gpus_per_node"],
-        memory_gib=values["memory_gib"], achieved_tflops=values["achieved_tflops"],
-        memory_bandwidth_gbs=values["memory_bandwidth_gbs"], intra=intra, inter=inter,
-        overlap=opt.get("overlap", 0.8), usable_memory_fraction=opt.get("usable_memory_fraction", 0.9),
+        name=opt.get("name", Path(str(where)).stem), **values, intra=intra, inter=inter, overlap=opt.get("overlap", 0.8), usable_memory_fraction=opt.get("usable_memory_fraction", 0.9),
         node_gbps=extra.get("node_gbps"), inter_efficiency=extra.get("efficiency"),
         description=opt.get("description", ""), source=opt.get("source", ""), measured=dict(measured),
     )
@@ -273,18 +266,12 @@ def _scaled(link: Link, factor: float, cap: Link) -> Link:
 def link_for(dim: str, cluster: Cluster, n: Optional[int] = None, m: Optional[int] = None) -> Link:
     """The links a mesh dimension's rings run on, as seen per GPU.
 
-    Without the mesh shape (``n``, ``m`` None: inductor's runtime estimates, which price one
-    collective node at a time): ``intra`` for the intra dimension, ``inter`` for any other (a
-    global collective is bound by the slow links). With it, as follows.
-
-    A dimension whose rings stay inside a node runs on NVLink (``intra``). Otherwise each ring
-    is as slow as its node-crossing hop, and the node's network (``inter.bandwidth_gbs`` x GPUs
-    per node) is shared by the rings of that dimension that leave the node at once:
-      inter dim, m dividing the GPUs per node: each node holds (GPUs/node) / m members of each of
-        m rings, so m rings share it: per GPU inter x (GPUs/node) / m (= inter when m = GPUs/node);
-      intra dim, groups spanning whole nodes (m a multiple of GPUs/node): one ring per node:
-        inter x GPUs/node;
-    never faster than NVLink; any other layout gets the plain per-GPU share (conservative)."""
+    Without the mesh shape (inductor's estimates, one node at a time): ``intra`` for the intra
+    dimension, ``inter`` for any other. With it: rings inside a node run on NVLink; otherwise the
+    node's network is shared by the rings of that dimension that leave it at once: inter dim with
+    m dividing the GPUs per node, m rings: inter x (GPUs/node) / m per GPU; intra dim with groups
+    of whole nodes, one ring: inter x GPUs/node; never faster than NVLink, any other layout the
+    plain per-GPU share (conservative)."""
     if n is None or m is None:
         return cluster.intra if dim == "intra" else cluster.inter
     gpn = cluster.gpus_per_node

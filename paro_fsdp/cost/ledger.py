@@ -103,10 +103,8 @@ class Ledger:
 class Bucket:
     """Parameters that move together under one strategy (one ``ParoParamGroup`` of the engine).
 
-    ``gathers``: all-gathers of the bucket's parameters per micro-step: 2 for a block (gathered
-    for forward, freed, gathered again for backward), 1 for the root block or a block built with
-    ``reshard_after_forward=False`` (kept gathered from forward to backward), 0 when P = N.
-    """
+    ``gathers`` per micro-step: 2 for a block (forward, and backward after it was freed), 1 for
+    the root or with ``reshard_after_forward=False``, 0 when P = N."""
 
     strategy: Strategy
     numel: int  # Psi of the bucket

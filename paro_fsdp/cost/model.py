@@ -1,9 +1,8 @@
 """The model the cost model prices: a Llama's shapes and parameter counts, its activation memory,
 its FLOPs, and the buckets the engine makes of it.
 
-Why separate from the cluster and the time model: these are facts about the model alone
-(checked against the engine's buckets and against what autograd saves, tests/test_advisor.py);
-``cost.estimate`` and the benchmarks use the same trainable-layer rule.
+Why separate from the cluster and the time model: facts about the model alone, checked against
+the engine's buckets and against what autograd saves (tests/test_advisor.py).
 """
 from __future__ import annotations
 
