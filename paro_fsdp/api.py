@@ -72,9 +72,8 @@ class ParoModule:
         they are: a full resume loads the optimizer's own state too."""
         if assign:
             raise ValueError("paro_shard models load in place: assign=True would replace the sharded DTensor parameters")
-        # Which parameters a load reaches is decided at their owning modules: a parent's load
-        # pre-hook may rename or merge keys on the way down (torchtitan's fused wqkv is saved
-        # as wq / wk / wv and merged back by such a hook), so the top-level keys do not say.
+        # which parameters a load reaches is seen at their owning modules: a parent's pre-hook may
+        # rename or merge keys on the way down (torchtitan's fused wqkv), so top-level keys do not say
         owned: dict[int, list[tuple[str, ParoParamGroup, int]]] = {}
         owner_modules: dict[int, nn.Module] = {}
         for g in self._paro_state.groups:

@@ -76,9 +76,8 @@ _METADATA_GLOBALS = _metadata_globals()
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Resolves a global only through ``_METADATA_GLOBALS``: nothing is imported and no
-    attribute is followed, whatever the opcode (GLOBAL, STACK_GLOBAL, INST, OBJ, EXT*) or the
-    pickle protocol. Persistent ids stay refused (``pickle.Unpickler``'s default)."""
+    """Resolves a global only through ``_METADATA_GLOBALS``, whatever the opcode or protocol:
+    nothing is imported, no attribute followed; persistent ids stay refused."""
 
     def find_class(self, module: str, name: str) -> Any:
         if "." in name:
@@ -141,9 +140,8 @@ class SafeReader(FileSystemReader):
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
-    """Non-tensor values (step counters, param groups, RNG states) are plain data: deserialised
-    by ``torch.load(weights_only=True)`` only, and the result stored where
-    ``DefaultLoadPlanner.load_bytes`` would store its own (full) unpickling's result."""
+    """Non-tensor values (step counters, param groups, RNG states) deserialised by
+    ``torch.load(weights_only=True)`` only, stored where ``DefaultLoadPlanner`` would."""
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         from torch.distributed.checkpoint._traverse import set_element

@@ -134,8 +134,7 @@ class _Nesting:
 
     def on(self, like: torch.Tensor, *names: str, l: int = -1) -> list[torch.Tensor]:  # noqa: E741
         """The index tensors ``names`` (attributes, or "k" / "r" of ``inter(l)``) on ``like``'s
-        device: cached per device in eager code; converted into ``like``'s FakeTensorMode for
-        fake buffers; moved inside the graph (``.to``) while torch.compile traces."""
+        device: cached per device eagerly, fake for fake buffers, moved in the graph when tracing."""
         cpu = [self.inter(l)[("k", "r").index(n)] if l >= 0 else getattr(self, n) for n in names]
         if torch.compiler.is_compiling():
             return [x.to(like.device) for x in cpu]

@@ -25,11 +25,8 @@ def device_type_for_backend(backend: str) -> str:
 
 
 def local_cuda_index(local_rank: int | None = None) -> int:
-    """This process's CUDA ordinal: ``LOCAL_RANK % device_count()``.
-
-    Why the modulo: launchers that show each process only its own GPU (SLURM
-    ``--gpus-per-task=1``, ``CUDA_VISIBLE_DEVICES`` per rank) give every process one device 0
-    while LOCAL_RANK still counts 0..7."""
+    """This process's CUDA ordinal: ``LOCAL_RANK % device_count()``, since launchers that show each
+    process only its own GPU (SLURM ``--gpus-per-task=1``) leave LOCAL_RANK counting 0..7."""
     count = torch.cuda.device_count()
     if count < 1:
         raise RuntimeError("a CUDA backend was asked for but no CUDA device is visible: use backend 'gloo' "
@@ -114,9 +111,8 @@ class MeshCoords:
 
 @dataclass
 class MeshGroups:
-    """The mesh's sizes and c10d group names: all a collective needs. Plain data (no DeviceMesh,
-    no coordinates), so code that only sees group names (the graph passes) can hold one without
-    keeping process groups alive past ``destroy_process_group``."""
+    """The mesh's sizes and c10d group names: all a collective needs, as plain data, so the graph
+    passes can hold one without keeping process groups alive past ``destroy_process_group``."""
 
     g: int  # number of groups (size of "inter")
     m: int  # ranks per group (size of "intra")

@@ -69,7 +69,7 @@ class ParoBlock:
                 g.unshard()
         else:
             if self.is_root:
-                state.begin_forward()
+                state.forward_order = []
             else:
                 state.forward_order.append(self)
             self.gather()
@@ -141,9 +141,6 @@ class ParoState:
     @property
     def groups(self) -> list[ParoParamGroup]:
         return [g for b in self.blocks for g in b.groups]
-
-    def begin_forward(self) -> None:
-        self.forward_order = []
 
     def begin_backward(self) -> None:
         if not self._backward_queued:

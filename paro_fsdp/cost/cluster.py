@@ -23,10 +23,9 @@ GB = 1e9
 
 @dataclass(frozen=True)
 class Link:
-    """One kind of link as seen by one GPU: ring bus bandwidth (GB/s, 1e9 bytes, per GPU while
-    every GPU of the node uses the link at once) and latency per ring step (microseconds).
-    ``per_kind`` overrides both per collective kind (``tools.calibrate`` measures each kind:
-    e.g. gloo runs reduce-scatter as an all-reduce, so its effective bandwidth is lower)."""
+    """One kind of link as seen by one GPU: ring bus bandwidth (GB/s per GPU, all GPUs of the node
+    using it at once) and latency per ring step (us); ``per_kind`` overrides both per collective
+    kind (``tools.calibrate`` measures each: gloo's reduce-scatter is an all-reduce)."""
 
     bandwidth_gbs: float
     latency_us: float

@@ -56,13 +56,10 @@ class Ledger:
         self.flat_below_bytes = flat_below_bytes
         self.stats = CommStats()
 
-    def _size(self, dim: str) -> int:
-        return {"intra": self.m, "inter": self.g, "global": self.n}[dim]
-
     def add(self, kind: str, dim: str, full_numel: float, itemsize: int, times: float = 1) -> None:
         """Record ``times`` collectives of ``kind`` over ``dim`` on a buffer of ``full_numel``
         elements (the gathered size for an all-gather, the input for a reduction)."""
-        k = self._size(dim)
+        k = {"intra": self.m, "inter": self.g, "global": self.n}[dim]
         if k == 1 or times == 0:
             return
         self.stats.record(kind, dim, times * ring_bytes(kind, full_numel * itemsize, k), times)

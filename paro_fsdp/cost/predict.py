@@ -169,8 +169,7 @@ def predict(model: Union[str, LlamaArgs, ModelSpec], strategy: StrategyLike, n: 
 
     def gather_time(b: Bucket) -> float:
         t = Ledger(n, m)
-        if s.p != _N:
-            t.all_gather(s.p, b.numel, pb)
+        t.all_gather(s.p, b.numel, pb)  # nothing for P = N
         return _ttime(t.stats, n, m, cluster)
 
     def reduce_time(b: Bucket) -> float:
