@@ -244,9 +244,9 @@ class ParoOptimizersContainer(OptimizersContainer):
             g, t = layout_of[id(m)]
             for key, value in p.inner.state[m].items():
                 if torch.is_tensor(value) and value.dim() and value.shape == m.shape:
-                    value = p._dtensor(g, t, value)
+                    value = g.os_dtensor(t, value)
                 flat[f"state.{fqn}.{key}"] = value
-            flat[f"state.{fqn}.{MASTER}"] = p._dtensor(g, t, m.detach())  # a view: DCP loads the master in place
+            flat[f"state.{fqn}.{MASTER}"] = g.os_dtensor(t, m.detach())  # a view: DCP loads the master in place
         for pg in p.inner.param_groups:
             for m in pg["params"]:
                 fqn = canonical_fqn(p.fqn_of[m])
