@@ -348,7 +348,7 @@ class NonFiniteGuard:
             return True
         self.consecutive += 1
         self.skipped.append(step)
-        name = first_nonfinite_grad(optimizer)
+        name = _first_flagged(optimizer, lambda m: m.grad)  # None: a NaN loss with finite gradients
         where = f"; first non-finite gradient: {name}" if name else ""
         what = f"step {step}: non-finite loss {float(loss):g} / grad norm {float(grad_norm):g}{where}"
         if self.mode == "stop":
@@ -361,12 +361,6 @@ class NonFiniteGuard:
                                   f"check the data and optimizer.lr, then resume from the latest checkpoint")
         self.last = f"{what}: optimizer step skipped ({self.consecutive} in a row)"
         return False
-
-
-def first_nonfinite_grad(optimizer) -> Optional[str]:
-    """Name of the first parameter (in model order) whose gradient shard is non-finite on any
-    rank. None when none is (a NaN loss can come with finite gradients)."""
-    return _first_flagged(optimizer, lambda m: m.grad)
 
 
 def nonfinite_masters(optimizer) -> Optional[str]:
