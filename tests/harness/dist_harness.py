@@ -16,18 +16,9 @@ import os
 import sys
 from typing import Any, Callable, Union
 
-from tools import local_world
 from tools.local_world import run_local_world
 
 __all__ = ["run_world"]
-
-# A rank's first optimizer step imports torch._dynamo (torch.optim's ``_use_grad``; 300 modules,
-# inductor's config among them): 1.5-4 s a rank on 2 cores, paid again in every world. The test
-# worlds' fork server imports it once instead (before its first world starts). Dynamo's and
-# inductor's import-time settings then come from the environment as it was when the server
-# started; the cache folder (TORCHINDUCTOR_CACHE_DIR) is still read when used.
-if "torch._dynamo" not in local_world.PRELOAD:
-    local_world.PRELOAD.append("torch._dynamo")
 
 
 def target_of(fn: Callable[[Any], Any]) -> str:
