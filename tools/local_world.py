@@ -1,7 +1,7 @@
 """Run a function on N local gloo ranks in fresh processes and collect every rank's result.
 
-Why in the package: the local CPU calibration (``tools.calibrate --nproc``), ``tools.bench.advisor_check``
-and the tests' worlds (``tests/dist_harness.py``) all need the same few lines (a free port, one
+Why one module: the local CPU calibration (``tools.calibrate --nproc``), ``tools.bench.advisor_check``
+and the tests' worlds (``tests/harness/dist_harness.py``) all need the same few lines (a free port, one
 spawned process per rank, results through a queue read before join, one failure fails the
 world); they were written twice. Process start costs seconds per rank on a small machine, so
 callers run many cases inside one world.
