@@ -55,9 +55,7 @@ def _rank() -> int:
 
 # ---- the folder -------------------------------------------------------------------------------
 def read_config(path: str) -> Any:
-    """The folder's ``config.json`` as a transformers config, checked to be a causal LM that
-    this transformers knows. Read as data (``trust_remote_code=False``, no hub access): a folder
-    whose model needs its own Python code is refused, not run."""
+    """The folder's ``config.json`` as a known causal-LM config, read as data: a model needing its own code is refused."""
     if not os.path.isdir(path):
         raise HFModelError(f"model.hf_path = {path!r} is not a folder; valid: a model folder as save_pretrained "
                            f"writes it (config.json and *.safetensors)")
@@ -100,8 +98,7 @@ def weight_files(path: str) -> list[str]:
 
 
 def build_meta(config: Any) -> nn.Module:
-    """``AutoModelForCausalLM.from_config`` on the meta device, parameters in fp32 (the engine
-    casts P to the run's dtype; the masters are fp32 anyway). Costs no memory."""
+    """``AutoModelForCausalLM.from_config`` on the meta device in fp32 (the engine casts P; masters are fp32)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -114,9 +111,7 @@ def _pretrained(model: nn.Module) -> nn.Module:
 
 
 def decoder_blocks(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks (``_no_split_modules``, outermost only; else the largest
-    ``nn.ModuleList``'s elements), for ``paro_shard(blocks=)``, AC and per-block compile: the
-    default blocks would make each ``ModuleDict`` peft adds a block of its own."""
+    """The blocks for ``paro_shard(blocks=)``: the default would make each ``ModuleDict`` peft adds a block."""
     names = set(getattr(_pretrained(model), "_no_split_modules", None) or ())
     blocks: list[nn.Module] = []
     inside: set[int] = set()
@@ -136,8 +131,7 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
 
 # ---- LoRA -------------------------------------------------------------------------------------
 def lora_targets(model: nn.Module) -> list[str]:
-    """peft's default LoRA targets for this architecture (its attention projections: ``q_proj``
-    and ``v_proj`` for Llama and Qwen2, ``c_attn`` for GPT-2)."""
+    """peft's default LoRA targets for this architecture (``q_proj``/``v_proj`` for Llama, ``c_attn`` for GPT-2)."""
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
 
     model_type = getattr(getattr(model, "config", None), "model_type", None)
@@ -158,8 +152,7 @@ def _linear_names(model: nn.Module) -> list[str]:
 
 def add_lora(model: nn.Module, rank: int, alpha: float = 16.0, dropout: float = 0.0,
              target_modules: Optional[Iterable[str]] = None, base_path: str = "") -> nn.Module:
-    """peft's ``get_peft_model`` on the meta model, before ``paro_shard``: frozen base weights
-    get no gradient buffer or optimizer state. ``target_modules`` None: peft's default."""
+    """peft's ``get_peft_model`` before ``paro_shard``: frozen base weights get no gradient or optimizer state."""
     from peft import LoraConfig, get_peft_model
 
     targets = list(target_modules) if target_modules else lora_targets(model)
@@ -180,8 +173,7 @@ def count_trainable(model: nn.Module) -> tuple[int, int]:
 
 
 def init_for_load(seed: int) -> Callable[[str, torch.Tensor], None]:
-    """``paro_shard``'s ``param_init_fn`` before ``load_weights``: zeros, except peft's adapters,
-    drawn as peft draws them, seeded by (seed, name) so every rank draws alike in any order."""
+    """``param_init_fn`` before ``load_weights``: zeros, adapters drawn as peft does, seeded by (seed, name)."""
 
     def init(name: str, tensor: torch.Tensor) -> None:
         with torch.no_grad():
@@ -197,8 +189,7 @@ def init_for_load(seed: int) -> Callable[[str, torch.Tensor], None]:
 
 
 def materialise_buffers(model: nn.Module, device: torch.device) -> None:
-    """Buffers left on the meta device (RoPE's ``inv_freq``) allocated on ``device`` and filled
-    by the model's ``_init_weights``; one it does not fill is refused, not left as garbage."""
+    """Meta buffers (RoPE's ``inv_freq``) filled on ``device`` by ``_init_weights``; one it leaves is refused."""
     pretrained = _pretrained(model)
     for name, module in model.named_modules():
         meta = [k for k, b in module._buffers.items() if b is not None and b.is_meta]
@@ -219,8 +210,7 @@ def materialise_buffers(model: nn.Module, device: torch.device) -> None:
 
 # ---- loading: each rank reads its shards ---------------------------------------------------------
 def base_name(fqn: str) -> Optional[str]:
-    """A parameter's name in the base model's safetensors (peft's prefix and ``.base_layer``
-    dropped); None for the adapters."""
+    """A parameter's name in the base model's safetensors (peft's wrapping dropped); None for the adapters."""
     if ".lora_" in fqn or ".lora_magnitude_vector" in fqn:
         return None
     return fqn.removeprefix("base_model.model.").replace(".base_layer.", ".")
@@ -240,8 +230,7 @@ def stored_shapes(path: str) -> dict[str, tuple[int, ...]]:
 
 
 def check_weights(names: dict[str, tuple[int, ...]], path: str, key: Callable[[str], Optional[str]] = base_name) -> None:
-    """Raise ``HFModelError`` unless the folder holds every tensor of ``names`` (name -> shape)
-    with its shape: a partial load is never silent."""
+    """Raise ``HFModelError`` unless the folder holds every tensor of ``names`` with its shape: no partial load."""
     stored = stored_shapes(path)
     wanted = {key(n): s for n, s in names.items() if key(n) is not None}
     missing = [n for n in wanted if n not in stored]
@@ -256,9 +245,7 @@ def check_weights(names: dict[str, tuple[int, ...]], path: str, key: Callable[[s
 
 
 def load_weights(model: nn.Module, path: str, key: Callable[[str], Optional[str]] = base_name) -> int:
-    """Read the folder's safetensors into a ``paro_shard`` model's fp32 masters (frozen ones
-    into P), each rank only its slices; ``key``: name in the files (None: not loaded). Returns
-    how many tensors it loaded. Collective."""
+    """Each rank's slices of the safetensors into the masters (frozen: P); returns how many loaded. Collective."""
     targets = {key(fqn): v for fqn, v in model.master_state_dict().items() if key(fqn) is not None}
     check_weights({k: tuple(v.shape) for k, v in targets.items()}, path, key=lambda n: n)
     safe_load(targets, storage_reader=_reader(path))
@@ -267,28 +254,20 @@ def load_weights(model: nn.Module, path: str, key: Callable[[str], Optional[str]
 
 
 # ---- the export -------------------------------------------------------------------------------
-def _file_index(values: dict[str, DTensor], dtype: torch.dtype, max_bytes: int) -> dict[str, int]:
-    """Tensor -> output file (1..k), in order, each file at most ``max_bytes`` (a larger tensor
-    gets a file of its own), as ``save_pretrained(max_shard_size=)`` splits."""
-    index, size, out = 1, 0, {}
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    for name, v in values.items():
-        nbytes = v.numel() * itemsize
-        if size and size + nbytes > max_bytes:
-            index, size = index + 1, 0
-        out[name] = index
-        size += nbytes
-    return out
-
-
 def _write_safetensors(values: dict[str, DTensor], folder: str, dtype: torch.dtype, max_bytes: int) -> None:
-    """Every rank writes its shards of ``values``; rank 0 joins them, one tensor in memory at a
-    time, into files of at most ``max_bytes`` and the index. Collective."""
+    """Every rank writes its shards; rank 0 joins them, one tensor at a time, into the files and index. Collective."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
     state = {k: v.to(dtype) for k, v in values.items()}
-    writer = HuggingFaceStorageWriter(folder, fqn_to_index_mapping=_file_index(state, dtype, max_bytes),
+    # tensor -> file 1..k in order, each at most max_bytes (a larger tensor alone), as save_pretrained splits
+    index, size, files, itemsize = 1, 0, {}, torch.empty((), dtype=dtype).element_size()
+    for name, v in state.items():
+        if size and size + v.numel() * itemsize > max_bytes:
+            index, size = index + 1, 0
+        files[name] = index
+        size += v.numel() * itemsize
+    writer = HuggingFaceStorageWriter(folder, fqn_to_index_mapping=files,
                                       save_distributed=True, enable_consolidation=True)
     dcp.save(state, storage_writer=writer)
     _barrier()
@@ -319,9 +298,8 @@ def _publish(tmp: str, out_dir: str) -> str:
 def save_model(model: nn.Module, out_dir: str, config: Any, *, dtype: torch.dtype = torch.float32,
                values: Optional[dict[str, DTensor]] = None, extra_files: Iterable[str] = (),
                max_shard_bytes: int = SHARD_BYTES) -> str:
-    """Write a folder ``AutoModelForCausalLM.from_pretrained`` loads: ``config`` and the fp32
-    masters (frozen weights: P) in ``dtype``. ``values``: tensors under their Hugging Face names
-    (default ``master_state_dict``); ``extra_files``: copied in. Collective; returns ``out_dir``."""
+    """Write a folder ``from_pretrained`` loads: ``config`` and ``values`` (default: the masters) in ``dtype``,
+    ``extra_files`` copied in. Collective; returns ``out_dir``."""
     values = model.master_state_dict() if values is None else values
     tmp = _prepare(out_dir)
     _write_safetensors(values, tmp, dtype, max_shard_bytes)
@@ -334,8 +312,7 @@ def save_model(model: nn.Module, out_dir: str, config: Any, *, dtype: torch.dtyp
 
 
 def save_adapter(model: nn.Module, out_dir: str, *, dtype: torch.dtype = torch.float32) -> str:
-    """Write the LoRA adapter as peft's ``save_pretrained`` does, for ``PeftModel.from_pretrained``.
-    Collective; returns ``out_dir``."""
+    """Write the LoRA adapter as peft's ``save_pretrained`` does. Collective; returns ``out_dir``."""
     from peft import get_peft_model_state_dict
 
     adapter = get_peft_model_state_dict(model, state_dict=model.master_state_dict(), save_embedding_layers=False)

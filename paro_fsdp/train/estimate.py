@@ -30,16 +30,13 @@ _meshes: dict[tuple[int, int], Any] = {}
 
 
 def ensure_fake_world(world: int) -> None:
-    """Make this process rank 0 of a fake ``world``-rank group (replacing a fake one of another
-    size; a real one is an error: the estimate would issue real collectives)."""
+    """Make this process rank 0 of a fake ``world``-rank group (a real one: error, it would issue real collectives)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         if dist.get_backend() != "fake":
-            raise RuntimeError(
-                f"estimate() needs a process without a real process group (found backend "
-                f"{dist.get_backend()!r}); run it before init_process_group or in its own process"
-            )
+            raise RuntimeError(f"estimate() needs a process without a real process group (found backend "
+                               f"{dist.get_backend()!r}); run it before init_process_group or in its own process")
         if dist.get_world_size() == world:
             return
         dist.destroy_process_group()
@@ -55,13 +52,11 @@ def release_fake_world() -> None:
 
 
 def fake_mesh(world: int, group: int):
-    """The (world // group, group) PaRO mesh on the fake process group, built once per shape
-    (outside FakeTensorMode: DeviceMesh keeps real rank tensors)."""
+    """The fake (world // group, group) mesh, once per shape (outside FakeTensorMode: DeviceMesh keeps real ranks)."""
     ensure_fake_world(world)
-    key = (world, group)
-    if key not in _meshes:
-        _meshes[key] = init_paro_mesh(group)
-    return _meshes[key]
+    if (world, group) not in _meshes:
+        _meshes[world, group] = init_paro_mesh(group)
+    return _meshes[world, group]
 
 
 def _param_counts(args: LlamaArgs) -> tuple[int, int]:
@@ -84,21 +79,10 @@ def trainable_layers(args: LlamaArgs, fraction: float) -> int:
     return min(range(1, args.n_layers + 1), key=lambda t: abs(t * layer - target))
 
 
-def _measure(
-    args: LlamaArgs,
-    pattern: Sequence[bool],
-    root_trainable: bool,
-    mesh: Any,
-    strategy: str,
-    mp: MixedPrecision,
-    grad_accum: int,
-    micro_batch: int,
-    seq_len: int,
-    max_norm: float,
-    flat_below_bytes: int = 0,
-) -> dict[str, float]:
-    """One optimizer step of a fake model with ``len(pattern)`` layers (``pattern[i]``: layer i
-    trainable) through the engine; the counted collectives and held bytes as a flat vector."""
+def _measure(args: LlamaArgs, pattern: Sequence[bool], root_trainable: bool, mesh: Any, strategy: str,
+             mp: MixedPrecision, grad_accum: int, micro_batch: int, seq_len: int, max_norm: float,
+             flat_below_bytes: int = 0) -> dict[str, float]:
+    """One engine step of a fake model (``pattern[i]``: layer i trainable): counted collectives and held bytes."""
     with FakeTensorMode():
         model = Llama(replace(args, n_layers=len(pattern)))
         for name, p in model.named_parameters():
@@ -151,31 +135,14 @@ def _measure_extrapolated(args: LlamaArgs, t: int, full: bool, **kw: Any) -> tup
     return _combine(terms), f"{runs} -> {L}"
 
 
-def estimate(
-    model: Union[str, LlamaArgs] = "llama7b",
-    world: int = 64,
-    group: int = 8,
-    strategies: Optional[Sequence[str]] = None,
-    grad_accum: int = 4,
-    trainable_fraction: float = 1.0,
-    dtype: str = "bf16",
-    reduce_dtype: Optional[str] = None,
-    micro_batch: int = 1,
-    seq_len: int = 16,
-    full: bool = False,
-    max_norm: float = 1.0,
-    accumulate_dtype: Optional[str] = "fp32",
-    flat_below_bytes: int = 0,
-) -> list[dict[str, Any]]:
-    """Measure each strategy on a fake ``world``-rank mesh, the ledger's formulas beside it.
-
-    ``model``: a flavor name or ``LlamaArgs``. One dict per strategy, sizes per rank in bytes:
-    ``mem_{P,G,OS,total}`` and ``formula_mem_*``; ``{intra,inter,global}_bytes`` for one optimizer
-    step of ``grad_accum`` micro-steps and ``formula_*_bytes`` (always hierarchical, whatever
-    ``flat_below_bytes``); ``collectives`` (``{"kind/dim": {"count", "bytes"}}``); ``psi``,
-    ``psi_trainable``, ``psi_kept`` (the root); ``layers_run``. A strategy the engine refuses gets
-    an ``error`` entry instead.
-    """
+def estimate(model: Union[str, LlamaArgs] = "llama7b", world: int = 64, group: int = 8,
+             strategies: Optional[Sequence[str]] = None, grad_accum: int = 4, trainable_fraction: float = 1.0,
+             dtype: str = "bf16", reduce_dtype: Optional[str] = None, micro_batch: int = 1, seq_len: int = 16,
+             full: bool = False, max_norm: float = 1.0, accumulate_dtype: Optional[str] = "fp32",
+             flat_below_bytes: int = 0) -> list[dict[str, Any]]:
+    """Measure each strategy on a fake ``world``-rank mesh (``model``: flavor name or ``LlamaArgs``), the ledger's
+    formulas beside it: one dict per strategy, bytes per rank per optimizer step of ``grad_accum`` micro-steps
+    (``formula_*_bytes`` always hierarchical, whatever ``flat_below_bytes``); a refused strategy gets ``error``."""
     args = flavor(model) if isinstance(model, str) else model
     if seq_len > args.max_seq_len:
         raise ValueError(f"seq_len {seq_len} exceeds the model's max_seq_len {args.max_seq_len}")
@@ -198,11 +165,9 @@ def estimate(
 
     rows = []
     for name in names:
-        row: dict[str, Any] = {
-            "strategy": name, "known_as": Strategy.parse(name).known_as, "psi": psi, "psi_trainable": psi_t,
-            "psi_kept": root, "n": world, "m": group, "grad_accum": grad_accum,
-            "param_bytes": pb, "grad_bytes": gb,
-        }
+        row: dict[str, Any] = {"strategy": name, "known_as": Strategy.parse(name).known_as, "psi": psi,
+                               "psi_trainable": psi_t, "psi_kept": root, "n": world, "m": group,
+                               "grad_accum": grad_accum, "param_bytes": pb, "grad_bytes": gb}
         try:
             vec, runs = _measure_extrapolated(args, t, full, strategy=name, **kw)
         except ValueError as e:
@@ -210,11 +175,9 @@ def estimate(
             rows.append(row)
             continue
         row["layers_run"] = runs
-        for k in ("P", "G", "OS", "total"):
-            row[f"mem_{k}"] = vec.get(f"mem:{k}", 0.0)
+        row.update({f"mem_{k}": vec.get(f"mem:{k}", 0.0) for k in ("P", "G", "OS", "total")})
         fm = formula_memory(name, psi, psi_t, world, group, pb, ab)
-        for k in ("P", "G", "OS", "total"):
-            row[f"formula_mem_{k}"] = fm[k]
+        row.update({f"formula_mem_{k}": fm[k] for k in ("P", "G", "OS", "total")})
         collectives: dict[str, dict[str, float]] = {}
         for key, v in vec.items():
             if key.startswith(("count:", "bytes:")):
@@ -224,8 +187,7 @@ def estimate(
         for dim in ("intra", "inter", "global"):
             row[f"{dim}_bytes"] = sum(e.get("bytes", 0.0) for kd, e in collectives.items() if kd.endswith("/" + dim))
         fb = formula_bytes(name, psi, psi_t, world, group, grad_accum, psi_kept=root, param_bytes=pb, grad_bytes=gb)
-        for dim in ("intra", "inter", "global"):
-            row[f"formula_{dim}_bytes"] = fb[dim]
+        row.update({f"formula_{dim}_bytes": fb[dim] for dim in ("intra", "inter", "global")})
         rows.append(row)
     return rows
 
@@ -237,9 +199,7 @@ def _ratio(a: float, b: float) -> str:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    """The rows of ``estimate`` as a fixed-width table (GiB / GB per rank per step, MiB / MB for
-    small models), each measured value beside its formula and their ratio (above 1 only where
-    the layout pads a tensor whose dim 0 the world size does not divide)."""
+    """``estimate``'s rows as a table: measured beside formula (ratio above 1 only where the layout pads dim 0)."""
     ok = [r for r in rows if "error" not in r]
     big_mem = max((r["mem_total"] for r in ok), default=0) >= GiB / 8
     big_comm = max((r["intra_bytes"] + r["inter_bytes"] for r in ok), default=0) >= GB / 8

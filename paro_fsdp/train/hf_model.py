@@ -25,16 +25,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
 
 
-def _text_config(config: Any) -> Any:
-    return config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
-
-
 def shape_args(cfg: JobConfig, tokenizer_vocab: int) -> LlamaArgs:
-    """The folder's model as ``LlamaArgs`` shapes (what the log line, the FLOP count and the
-    advisor read), after checking that the tokenizer's ids fit its embedding and the sequence
-    its positions."""
+    """The folder's model as ``LlamaArgs`` shapes, once the tokenizer fits its embedding and seq_len its positions."""
     path = cfg.model.hf_path
-    c = _text_config(hf.read_config(path))
+    c = hf.read_config(path)
+    c = c.get_text_config() if callable(getattr(c, "get_text_config", None)) else c
     hf.weight_files(path)
     vocab = int(c.vocab_size)
     if tokenizer_vocab > vocab:
@@ -55,8 +50,7 @@ def shape_args(cfg: JobConfig, tokenizer_vocab: int) -> LlamaArgs:
 
 
 def build_meta_model(cfg: JobConfig) -> nn.Module:
-    """The folder's model on the meta device, with peft's LoRA when ``peft.lora_rank`` > 0;
-    its weights are checked against the safetensors' headers here, before any memory is spent."""
+    """The folder's model on the meta device (LoRA when ``peft.lora_rank``), checked against the safetensors."""
     path, p = cfg.model.hf_path, cfg.peft
     model = hf.build_meta(hf.read_config(path))
     if p.lora_rank:
@@ -66,8 +60,7 @@ def build_meta_model(cfg: JobConfig) -> nn.Module:
 
 
 def load(model: nn.Module, cfg: JobConfig, device: torch.device) -> None:
-    """After ``paro_shard``: the buffers (RoPE tables), then the folder's weights, each rank
-    reading only its shards. Collective."""
+    """After ``paro_shard``: the buffers (RoPE tables), then each rank's shards of the weights. Collective."""
     hf.materialise_buffers(model, device)
     hf.load_weights(model, cfg.model.hf_path)
 
@@ -81,16 +74,13 @@ def architecture(model: nn.Module) -> str:
 
 
 def loss(model: nn.Module, window: torch.Tensor) -> torch.Tensor:
-    """Next-token cross entropy of a ``[B, T + 1]`` window, as the trainer's Llama computes it
-    (the model's logits, upcast to fp32, against the window shifted by one)."""
+    """Next-token cross entropy of a ``[B, T + 1]`` window on fp32 logits, as the trainer's Llama computes it."""
     out = model(input_ids=window[:, :-1], use_cache=False)
     return F.cross_entropy(out.logits.float().flatten(0, 1), window[:, 1:].flatten())
 
 
 def export(model: nn.Module, cfg: JobConfig, args: LlamaArgs, step: int) -> tuple[str, str]:
-    """``checkpoint.last_save_in_hf``: the trained weights as a Hugging Face folder next to the
-    checkpoints; returns (path, how to load it). A LoRA run writes its adapter; the trainer's
-    Llama is written as a ``LlamaForCausalLM``. Collective."""
+    """``checkpoint.last_save_in_hf``: a Hugging Face folder (LoRA: the adapter); (path, how to load it). Collective."""
     base = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder, f"step-{step}-hf")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.checkpoint.export_dtype]
     tokenizer = tokenizer_spec(cfg)

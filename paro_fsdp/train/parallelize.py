@@ -23,8 +23,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def model_args(cfg: JobConfig, tokenizer_vocab: int) -> LlamaArgs:
-    """The flavor's shapes, with the vocabulary widened to the tokenizer's and RoPE tables long
-    enough for ``seq_len``; for ``model.name = "hf"`` the folder's shapes (``hf_model.shape_args``)."""
+    """The flavor's shapes, vocabulary and RoPE tables widened to the tokenizer and ``seq_len`` (or the HF folder's)."""
     if cfg.model.name == "hf":
         from . import hf_model
 
@@ -32,10 +31,8 @@ def model_args(cfg: JobConfig, tokenizer_vocab: int) -> LlamaArgs:
     base = flavor(cfg.model.flavor)
     vocab = cfg.model.vocab_size if cfg.model.vocab_size != -1 else max(base.vocab_size, tokenizer_vocab)
     if vocab < tokenizer_vocab:
-        raise ValueError(
-            f"model.vocab_size = {vocab} is smaller than the tokenizer's vocabulary ({tokenizer_vocab}); "
-            f"valid: -1 or at least {tokenizer_vocab}"
-        )
+        raise ValueError(f"model.vocab_size = {vocab} is smaller than the tokenizer's vocabulary ({tokenizer_vocab}); "
+                         f"valid: -1 or at least {tokenizer_vocab}")
     return flavor(cfg.model.flavor, vocab_size=vocab, max_seq_len=max(base.max_seq_len, cfg.training.seq_len))
 
 
@@ -50,8 +47,7 @@ def paro_policy(cfg: JobConfig) -> Any:
 
 
 class _CheckpointedCall:
-    """Mixed into a block's class: run the whole module call (engine hooks included) under
-    non-reentrant activation checkpointing."""
+    """Mixed into a block's class: the whole module call (hooks included) under non-reentrant checkpointing."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with set_checkpoint_early_stop(False):
@@ -59,8 +55,7 @@ class _CheckpointedCall:
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The blocks that are checkpointed, sharded as units and compiled one by one: the Llama's
-    ``layers``, a Hugging Face model's decoder layers (``integrations.hf.decoder_blocks``)."""
+    """The blocks checkpointed, sharded as units and compiled one by one (Llama layers or HF decoder layers)."""
     if isinstance(model, Llama):
         return list(model.layers)
     from paro_fsdp.integrations.hf import decoder_blocks
@@ -75,8 +70,7 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
 
 
 def build_model(cfg: JobConfig, args: LlamaArgs, device: torch.device) -> nn.Module:
-    """The model on the meta device: ``parallelize`` materialises it shard by shard, so no rank
-    ever holds the whole model (65B included)."""
+    """The model on the meta device: ``parallelize`` materialises it shard by shard, so no rank holds it whole."""
     if cfg.model.name == "hf":
         from . import hf_model
 
@@ -86,9 +80,8 @@ def build_model(cfg: JobConfig, args: LlamaArgs, device: torch.device) -> nn.Mod
 
 
 def parallelize(model: nn.Module, cfg: JobConfig, mesh: Any, device: torch.device) -> nn.Module:
-    """Activation checkpointing (if asked), then ``paro_shard`` with the config's policy. Each
-    parameter is initialised from (``training.seed``, its name), identically on every rank; a
-    Hugging Face model's weights are then read from its folder, each rank reading its shards."""
+    """AC (if asked), then ``paro_shard``: parameters seeded by (``training.seed``, name), alike on every rank;
+    a Hugging Face model's weights are then read from its folder, each rank reading its shards."""
     if cfg.activation_checkpoint.mode == "full":
         apply_activation_checkpointing(model)
     t = cfg.training
@@ -114,9 +107,8 @@ def parallelize(model: nn.Module, cfg: JobConfig, mesh: Any, device: torch.devic
 
 
 def apply_compile(model: nn.Module, cfg: JobConfig) -> None:
-    """torch.compile the model in place (whole, or block by block) after ``paro_shard``, so its
-    collectives are graph nodes. Whoever drives the run installs ``[compile] passes`` first
-    (``passes.install_for``): the package never imports them."""
+    """torch.compile in place (whole, or per block) after ``paro_shard``, so collectives are graph nodes.
+    Whoever drives the run installs ``[compile] passes`` first (``passes.install_for``): the package never does."""
     from paro_fsdp.traced import isolate_compile_cache
 
     isolate_compile_cache(torch.distributed.get_rank())
@@ -133,8 +125,7 @@ def apply_compile(model: nn.Module, cfg: JobConfig) -> None:
 
 
 def check_policy(cfg: JobConfig, args: LlamaArgs) -> Optional[str]:
-    """Resolve the policy against the model's parameter names (on the meta device, so before
-    any memory is spent); return the engine's error message, or None."""
+    """The engine's error for the policy against the model's names (meta device: no memory spent), or None."""
     from paro_fsdp.strategy import resolve_policy
 
     if cfg.model.name == "hf":

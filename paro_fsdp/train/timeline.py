@@ -87,9 +87,7 @@ def _dim(args: Mapping[str, Any], group_dims: Mapping[str, str]) -> Optional[str
 
 
 def parse(trace: Mapping[str, Any], thread_dims: Mapping[int, str] = {}, group_dims: Mapping[str, str] = {}) -> Optional[Timeline]:
-    """The timeline of the one profiled step in ``trace`` (a Chrome trace as torch.profiler writes
-    it), or None when it holds no step with work (the profiler's closing trace). ``thread_dims``:
-    gloo worker thread id -> mesh dim (``gloo_threads``); ``group_dims``: c10d group name -> dim."""
+    """The profiled step of a torch.profiler Chrome trace, or None when no step did work (the closing trace)."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
     steps = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")]
     if not steps:
@@ -140,8 +138,7 @@ def fractions(tl: Timeline) -> dict[str, float]:
 
 
 def render(tl: Timeline, title: str, width_px: int = 1200):
-    """The timeline as an RGB image (numpy uint8, height x width x 3): one row per kind that
-    occurs (compute, intra and inter always), time in ms on x, the fractions in the title."""
+    """The timeline as an RGB uint8 image (HWC): a row per kind that occurs (compute, intra, inter always)."""
     import numpy as np
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -167,8 +164,7 @@ def render(tl: Timeline, title: str, width_px: int = 1200):
 
 
 def group_dims(groups: Any, world_name: str) -> dict[str, str]:
-    """c10d group name -> row, for a ``MeshGroups``: the flat all-ranks groups (the mesh's and
-    the world) are "global", or the one link they cross on a mesh with one group / one rank per group."""
+    """c10d group name -> row of a ``MeshGroups``; the flat all-ranks groups are "global" (or the one link crossed)."""
     flat = "global" if groups.g > 1 and groups.m > 1 else ("inter" if groups.g > 1 else "intra")
     out = {world_name: flat, groups.group_names["global"]: flat}
     for dim, size in (("intra", groups.m), ("inter", groups.g)):
@@ -178,10 +174,8 @@ def group_dims(groups: Any, world_name: str) -> dict[str, str]:
 
 
 def gloo_threads(dims: Mapping[str, str], delay_s: float = 0.03) -> dict[int, str]:
-    """Which gloo worker threads serve which group (thread id -> dim of ``dims``, group name ->
-    dim): every rank calls it (it runs collectives). Per group, each rank in turn joins late, so
-    the others' pending all-reduces occupy every worker thread; a short profiler session records
-    the threads. Once per process: a gloo group keeps its threads."""
+    """Gloo worker thread id -> dim (``dims``: group name -> dim); collective, once per process (threads stay).
+    Per group each rank in turn joins late, so the others' pending all-reduces occupy every worker thread."""
     import torch
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _resolve_process_group
@@ -223,9 +217,7 @@ def gloo_threads(dims: Mapping[str, str], delay_s: float = 0.03) -> dict[int, st
 
 
 class TimelineWriter:
-    """The profiler's trace sink: each trace file -> one image ``timeline/rank{r}`` and the
-    fractions as ``timeline/<name>`` scalars, in this rank's TensorBoard run ``log_dir``, at the
-    trainer step (``ProfilerStep#N`` is step N + ``step_offset``)."""
+    """The profiler's trace sink: per trace, image ``timeline/rank{r}`` and fraction scalars at step N + step_offset."""
 
     def __init__(self, log_dir: str, rank: int, mode: str, thread_dims: Mapping[int, str],
                  group_dims: Mapping[str, str], step_offset: int = 1) -> None:
