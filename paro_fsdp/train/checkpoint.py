@@ -73,9 +73,8 @@ class TrainState:
 
 
 def scan_checkpoints(folder: str) -> tuple[dict[int, str], dict[int, tuple[str, str]]]:
-    """The ``step-<N>`` entries of ``folder``: (complete: step -> path, damaged: step -> (path,
-    why it cannot be loaded)). Complete means DCP's ``.metadata`` is there (a ``.tmp`` folder,
-    a save in progress, is neither); whether its files are intact is ``verify``'s question."""
+    """``step-<N>`` entries: (complete: step -> path, damaged: step -> (path, why)). Complete: DCP's ``.metadata``
+    is there (a ``.tmp`` save in progress is neither); whether its files are intact is ``verify``'s question."""
     complete: dict[int, str] = {}
     damaged: dict[int, tuple[str, str]] = {}
     if os.path.isdir(folder):
@@ -99,8 +98,7 @@ def list_checkpoints(folder: str) -> dict[int, str]:
 
 
 def move_aside(path: str) -> str:
-    """Rename ``path`` to ``<path>.damaged`` (``.damaged-2``, ... if taken) and return the new
-    path: out of every step listing, kept for inspection."""
+    """Rename ``path`` to ``<path>.damaged`` (``-2``, ... if taken): out of every listing, kept for inspection."""
     target, n = f"{path}.damaged", 1
     while os.path.lexists(target):
         n += 1
@@ -110,8 +108,7 @@ def move_aside(path: str) -> str:
 
 
 class CheckpointManager:
-    """Saves every ``interval`` steps (and after the last step), prunes to ``keep_latest_k``,
-    and resumes from the latest complete checkpoint."""
+    """Saves every ``interval`` steps and the last, prunes to ``keep_latest_k``, resumes from the latest."""
 
     def __init__(self, folder: str, interval: int, keep_latest_k: int, enabled: bool, states: dict[str, Any],
                  verify: bool = True) -> None:
@@ -136,8 +133,7 @@ class CheckpointManager:
             dist.barrier()
 
     def load(self, step: int = -1) -> Optional[int]:
-        """Load the checkpoint of ``step`` (-1: the latest); return its step, or None if there
-        is none to resume from."""
+        """Load the checkpoint of ``step`` (-1: the latest); return its step, or None if there is none."""
         if not self.enabled:
             return None
         found = list_checkpoints(self.folder)
@@ -146,10 +142,8 @@ class CheckpointManager:
                 return None
             step = max(found)
         elif step not in found:
-            raise FileNotFoundError(
-                f"checkpoint.load_step = {step}: no complete checkpoint of that step in {self.folder}; "
-                f"valid: -1 or one of {sorted(found)}"
-            )
+            raise FileNotFoundError(f"checkpoint.load_step = {step}: no complete checkpoint of that step in "
+                                    f"{self.folder}; valid: -1 or one of {sorted(found)}")
         path = found[step]
         earlier = [s for s in found if s < step]
         damage_fix = (f"; load an earlier one with --checkpoint.load_step {max(earlier)} (complete: {earlier}), "
@@ -212,10 +206,8 @@ _MODEL_KEYS = "model.flavor, model.tokenizer, model.vocab_size"  # what decides 
 
 def load_model_weights(model: torch.nn.Module, path: str, verify_files: bool = True,
                        warn: Optional[Callable[[str], None]] = None) -> str:
-    """Load only model weights from the DCP folder ``path`` (keys: parameter names, or this
-    trainer's ``optimizer.master.<name>``) into a ``paro_shard`` model, whose ``load_state_dict``
-    refreshes the fp32 masters; returns which it was. A folder without a manifest (torchtitan's,
-    plain DCP's) loads after one ``warn`` line. Collective."""
+    """Load model weights (parameter names, or this trainer's ``optimizer.master.<name>``) into a ``paro_shard``
+    model; returns which. A folder without a manifest loads after one ``warn`` line. Collective."""
     if not os.path.isfile(os.path.join(path, ".metadata")):
         raise CheckpointError(f"checkpoint.initial_load_path = {path!r} is not a DCP checkpoint folder (no .metadata); "
                               f"valid: a folder written by torch.distributed.checkpoint, e.g. a step-N folder")
@@ -239,10 +231,8 @@ def load_model_weights(model: torch.nn.Module, path: str, verify_files: bool = T
 
 def _checked_load(path: str, target: Callable[[Any], tuple[Any, str]], verify_files: bool, what: str, *, damage_fix: str,
                   misfit_fix: str, unverified_fix: Optional[str], warn: Optional[Callable[[str], None]]) -> None:
-    """Verify ``path``, compare its shapes with ``target(metadata)``'s state (and key prefix),
-    then ``safe_load`` it. Every failure is one ``CheckpointError`` starting with ``what`` and
-    ending with the fix for its cause (``damage_fix``, ``misfit_fix``; no manifest:
-    ``unverified_fix``, or with ``warn`` a warning and the load). Collective."""
+    """Verify, shape-check against ``target(metadata)``, then ``safe_load``: each failure is one CheckpointError
+    starting with ``what`` and ending with the fix for its cause. Collective."""
     if verify_files and not os.path.isfile(os.path.join(path, MANIFEST)):
         if warn is None:
             raise CheckpointError(f"{what} has no {MANIFEST}, so its files cannot be verified (this trainer writes one with "

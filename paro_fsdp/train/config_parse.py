@@ -33,8 +33,7 @@ def _type_name(tp: Any) -> str:
     if origin is Literal:
         return "one of " + ", ".join(json.dumps(a) for a in get_args(tp))
     if origin is typing.Union:
-        inner = [a for a in get_args(tp) if a is not type(None)]
-        return _type_name(inner[0]) + " (or unset)"
+        return _type_name([a for a in get_args(tp) if a is not type(None)][0]) + " (or unset)"
     if origin is list:
         return f"a list of {_type_name(get_args(tp)[0])}"
     if origin is dict:
@@ -50,10 +49,7 @@ def _check(key: str, value: Any, tp: Any) -> Any:
     origin = get_origin(tp)
     bad = ConfigError(f"{key} = {_show(value)} has the wrong type; valid: {_type_name(tp)}")
     if origin is typing.Union:
-        if value is None:
-            return None
-        inner = [a for a in get_args(tp) if a is not type(None)][0]
-        return _check(key, value, inner)
+        return None if value is None else _check(key, value, [a for a in get_args(tp) if a is not type(None)][0])
     if origin is Literal:
         if value not in get_args(tp):
             raise ConfigError(f"{key} = {_show(value)} is not a valid choice; valid: {_type_name(tp)}")
@@ -88,11 +84,8 @@ def _from_cli(key: str, text: str, tp: Any) -> Any:
             return None
         return _from_cli(key, text, [a for a in get_args(tp) if a is not type(None)][0])
     if tp is bool:
-        low = text.lower()
-        if low in _TRUE:
-            return True
-        if low in _FALSE:
-            return False
+        if text.lower() in _TRUE | _FALSE:
+            return text.lower() in _TRUE
         raise ConfigError(f"--{key} {text!r} is not a boolean; valid: true or false")
     if tp in (int, float):
         try:
@@ -156,8 +149,7 @@ _FLAGS = {"-h": "help", "--help": "help", "--print-config": "print_config", "--e
 
 
 def parse_args(argv: list[str], world_size: Optional[int] = None, local_world_size: Optional[int] = None) -> tuple[JobConfig, CliArgs]:
-    """Build the config from defaults, ``--job.config_file`` and CLI overrides, then validate it
-    for ``world_size`` ranks (default: $WORLD_SIZE, or 1)."""
+    """Defaults, then ``--job.config_file``, then CLI overrides; validated for ``world_size`` (default $WORLD_SIZE)."""
     cli = CliArgs()
     overrides: list[tuple[str, str, Optional[str]]] = []  # (section, key, text or None for a bare flag)
     config_file = None
@@ -220,8 +212,7 @@ def parse_args(argv: list[str], world_size: Optional[int] = None, local_world_si
 
 
 def imply_dataset(cfg: JobConfig, dataset_on_cli: bool) -> None:
-    """A ``training.dataset_path`` is never ignored (as in torchtitan): with ``dataset =
-    "embedded"`` it implies "jsonl" (.jsonl/.json files) or "text"; both on the CLI contradict."""
+    """A ``training.dataset_path`` is never ignored (as in torchtitan): with "embedded" it implies jsonl or text."""
     t = cfg.training
     if not t.dataset_path or t.dataset != "embedded":
         return
@@ -242,13 +233,8 @@ def _is_strategy(text: str) -> bool:
     return isinstance(text, str) and len(text.strip()) == 3 and all(c in "NIG" for c in text.strip().upper())
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def validate(cfg: JobConfig, world_size: Optional[int], local_world_size: Optional[int] = None, for_training: bool = True) -> None:
-    """Raise ConfigError for well-typed but impossible values (for ``world_size`` ranks; None
-    skips the checks that need it)."""
+    """Raise ConfigError for well-typed but impossible values (``world_size`` None skips the checks needing it)."""
 
     def positive(key: str, value: float, allow_zero: bool = False) -> None:
         if value < 0 or (value == 0 and not allow_zero):
@@ -281,9 +267,8 @@ def validate(cfg: JobConfig, world_size: Optional[int], local_world_size: Option
         raise ConfigError(f"model.vocab_size = {m.vocab_size} is invalid; valid: -1 (from flavor and tokenizer) or a positive integer")
     for key in ("local_batch_size", "seq_len", "steps"):
         positive(f"training.{key}", getattr(t, key))
-    positive("optimizer.lr", cfg.optimizer.lr)
-    positive("optimizer.eps", cfg.optimizer.eps)
-    positive("optimizer.weight_decay", cfg.optimizer.weight_decay, allow_zero=True)
+    for key, zero in (("lr", False), ("eps", False), ("weight_decay", True)):
+        positive(f"optimizer.{key}", getattr(cfg.optimizer, key), allow_zero=zero)
     positive("lr_scheduler.warmup_steps", cfg.lr_scheduler.warmup_steps, allow_zero=True)
     positive("training.max_consecutive_skips", t.max_consecutive_skips, allow_zero=True)
     if not 0.0 <= cfg.lr_scheduler.min_lr_factor <= 1.0:
@@ -320,8 +305,9 @@ def validate(cfg: JobConfig, world_size: Optional[int], local_world_size: Option
     if p.paro_group_size != -1 and p.paro_group_size < 1:
         raise ConfigError(f"parallelism.paro_group_size = {p.paro_group_size} is invalid; valid: -1 (ranks per node) or a positive divisor of the world size")
     if p.paro_group_size != -1 and world_size is not None and world_size % p.paro_group_size:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
         raise ConfigError(f"parallelism.paro_group_size = {p.paro_group_size} does not divide the world size {world_size}; "
-                          f"valid: -1 (ranks per node) or one of {_divisors(world_size)}")
+                          f"valid: -1 (ranks per node) or one of {divisors}")
     if "hierarchical" in cfg.compile.passes:
         raise ConfigError("compile.passes: 'hierarchical' is no longer a pass: compiled graphs run global collectives "
                           "as PaRO-CC (intra and inter phases) as the eager engine does; drop it, "
@@ -333,11 +319,10 @@ def validate(cfg: JobConfig, world_size: Optional[int], local_world_size: Option
         raise ConfigError(f"compile.backend = {cfg.compile.backend!r} is invalid; valid: inductor, aot_eager, eager")
     if cfg.compile.max_prefetch_mb < 0 and cfg.compile.max_prefetch_mb != -1:
         raise ConfigError(f"compile.max_prefetch_mb = {cfg.compile.max_prefetch_mb} is invalid; valid: -1 (no bound) or >= 0")
-    positive("metrics.log_freq", cfg.metrics.log_freq)
-    positive("profiling.profile_freq", cfg.profiling.profile_freq)
-    positive("profiling.keep_latest_k", cfg.profiling.keep_latest_k, allow_zero=True)
-    positive("checkpoint.interval", cfg.checkpoint.interval)
-    positive("checkpoint.keep_latest_k", cfg.checkpoint.keep_latest_k, allow_zero=True)
+    for key, zero in (("metrics.log_freq", False), ("profiling.profile_freq", False), ("profiling.keep_latest_k", True),
+                      ("checkpoint.interval", False), ("checkpoint.keep_latest_k", True)):
+        section, name = key.split(".")
+        positive(key, getattr(getattr(cfg, section), name), allow_zero=zero)
     if cfg.checkpoint.load_step < -1:
         raise ConfigError(f"checkpoint.load_step = {cfg.checkpoint.load_step} is invalid; valid: -1 (latest) or a saved step")
     positive("comm.init_timeout_seconds", cfg.comm.init_timeout_seconds)

@@ -40,19 +40,14 @@ def _files(path: str, suffixes: tuple[str, ...]) -> list[Path]:
 
 
 def load_documents(dataset: str, path: Optional[str] = None) -> list[str]:
-    """The dataset's documents, in a fixed order (sorted file names, then file order).
-
-    ``embedded``: the shipped corpus; ``text``: each file is a document, or several separated by
-    form-feed (``\\f``) characters; ``jsonl``: one JSON object per line with a ``"text"`` field.
-    """
+    """The documents in a fixed order; ``text``: form-feed (``\\f``) separates a file's documents; ``jsonl``: a
+    ``"text"`` field per line."""
     if dataset == "embedded":
         files, kind = sorted(CORPUS_DIR.glob("*.txt")), "text"
         if not files:
             raise FileNotFoundError(f"the embedded corpus is missing from {CORPUS_DIR} (a broken install?)")
-    elif dataset == "text":
-        files, kind = _files(path or "", TEXT_SUFFIXES), "text"
-    elif dataset == "jsonl":
-        files, kind = _files(path or "", JSONL_SUFFIXES), "jsonl"
+    elif dataset in ("text", "jsonl"):
+        files, kind = _files(path or "", TEXT_SUFFIXES if dataset == "text" else JSONL_SUFFIXES), dataset
     else:
         raise ValueError(f"training.dataset = {dataset!r}; valid: embedded, text, jsonl")
     docs: list[str] = []
@@ -79,21 +74,13 @@ def load_documents(dataset: str, path: Optional[str] = None) -> list[str]:
 
 def tokenize_documents(docs: list[str], tokenizer: Tokenizer) -> np.ndarray:
     """One int32 token stream: [BOS] doc [EOS] for every document, in order."""
-    parts = []
-    bos = np.asarray([tokenizer.bos_id], dtype=np.int32) if tokenizer.bos_id is not None else None
-    eos = np.asarray([tokenizer.eos_id], dtype=np.int32) if tokenizer.eos_id is not None else None
-    for d in docs:
-        if bos is not None:
-            parts.append(bos)
-        parts.append(tokenizer.encode(d).astype(np.int32))
-        if eos is not None:
-            parts.append(eos)
-    return np.concatenate(parts)
+    bos = np.asarray([tokenizer.bos_id] if tokenizer.bos_id is not None else [], dtype=np.int32)
+    eos = np.asarray([tokenizer.eos_id] if tokenizer.eos_id is not None else [], dtype=np.int32)
+    return np.concatenate([part for d in docs for part in (bos, tokenizer.encode(d).astype(np.int32), eos)])
 
 
 def pack_windows(tokens: np.ndarray, seq_len: int) -> np.ndarray:
-    """Non-overlapping windows of ``seq_len + 1`` tokens ([num_windows, seq_len + 1]); the
-    model reads ``window[:-1]`` and predicts ``window[1:]``. The incomplete tail is dropped."""
+    """[num_windows, seq_len + 1] windows: the model reads ``window[:-1]``, predicts ``window[1:]``; tail dropped."""
     width = seq_len + 1
     n = len(tokens) // width
     if n == 0:
@@ -103,9 +90,8 @@ def pack_windows(tokens: np.ndarray, seq_len: int) -> np.ndarray:
 
 
 class DataLoader:
-    """Yields this rank's micro-batches ([local_batch_size, seq_len + 1] int64) forever, epoch
-    after epoch; :meth:`state_dict` / :meth:`load_state_dict` save and restore the position at
-    an optimizer-step boundary."""
+    """This rank's micro-batches ([local_batch_size, seq_len + 1] int64), forever; the position is saved and
+    restored at an optimizer-step boundary."""
 
     def __init__(self, windows: np.ndarray, local_batch_size: int, dp_rank: int, dp_world: int, grad_accum: int,
                  seed: int) -> None:
@@ -156,11 +142,9 @@ class DataLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if int(state["num_windows"]) != self.num_windows or int(state["seed"]) != self.seed:
-            raise ValueError(
-                f"the checkpoint's data position was saved for {state['num_windows']} windows with seed {state['seed']}, "
-                f"but this run has {self.num_windows} windows with seed {self.seed}: the dataset, tokenizer, seq_len or "
-                "seed changed; resume with the same data settings"
-            )
+            raise ValueError(f"the checkpoint's data position was saved for {state['num_windows']} windows with seed "
+                             f"{state['seed']}, but this run has {self.num_windows} windows with seed {self.seed}: the "
+                             "dataset, tokenizer, seq_len or seed changed; resume with the same data settings")
         self.base, self.micro = int(state["samples_consumed"]), 0
 
 
@@ -170,8 +154,7 @@ def build_dataloader(dataset: str, dataset_path: Optional[str], tokenizer: Token
     tokens = tokenize_documents(load_documents(dataset, dataset_path), tokenizer)
     if tokens.max(initial=0) >= tokenizer.vocab_size:
         raise ValueError(f"token id {int(tokens.max())} is outside the tokenizer's vocabulary ({tokenizer.vocab_size})")
-    windows = pack_windows(tokens, seq_len)
-    return DataLoader(windows, local_batch_size, dp_rank, dp_world, grad_accum, seed)
+    return DataLoader(pack_windows(tokens, seq_len), local_batch_size, dp_rank, dp_world, grad_accum, seed)
 
 
 def describe(loader: DataLoader, dataset: str, dataset_path: Optional[str]) -> str:

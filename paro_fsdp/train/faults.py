@@ -37,8 +37,7 @@ class TrainingStopped(RuntimeError):
 
 # ---- process group under torchrun restarts ----------------------------------------------------
 def restart_store(timeout: datetime.timedelta) -> Optional[dist.Store]:
-    """torchrun's TCPStore under ``paro/attempt<TORCHELASTIC_RESTART_COUNT>``, for the process
-    group; None outside torchrun (``env://`` is then right)."""
+    """torchrun's TCPStore under ``paro/attempt<N>`` for the process group; None outside torchrun (``env://``)."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None:
         return None
@@ -50,8 +49,7 @@ def restart_store(timeout: datetime.timedelta) -> Optional[dist.Store]:
 
 
 def set_collective_timeout(timeout: datetime.timedelta) -> int:
-    """Apply ``timeout`` to every process group, the mesh's sub-groups included (the engine's
-    collectives run there); returns how many took it."""
+    """Apply ``timeout`` to every process group, the mesh's sub-groups included; returns how many took it."""
     from torch.distributed import distributed_c10d as c10d
 
     groups = list(getattr(getattr(c10d, "_world", None), "pg_map", {}) or [c10d._get_default_group()])
@@ -75,8 +73,7 @@ _TIMED_OUT = ("timed out", "timeout")
 
 
 def collective_failure(exc: BaseException, rank: int, step: int, timeout_s: float) -> Optional[str]:
-    """One line describing ``exc`` if it is a collective that lost its peers or timed out, else
-    None (then it is a bug, and its traceback must be seen)."""
+    """One line for a collective that lost its peers or timed out; else None (a bug: its traceback must show)."""
     causes = dcp_causes(exc)  # a failure inside DCP: the lowest rank's error
     if causes:
         exc = causes[0][1]
@@ -101,8 +98,7 @@ def _first_line(text: str) -> str:
 
 # ---- SIGTERM / SIGINT: finish the step, save it, exit 0 -------------------------------------------
 def shutdown_grace_s() -> float:
-    """torchrun's grace between a forwarded SIGTERM / SIGINT and SIGKILL (``--shutdown-timeout``,
-    default ``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` or 30 s); a worker can read only the variable."""
+    """torchrun's SIGTERM-to-SIGKILL grace: ``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` (all a worker can read) or 30 s."""
     try:
         return float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
     except ValueError:
@@ -110,17 +106,12 @@ def shutdown_grace_s() -> float:
 
 
 class GracefulStop:
-    """SIGTERM and SIGINT, noted (``requested``) rather than acted on: the trainer adds
-    ``votes()`` to the step's loss all-reduce and stops after the first step whose sum is
-    positive. A daemon thread watches the signal wakeup fd (a main thread inside a collective's
-    C++ wait runs no Python handler) and enforces two deadlines from the first signal: reaching
-    the agreed step (5 s plus three of the longest steps, so a rank whose peer died does not hold
-    up torchrun's restart) and finishing the save (``hard_s``: torchrun's grace less 5 s). A
-    missed deadline, or the same signal again after 2 s, writes ``describe(signum)`` once and
-    exits 1 (``os._exit``: a group whose peer failed cannot be torn down safely).
-
-    ``said()``: True, and the process then writes its own last line; a later signal exits
-    without a second one. False: a signal's line is being written, write nothing."""
+    """SIGTERM / SIGINT noted, not acted on: ``votes()`` ride the loss all-reduce. A daemon thread watches the
+    wakeup fd (a main thread in a collective's C++ wait runs no Python handler) and enforces, from the first
+    signal, reaching the agreed step (5 s + 3 longest steps, so a dead peer does not hold up torchrun's restart)
+    and finishing the save (``hard_s``: torchrun's grace less 5 s). A missed deadline, or the signal again after
+    2 s, writes ``describe(signum)`` once and ``os._exit(1)``s (a group with a failed peer cannot be torn down).
+    ``said()``: True: write your own last line (a later signal adds none); False: a signal's line is being written."""
 
     def __init__(self, describe: Callable[[int], str], write_line: Callable[[str], None],
                  hard_s: Optional[float] = None) -> None:
@@ -131,9 +122,8 @@ class GracefulStop:
         self.longest_step_s = 0.0  # the trainer's ``step_took``; 0: no step finished yet
         self.stopping = False  # the agreed step was reached: only hard_s applies now
         self._once = threading.Lock()
-        read_fd, write_fd = os.pipe()
+        self._read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)
-        self._read_fd = read_fd
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, frame: self._note(signum))
         signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
@@ -201,9 +191,8 @@ def stuck_line(rank: int, step: int, signum: int, waited_s: float) -> str:
 
 
 def resume_command(argv: list[str]) -> str:
-    """The command that resumes this run: torchrun's own command line (read from the parent
-    process, a worker's is torchrun) or ``python train.py``'s, without ``--job.fresh`` (which
-    would delete the checkpoint it resumes from)."""
+    """The command that resumes this run (torchrun's, read from the parent process, or ``python train.py``'s),
+    without ``--job.fresh`` (which would delete the checkpoint it resumes from)."""
     import shlex
     import sys
 
@@ -226,10 +215,7 @@ def resume_command(argv: list[str]) -> str:
         except OSError:
             parent = []
         for i, a in enumerate(parent):  # python .../torchrun ARGS, or python -m torch.distributed.run ARGS
-            if os.path.basename(a) == "torchrun":
-                cmd = ["torchrun"] + parent[i + 1:]
-                break
-            if a == "torch.distributed.run" and i and parent[i - 1] == "-m":
+            if os.path.basename(a) == "torchrun" or (a == "torch.distributed.run" and i and parent[i - 1] == "-m"):
                 cmd = ["torchrun"] + parent[i + 1:]
                 break
         if cmd is None:
@@ -241,10 +227,8 @@ def resume_command(argv: list[str]) -> str:
 
 # ---- a configuration error under torchrun ---------------------------------------------------------
 def config_error_exit(line: str, rank: int, write_line: Callable[[str], None], wait_s: float = 60.0) -> int:
-    """Report the configuration error ``line``; returns the exit status. Rank 0 writes it (and
-    into torchrun's error file and store), waits up to ``wait_s`` for its node's ranks to
-    acknowledge the same line, and returns 2; those return 0 silently. A rank whose error
-    differs, or that hears nothing in time, writes its own line; other nodes' ranks return 2."""
+    """Rank 0 writes ``line`` (also to torchrun's error file and store), waits ``wait_s`` for its node's ranks to ack
+    it (they return 0 silently) and returns 2; a rank with another error or no answer writes its own line."""
     store = _agent_store()
     node0 = os.environ.get("GROUP_RANK", "0") == "0"
     if rank == 0:
@@ -299,8 +283,7 @@ def _wait_key(store: dist.Store, key: str, wait_s: float) -> Optional[str]:
 
 
 def _write_error_file(line: str) -> None:
-    """torchrun's per-worker error file in ErrorHandler's format: its summary shows
-    ``py_callstack`` as the ``traceback :``, here the one line."""
+    """torchrun's per-worker error file (ErrorHandler's format): its summary shows ``py_callstack``, the one line."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
@@ -315,9 +298,8 @@ def _write_error_file(line: str) -> None:
 
 # ---- non-finite loss or gradient norm ----------------------------------------------------------
 class NonFiniteGuard:
-    """Decides, once per step, whether the optimizer may step: ``mode`` "skip" skips a step whose
-    loss or gradient norm is NaN/inf (and stops after ``max_consecutive`` in a row, 0 = never);
-    "stop" stops at the first one. Reading the two values costs one device-to-host copy per step."""
+    """Whether the optimizer may step: "skip" skips a NaN/inf loss or norm (stopping after ``max_consecutive`` in a
+    row, 0 = never), "stop" stops at the first; one device-to-host copy per step."""
 
     def __init__(self, mode: str, max_consecutive: int) -> None:
         if mode not in ("skip", "stop"):
@@ -330,10 +312,8 @@ class NonFiniteGuard:
 
     def allows_step(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, optimizer,
                     stop_votes: Optional[torch.Tensor] = None) -> bool:
-        """True when the step is finite; otherwise False (the line in ``self.last``) or
-        ``TrainingStopped``. Every rank calls it: a bad step names its parameter with one small
-        collective. ``stop_votes`` (all-reduced with the loss) lands in ``self.stop_votes``, read
-        with the same one device-to-host copy on a normal step."""
+        """True when the step is finite, else False (line in ``self.last``) or TrainingStopped. Every rank calls it;
+        ``stop_votes`` lands in ``self.stop_votes``, read with the same device-to-host copy."""
         finite = torch.isfinite(torch.stack([loss.float(), grad_norm.float()])).all()
         self.stop_votes = (0, 0)
         if stop_votes is None:
@@ -364,8 +344,7 @@ class NonFiniteGuard:
 
 
 def nonfinite_masters(optimizer) -> Optional[str]:
-    """Name of the first fp32 master weight with a NaN or inf on any rank (None: all finite);
-    checked before every save so a checkpoint never holds one."""
+    """First fp32 master with a NaN/inf on any rank (None: none); checked before every save, so none is saved."""
     return _first_flagged(optimizer, lambda m: m)
 
 
@@ -373,8 +352,7 @@ def nonfinite_masters(optimizer) -> Optional[str]:
 def _first_flagged(optimizer, tensor_of) -> Optional[str]:
     """One all-reduce (max) of a non-finite flag per master parameter, in model order."""
     masters = [m for g in optimizer.groups for m in g.master]
-    device = masters[0].device
-    flags = torch.zeros(len(masters), dtype=torch.int32, device=device)
+    flags = torch.zeros(len(masters), dtype=torch.int32, device=masters[0].device)
     for i, m in enumerate(masters):
         t = tensor_of(m)
         if t is not None and t.numel():

@@ -31,8 +31,7 @@ PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
     ("H100", {"bf16": 989.0, "tf32": 494.7, "fp32": 66.9}),
     ("A100", {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5}),
 )
-PEAK_TFLOPS_ENV = "PARO_PEAK_TFLOPS"
-"""Environment override of one GPU's peak TFLOP/s for the run's dtype (any GPU, or to correct the table)."""
+PEAK_TFLOPS_ENV = "PARO_PEAK_TFLOPS"  # overrides one GPU's peak TFLOP/s for the run's dtype (or corrects the table)
 
 
 def peak_host_rss_bytes() -> int:
@@ -40,8 +39,7 @@ def peak_host_rss_bytes() -> int:
 
 
 def host_now() -> dict[str, float]:
-    """Resident memory and open file descriptors of this process now: a long run's leak shows
-    as a slope in either (Linux /proc; empty elsewhere)."""
+    """Resident memory and open fds now: a long run's leak shows as a slope (Linux /proc; empty elsewhere)."""
     try:
         with open("/proc/self/statm") as f:
             rss_pages = int(f.read().split()[1])
@@ -78,15 +76,13 @@ class CommMeter:
 
 
 def flops_per_token(params: int, n_layers: int, dim: int, seq_len: int, embedding_params: int = 0) -> float:
-    """Model FLOPs of forward + backward per trained token: 6 per matmul weight (the embedding
-    table is a lookup, so ``embedding_params`` are left out, as torchtitan and the advisor do) plus
-    attention's 12 * n_layers * dim * seq_len (scores and weighted sum, forward and backward)."""
+    """Forward + backward FLOPs per token: 6 per matmul weight (embedding lookups left out, as torchtitan and the
+    advisor do) plus attention's 12 * n_layers * dim * seq_len."""
     return 6.0 * (params - embedding_params) + 12.0 * n_layers * dim * seq_len
 
 
 def peak_flops(device: torch.device, param_dtype: torch.dtype) -> Optional[float]:
-    """One GPU's dense peak FLOP/s for ``param_dtype``: ``$PARO_PEAK_TFLOPS`` if set, else the
-    ``PEAK_TFLOPS`` entry of this GPU's name; None on CPU or for a GPU not in the table."""
+    """One GPU's dense peak FLOP/s: ``$PARO_PEAK_TFLOPS``, else ``PEAK_TFLOPS``; None on CPU or an unknown GPU."""
     if device.type != "cuda":
         return None
     override = os.environ.get(PEAK_TFLOPS_ENV, "").strip()
@@ -98,19 +94,13 @@ def peak_flops(device: torch.device, param_dtype: torch.dtype) -> Optional[float
                              f"e.g. 989") from None
         return value * 1e12 if value > 0 else None
     name = torch.cuda.get_device_name(device)
-    if param_dtype == torch.bfloat16 or param_dtype == torch.float16:
-        kind = "bf16"
-    else:
-        kind = "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
-    for key, peaks in PEAK_TFLOPS:
-        if key in name:
-            return peaks[kind] * 1e12
-    return None
+    highest = torch.get_float32_matmul_precision() == "highest"
+    kind = "bf16" if param_dtype in (torch.bfloat16, torch.float16) else "fp32" if highest else "tf32"
+    return next((peaks[kind] * 1e12 for key, peaks in PEAK_TFLOPS if key in name), None)
 
 
 def cuda_memory(device: torch.device) -> dict[str, float]:
-    """The caching allocator's window peaks, reserved now and cudaMalloc retries (memory
-    pressure); host-side reads, no sync."""
+    """The allocator's window peaks, reserved now and cudaMalloc retries; host-side reads, no sync."""
     stats = torch.cuda.memory_stats(device)
     return {
         "cuda_max_allocated": float(torch.cuda.max_memory_allocated(device)),
@@ -128,8 +118,7 @@ def _fmt_bytes(n: float) -> str:
 
 
 def _fmt_eta(seconds: float) -> str:
-    seconds = int(max(seconds, 0))
-    h, rem = divmod(seconds, 3600)
+    h, rem = divmod(int(max(seconds, 0)), 3600)
     m, s = divmod(rem, 60)
     return f"{h}:{m:02d}:{s:02d}"
 
@@ -171,8 +160,7 @@ class MetricsLogger:
 
     def log(self, step: int, loss: float, grad_norm: float, lr: float, step_times: list[float], comm: CommSnapshot,
             memory: dict[str, int]) -> None:
-        """Write the line of log step ``step`` (``should_log``): its loss, grad norm and lr, and
-        ``step_times``, the seconds of each step of the window ending here (``StepTimer.collect``)."""
+        """Log step ``step`` if ``should_log``; ``step_times``: this window's step seconds (``StepTimer.collect``)."""
         self._step_times.extend(step_times)
         if not self.enabled or not self.should_log(step):
             return
@@ -187,10 +175,8 @@ class MetricsLogger:
         # under torch.compile the ledger sees only collectives run eagerly (the graphs' own are in
         # the compile schedule dump), so say so rather than print a misleading 0
         comm_label = "comm outside graphs" if self.cfg.compile.enable else "comm"
-        cuda_text = ""
-        if cuda is not None:
-            cuda_text = (f" reserved {_fmt_bytes(cuda['cuda_reserved'])} (max {_fmt_bytes(cuda['cuda_max_reserved'])}) "
-                         f"alloc retries {cuda['cuda_alloc_retries']:.0f}")
+        cuda_text = (f" reserved {_fmt_bytes(cuda['cuda_reserved'])} (max {_fmt_bytes(cuda['cuda_max_reserved'])}) "
+                     f"alloc retries {cuda['cuda_alloc_retries']:.0f}") if cuda is not None else ""
         mfu_text = f" | mfu {mfu:.1f}%" if mfu is not None else ""
         line = (
             f"step {step:>{len(str(self.total_steps))}}/{self.total_steps} | loss {loss:.4f} | gnorm {grad_norm:.3f} | "
@@ -207,9 +193,7 @@ class MetricsLogger:
             "throughput/tokens_per_s_per_rank": tps / self.world_size,
             "time/step_s": step_time,
             "memory/model_states_MiB": memory["total"] / MiB,
-            "memory/P_MiB": memory["P"] / MiB,
-            "memory/G_MiB": memory["G"] / MiB,
-            "memory/OS_MiB": memory["OS"] / MiB,
+            **{f"memory/{k}_MiB": memory[k] / MiB for k in ("P", "G", "OS")},
             f"memory/{peak_name}_MiB": peak / MiB,
             "comm/intra_MiB_per_step": comm.intra / MiB,
             "comm/inter_MiB_per_step": comm.inter / MiB,
@@ -241,9 +225,8 @@ class MetricsLogger:
 
 def build_profiler(cfg: JobConfig, rank: int, device: torch.device, start_step: int,
                    on_trace: Optional[Callable[[str], None]] = None):
-    """A torch.profiler tracing one step every ``profile_freq`` steps into
-    ``dump_folder/save_traces_folder`` (each rank's newest ``keep_latest_k`` kept), or a null
-    context; ``.step()`` after every step; ``on_trace(path)`` gets each trace written."""
+    """A torch.profiler tracing one step every ``profile_freq`` steps (each rank's newest ``keep_latest_k`` kept),
+    or a null context; ``on_trace(path)`` gets each trace written."""
     p = cfg.profiling
     if not p.enable_profiling:
         return contextlib.nullcontext(_NoProfiler())
@@ -270,12 +253,8 @@ def build_profiler(cfg: JobConfig, rank: int, device: torch.device, start_step: 
         if on_trace is not None:
             on_trace(path)
 
-    prof = torch.profiler.profile(
-        activities=activities,
-        schedule=torch.profiler.schedule(wait=wait, warmup=warmup, active=active),
-        on_trace_ready=trace_ready,
-        record_shapes=True,
-    )
+    prof = torch.profiler.profile(schedule=torch.profiler.schedule(wait=wait, warmup=warmup, active=active),
+                                  activities=activities, on_trace_ready=trace_ready, record_shapes=True)
     prof.step_num = start_step  # a resumed run keeps tracing the same steps
     return prof
 
