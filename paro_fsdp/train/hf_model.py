@@ -6,7 +6,6 @@ of the folder is an ``HFModelError``: one line naming the fix, and exit status 2
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import torch
 import torch.nn as nn
