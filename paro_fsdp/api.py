@@ -17,7 +17,7 @@ from .boundary import drive, push_params
 from .param_group import ParamRef, ParoParamGroup
 from .state import ParoBlock, ParoState
 from .traced import make_sinks_on_compile
-from .strategy import Level, PolicyLike, Strategy, resolve_policy
+from .strategy import PolicyLike, Strategy, resolve_policy
 from .streams import streams_for
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
-import io
 import sys
 import warnings
 from pathlib import Path
