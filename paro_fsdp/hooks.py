@@ -31,15 +31,21 @@ class Unshard(torch.autograd.Function):
 class OnBackward(torch.autograd.Function):
     """Identity whose backward calls ``callback`` once all the tensors' gradients are ready: on a
     block's outputs just before its backward, on its inputs just after (frozen groups get no
-    ``Unshard`` backward of their own)."""
+    ``Unshard`` backward of their own).
+
+    Gradients are not materialised: a tensor that reaches no loss (the aux output beside the
+    logits) passes None on, instead of a zeros tensor of its shape that its producer's backward
+    would then run on. Only the eager hooks use it (state.py returns before it while compiling),
+    so dynamo need not trace ``set_materialize_grads``."""
 
     @staticmethod
     def forward(ctx, callback: Callable[[], None], *tensors: torch.Tensor):  # type: ignore[override]
         ctx.callback = callback
+        ctx.set_materialize_grads(False)
         return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
-    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, *grads: torch.Tensor | None):  # type: ignore[override]
         ctx.callback()
         return (None,) + grads
 

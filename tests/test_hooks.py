@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from paro_fsdp import paro_shard
+from paro_fsdp.hooks import register_pre_backward
 from paro_fsdp.param_group import ParoParamGroup, ShardState
 from paro_fsdp.train.estimate import fake_mesh, release_fake_world
 from workloads import batch, make_model
@@ -34,6 +35,20 @@ def test_frozen_block_is_freed_right_after_its_backward(mesh, monkeypatch):
     states = dict(events)
     assert states["layers.0:ING"] == ShardState.SHARDED
     assert all(g.state == ShardState.SHARDED for b in blocks.values() for g in b.groups)
+
+
+def test_an_output_that_reaches_no_loss_gets_no_zeros_gradient():
+    """A block returning (logits, aux) whose aux never reaches the loss: autograd would hand
+    OnBackward a zeros tensor of aux's shape, and aux's producer would run its backward on it,
+    every micro-step. Its gradient stays None; the callback still runs once."""
+    calls = []
+    logits = torch.randn(2, 3, requires_grad=True)
+    w = torch.randn(4, 5, requires_grad=True)
+    out = register_pre_backward(lambda: calls.append(1), (logits * 1, {"aux": w * 3}))
+    (out[0] * 2).sum().backward()
+    assert calls == [1]
+    assert torch.equal(logits.grad, torch.full((2, 3), 2.0))
+    assert w.grad is None
 
 
 def test_blocks_are_freed_after_forward_and_root_is_kept(mesh):
