@@ -3,11 +3,25 @@
 Why: a collective issued from the compute stream starts only after every kernel queued before it,
 and PaRO-CC's later phases, issued at the consumer's ``wait()``, would queue behind all compute
 issued by then. So on CUDA all-gathers run on ``gather`` and reductions on ``reduce`` (both high
-priority): the side stream first waits for the compute stream (which wrote the input), every phase
-is issued at once there (each after the one before through a stream-side ``wait_tensor``), and the
-consumer waits for an event recorded after the last (``Pending.wait``). No ``record_stream``: the
-``Pending`` holds the input until the compute stream has waited, and outputs, allocated on the side
-stream, are consumed before the next issue of that kind (``drive`` keeps results referenced).
+priority), every phase is issued at once there (each after the one before through a stream-side
+``wait_tensor``), and the consumer waits for an event recorded after the last (``Pending.wait``).
+
+What a side stream waits for before a collective depends on where its input was written:
+
+* ``issue("gather")``, ``issue("reduce")``: the whole compute stream, which wrote the input (a
+  gradient bucket, the updated masters at the boundary).
+* ``issue("params")``, a micro-step's parameter all-gather: its input, the P-level storage, is
+  written only between forwards (the optimizer's push, a load), so the gather stream waits for the
+  compute stream once per forward, at the root (``params_written``, FSDP2's root pre-forward), and
+  at each issue only for the copy-outs of results it may reuse the memory of (FSDP2's
+  ``AllGatherState`` event): ``copied_out`` keeps each result, with an event after its copy-out,
+  until ``slack`` newer ones are kept. With the engine's prefetch (block i+1's gather is issued
+  after block i's copy-out) and ``slack = 1``, block i+1's gather waits for block i-1's copy-out,
+  not block i-1's compute: about two blocks of slack, one gathered buffer more in memory.
+
+No ``record_stream``: the ``Pending`` holds a reduction's input until the compute stream has
+waited; a gather's output, allocated on the side stream, is freed only after the side stream
+waited for its consumer (the issue's wait above, ``copied_out`` / ``release`` for parameters).
 
 On CPU (gloo) ``wait_tensor`` blocks the thread, so later phases stay inside ``wait()`` and
 ``streams_for`` returns None; while torch.compile traces, the graph passes schedule instead.
@@ -15,33 +29,66 @@ On CPU (gloo) ``wait_tensor`` blocks the thread, so later phases stay inside ``w
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from typing import Iterator
 
 import torch
 
-KINDS = ("gather", "reduce")
+KINDS = ("gather", "reduce", "params")
 
 
 class CommStreams:
-    """The two side streams of one model, and the issue context."""
+    """The two side streams of one model, the issue context, and the parameter gathers' results
+    kept until the gather stream has waited for their copy-outs."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, slack: int = 1) -> None:
         self.device = device
         self.gather = torch.cuda.Stream(device, priority=-1)
         self.reduce = torch.cuda.Stream(device, priority=-1)
+        self.slack = slack
+        self._written = False  # params_written has run: until then "params" waits as "gather" does
+        self._copied: deque[tuple[torch.cuda.Event, torch.Tensor]] = deque()
 
     def stream(self, kind: str) -> torch.cuda.Stream:
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-        return self.gather if kind == "gather" else self.reduce
+        return self.reduce if kind == "reduce" else self.gather
 
     @contextlib.contextmanager
     def issue(self, kind: str) -> Iterator[torch.cuda.Stream]:
-        """Run the body on the ``kind`` stream, after everything queued on the current stream."""
+        """Run the body on the ``kind`` stream: "gather" and "reduce" after everything queued on
+        the current stream, "params" after the copy-outs beyond ``slack`` (module docstring)."""
         side = self.stream(kind)
-        side.wait_stream(torch.cuda.current_stream(self.device))
+        if kind == "params" and self._written:
+            self._drop(side, self.slack)
+        else:
+            self._wait_current(side)
         with torch.cuda.stream(side):
             yield side
+
+    def params_written(self) -> None:
+        """The P-level storage may have been written on the current stream up to here: later
+        parameter gathers start after this point (and after every copy-out before it)."""
+        self._wait_current(self.gather)
+        self._written = True
+
+    def copied_out(self, gathered: torch.Tensor) -> None:
+        """The consumer has queued its reads of a parameter gather's result on the current
+        stream: keep ``gathered`` until the gather stream has waited for them."""
+        self._copied.append((torch.cuda.current_stream(self.device).record_event(), gathered))
+
+    def release(self) -> None:
+        """Free every kept result (end of backward), the gather stream waiting for its reads."""
+        self._drop(self.gather, 0)
+
+    def _wait_current(self, side: torch.cuda.Stream) -> None:
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        if side is self.gather:  # every copy-out so far is behind that wait
+            self._copied.clear()
+
+    def _drop(self, side: torch.cuda.Stream, keep: int) -> None:
+        while len(self._copied) > keep:
+            side.wait_event(self._copied.popleft()[0])
 
     @staticmethod
     def wait(event: torch.cuda.Event) -> None:

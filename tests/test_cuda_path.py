@@ -3,8 +3,11 @@ the order of device selection and process-group start, and that sharding frees t
 parameters (the whole unsharded model must not stay resident)."""
 from __future__ import annotations
 
+import contextlib
 import gc
+import itertools
 import weakref
+from typing import Iterator
 
 import pytest
 import torch
@@ -113,3 +116,88 @@ def test_memory_report_counts_master_gradients_and_boundary_temporaries(fake_wor
     assert report["boundary"] >= full * psi * 0.99  # padding makes FULL a little larger than psi
     assert report["G"] == sum(g.grad_acc.tensor.numel() * 4 for g in opt.groups)  # the fp32 accumulator
     assert report["peak"] == report["total"] + report["master_grads"] + report["boundary"]
+
+
+class _Event:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+
+class _Stream:
+    """A CUDA stream's interface on CPU: logs the waits on it and numbers the events it records."""
+
+    def __init__(self, name: str, log: list, numbers: Iterator[int]) -> None:
+        self.name, self.log, self.numbers = name, log, numbers
+
+    def wait_stream(self, other: "_Stream") -> None:
+        self.log.append((self.name, "waits for stream", other.name))
+
+    def wait_event(self, event: _Event) -> None:
+        self.log.append((self.name, "waits for event", event.n))
+
+    def record_event(self) -> _Event:
+        event = _Event(next(self.numbers))
+        self.log.append((self.name, "records", event.n))
+        return event
+
+
+@pytest.fixture
+def fake_streams(monkeypatch):
+    """torch.cuda's streams replaced by loggers: the compute stream is current until a side
+    stream is entered."""
+    log: list = []
+    numbers = itertools.count()
+    current = [_Stream("compute", log, numbers)]
+    names = iter(["gather", "reduce"])  # CommStreams makes them in this order
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None, priority=0: _Stream(next(names), log, numbers))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
+
+    @contextlib.contextmanager
+    def on(stream):
+        current.append(stream)
+        try:
+            yield
+        finally:
+            current.pop()
+
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    return log
+
+
+def test_parameter_gathers_wait_for_copy_outs_and_reductions_for_the_compute_stream(fake_streams):
+    """Block i+1's parameter all-gather, issued (prefetch) right after block i's copy-out, waits
+    for block i-1's copy-out event, never for the whole compute stream (which holds block i-1's
+    compute); each result lives until a gather waited for its copy-out. Reductions and the
+    boundary's gathers still wait for the compute stream, which wrote their input."""
+    from paro_fsdp.streams import CommStreams
+
+    log = fake_streams
+    s = CommStreams(torch.device("cuda", 0))
+    with s.issue("params"):  # no forward has marked the parameters written yet: the safe wait
+        pass
+    assert log == [("gather", "waits for stream", "compute")]
+    del log[:]
+    s.params_written()  # the root's pre-forward: after the optimizer's push
+    assert log == [("gather", "waits for stream", "compute")]
+    results = []
+    for i in range(5):  # the forward: gather i (after copy-out i-1), then copy-out i
+        del log[:]
+        with s.issue("params") as side:
+            assert torch.cuda.current_stream() is side is s.gather
+            out = torch.empty(4)
+        assert log == ([("gather", "waits for event", i - 2)] if i >= 2 else []), (i, log)
+        assert [r() is not None for r in results] == [j >= i - 1 for j in range(i)], i
+        s.copied_out(out)
+        assert log[-1] == ("compute", "records", i)
+        results.append(weakref.ref(out))
+        del out
+    del log[:]
+    s.release()  # end of backward: the kept results go, after the gather stream waited for them
+    assert log == [("gather", "waits for event", 3), ("gather", "waits for event", 4)]
+    gc.collect()
+    assert all(r() is None for r in results)
+    for kind in ("reduce", "gather"):
+        del log[:]
+        with s.issue(kind) as side:
+            assert side is getattr(s, kind)
+        assert log == [(kind, "waits for stream", "compute")]
