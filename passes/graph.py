@@ -35,13 +35,23 @@ KIND_OF = {
     _ops.all_reduce.default: "all_reduce",
 }
 WAITS = {_ops.wait_tensor.default, torch.ops.c10d_functional.wait_tensor.default}
-#: ops whose cost dwarfs the layout copies around collectives: what "compute" means to the passes
-COMPUTE = {
-    torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-    torch.ops.aten.baddbmm.default, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention.default, torch.ops.aten.convolution.default,
-}
+#: ops whose cost dwarfs the layout copies around collectives, forward and backward: what
+#: "compute" means to the passes (anything else may move with a collective as a cheap copy).
+#: By name, since the fused attention kernels differ between torch releases (2.11 to 2.14)
+COMPUTE_OPS = (
+    "mm", "addmm", "bmm", "baddbmm", "_int_mm", "_scaled_mm", "_grouped_mm", "_scaled_grouped_mm",
+    "convolution", "convolution_backward",
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
+    "_scaled_dot_product_fused_attention_overrideable", "_scaled_dot_product_fused_attention_overrideable_backward",
+    "_flash_attention_forward", "_flash_attention_backward",
+    "_efficient_attention_forward", "_efficient_attention_backward",
+    "_cudnn_attention_forward", "_cudnn_attention_backward",
+)
+COMPUTE = {getattr(torch.ops.aten, name).default for name in COMPUTE_OPS
+           if hasattr(torch.ops.aten, name) and hasattr(getattr(torch.ops.aten, name), "default")}
 
 
 @dataclass

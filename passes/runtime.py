@@ -30,18 +30,29 @@ def _numel_bytes(v) -> int:
 def _flops(node: fx.Node) -> float:
     vals = [a.meta.get("val") for a in node.args if isinstance(a, fx.Node)]
     out = node.meta.get("val")
+    name = node.target.name().split("::")[-1].split(".")[0] if hasattr(node.target, "name") else ""
     if node.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
         a, b = vals[-2], vals[-1]
+        return 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
+    if name in ("_int_mm", "_scaled_mm"):
+        a, b = vals[0], vals[1]
         return 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
     if node.target in (torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default):
         a, b = vals[-2], vals[-1]
         return 2.0 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
     if isinstance(out, (tuple, list)):
         out = out[0]
-    q = vals[0] if vals else None
-    if isinstance(q, torch.Tensor) and q.dim() == 4:  # attention: q [B, H, S, D]
-        b, h, s, d = q.shape
-        return 4.0 * b * h * s * s * d
+    if name in ("convolution", "convolution_backward"):  # weight [C_out, C_in / groups, *kernel]
+        backward = name == "convolution_backward"
+        y, w = (vals[0], vals[2]) if backward else (out, vals[1])
+        return (4.0 if backward else 2.0) * y.numel() * (w.numel() // w.shape[0])
+    backward = name.endswith("_backward")
+    q, k = (vals[1:3] if backward else vals[:2]) if len(vals) >= 3 else (None, None)
+    if "attention" in name and isinstance(q, torch.Tensor) and q.dim() == 4:  # not varlen's packed [T, H, D]
+        # q, k [B, H, S, D] for the _scaled_dot_product ops, [B, S, H, D] for the kernels below
+        # them; 2 matmuls forward, 5 backward (which recomputes the scores)
+        s_kv = k.shape[2 if name.startswith("_scaled_dot_product") else 1]
+        return (10.0 if backward else 4.0) * q.numel() * s_kv
     return 2.0 * _numel_bytes(out)
 
 
