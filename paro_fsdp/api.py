@@ -13,11 +13,12 @@ from .comm import MeshComm
 from .mesh import MeshGroups, MeshInfo, mesh_device
 from .paro_cc import ParoCC
 from .mixed_precision import MixedPrecision
+from .overlap import boundary_bytes, push_bytes, push_dims
 from .boundary import drive, push_params
 from .param_group import ParamRef, ParoParamGroup
 from .state import ParoBlock, ParoState
 from .traced import make_sinks_on_compile
-from .strategy import PolicyLike, Strategy, resolve_policy
+from .strategy import Level, PolicyLike, Strategy, resolve_policy
 from .streams import streams_for
 
 
@@ -27,14 +28,18 @@ class ParoModule:
     _paro_state: ParoState
 
     def comm_stats(self) -> CommStats:
-        """Collectives issued so far: count and ring bytes per rank per (kind, mesh dim)."""
+        """Collectives issued so far: count and ring bytes per rank per (kind, mesh dim); the
+        pushes of the last step still queued are issued first."""
+        self._paro_state.pushes.finish()
         return self._paro_state.comm.stats
 
     def memory_report(self, optimizer=None) -> dict[str, int]:
         """Bytes this rank holds: ``P``, ``G`` (the accumulator), ``OS`` (with the optimizer's states
         when given) and their ``total``; what the boundary adds for a while: ``master_grads`` (fp32,
-        until ``zero_grad``) and ``boundary`` (the largest full-size temporaries of G = N or P = N
-        groups); ``peak`` = total + master_grads + boundary."""
+        until ``zero_grad``), ``boundary`` (the largest full-size temporaries of G = N or P = N
+        groups) and ``in_flight`` (what overlap keeps alive: the second block of gradient
+        reductions in flight with the boundary's queue, or the pushes' queue, each within its
+        bound); ``peak`` = total + master_grads + boundary + in_flight."""
         states = optimizer.inner.state if optimizer is not None else None
         total = {"P": 0, "G": 0, "OS": 0, "master_grads": 0, "boundary_grads": 0, "boundary_params": 0}
         for g in self._paro_state.groups:
@@ -44,13 +49,16 @@ class ParoModule:
         report["total"] = total["P"] + total["G"] + total["OS"]
         report["master_grads"] = total["master_grads"]
         report["boundary"] = max(total["boundary_grads"], total["boundary_params"])
-        report["peak"] = report["total"] + report["master_grads"] + report["boundary"]
+        report["in_flight"] = in_flight_bytes(self._paro_state)
+        report["peak"] = report["total"] + report["master_grads"] + report["boundary"] + report["in_flight"]
         return report
 
     def set_is_last_backward(self, is_last: bool) -> None:
         """Whether the next backward is the last micro-step before the optimizer step (as in
-        FSDP2): compiled blocks then run the boundary's reductions inside their backward graph,
-        overlapping the rest of backward. The eager engine ignores it."""
+        FSDP2): its reductions to the OS level then start as blocks finish, under the rest of
+        backward (eager: overlap.py; compiled blocks: inside their backward graph), and
+        ``clip_grad_norm_`` / ``step`` wait only for what is still running. Unset, they all run
+        at ``clip_grad_norm_`` / ``step``."""
         for g in self._paro_state.groups:
             g.last_backward = bool(is_last)
             if is_last and g.trainable:  # one graph whatever the step
@@ -72,6 +80,7 @@ class ParoModule:
         they are: a full resume loads the optimizer's own state too."""
         if assign:
             raise ValueError("paro_shard models load in place: assign=True would replace the sharded DTensor parameters")
+        self._paro_state.pushes.finish()
         # which parameters a load reaches is seen at their owning modules: a parent's pre-hook may
         # rename or merge keys on the way down (torchtitan's fused wqkv), so top-level keys do not say
         owned: dict[int, list[tuple[str, ParoParamGroup, int]]] = {}
@@ -107,6 +116,22 @@ class ParoModule:
             g.reload_master(loaded, full)
         return result
 
+    def state_dict(self, *args, **kwargs):
+        """``nn.Module.state_dict`` after the last step's pushes land (they may still be in flight)."""
+        self._paro_state.pushes.finish()
+        return super().state_dict(*args, **kwargs)
+
+    def named_parameters(self, *args, **kwargs):
+        """``nn.Module.named_parameters`` (and so ``parameters``) after the last step's pushes land."""
+        self._paro_state.pushes.finish()
+        return super().named_parameters(*args, **kwargs)
+
+    def wait_for_params(self) -> None:
+        """Land the last step's pushes now: before reading a parameter held from earlier (its
+        ``full_tensor()``), which would otherwise see the values before the step. The next
+        forward, ``state_dict``, ``parameters`` and the checkpoint helpers do it themselves."""
+        self._paro_state.pushes.finish()
+
     def master_state_dict(self) -> dict[str, DTensor]:
         """What this run trains from, keyed by parameter name: each trainable parameter's fp32
         master at its OS level, each frozen one's P-level parameter (its only copy), as DTensors
@@ -120,6 +145,7 @@ class ParoModule:
         """Bring every parameter to its fp32 master's values, as after an optimizer step: call it
         after writing the masters in place (``master_state_dict`` loaded by DCP)."""
         groups = self._paro_state.groups
+        self._paro_state.pushes.finish()
         for g in groups:
             g.reshard()  # a gathered copy would be stale
         drive([push_params(g) for g in groups if g.trainable])
@@ -131,6 +157,17 @@ class ParoModule:
         """The mesh's sizes and c10d group names (plain data): what the graph passes need to
         tell an intra collective from an inter or global one (``passes.install(meshes=...)``)."""
         return self._paro_state.info.groups
+
+
+def in_flight_bytes(state: ParoState) -> int:
+    """The most ``overlap`` and the reductions' slack keep alive at once (``memory_report``)."""
+    def grad_buffer(g: ParoParamGroup) -> int:  # a G-level reduction's input, FULL or NESTED
+        return g.t_layout.numel(Level.N) * g.mp.grad_dtype.itemsize if g.trainable and g.strategy.g != Level.N else 0
+
+    slack = max((sum(grad_buffer(g) for g in b.groups) for b in state.blocks), default=0)
+    boundary = min(state.boundary.limit_bytes, sum(boundary_bytes(g) for g in state.groups if g.trainable and state.info.n > 1))
+    pushes = min(state.pushes.limit_bytes, sum(push_bytes(g) for g in state.groups if push_dims(g)))
+    return max(slack + boundary, pushes)
 
 
 def _as_p_level(group: ParoParamGroup, i: int, whole: torch.Tensor) -> DTensor:

@@ -9,6 +9,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from .boundary import drive, finalize_grads, push_params, run
+from .overlap import forward_dims, push_bytes, push_dims
 from .param_group import ParoParamGroup
 from .strategy import Level
 
@@ -51,7 +52,9 @@ class ParoOptimizer:
                 "ParoOptimizer: no gradients since the last step; call loss.backward() on the "
                 "sharded model's output before clip_grad_norm_() / step()"
             )
+        self.state.pushes.finish()
         self.state.finish_grad_reductions()
+        self.state.boundary.finish()  # what the last backward left in flight
         drive([finalize_grads(g) for g in self.groups])
 
     @torch.no_grad()
@@ -85,9 +88,27 @@ class ParoOptimizer:
         self.inner.step()
         for g in self.state.groups:
             g.reshard()  # a gathered copy (root in eval, prefetch) would now be stale
-        self._push(self.groups)
+        if self._push is _push_eager and self._can_defer_push():
+            deferred = [g for g in self.groups if push_dims(g)]
+            _push_eager([g for g in self.groups if not push_dims(g)])  # local copies
+            for g in deferred:  # root first: the order the next forward needs them
+                self.state.pushes.queue(g, push_params(g), push_bytes(g))
+            self.state.pushes.fill()
+        else:
+            self._push(self.groups)
+
+    def _can_defer_push(self) -> bool:
+        """Whether the pushes may wait for the next forward (overlap.py): eager blocks only (a
+        traced block reads P inside its graph), after a forward has shown the order, and no
+        forward all-gather sharing a process group with a push."""
+        state = self.state
+        if not state.seen_forward or any(b.traced for b in state.blocks):
+            return False
+        gathers = set().union(*(forward_dims(g) for g in state.groups))
+        return not any(push_dims(g) & gathers for g in self.groups)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self.state.boundary.finish()  # a skipped step: what every rank issued still completes
         for g in self.state.groups:
             g.zero_grad()
 
@@ -141,6 +162,7 @@ class ParoOptimizer:
             for k, v in saved.items():
                 if k != "params":
                     pg[k] = v
+        self.state.pushes.finish()
         for g in self.state.groups:
             g.reshard()
         self._push(self.groups)

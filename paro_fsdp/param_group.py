@@ -268,6 +268,11 @@ class ParoParamGroup:
             return
         self._pending_rs = self.reduce_grad_buffer(self.grad_buffer(grads))
 
+    def advance_grad_reduction(self) -> None:
+        """Put the in-flight reduction's next phase on the wire (PaRO-CC: the inter phase)."""
+        if self._pending_rs is not None and hasattr(self._pending_rs, "advance"):
+            self._pending_rs.advance()
+
     def finish_grad_reduction(self) -> None:
         if self._pending_rs is None:
             return

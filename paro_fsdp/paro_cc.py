@@ -60,12 +60,23 @@ class HierPending:
     _result: torch.Tensor | None = None
     issued: bool = field(default=True)
     _keep: object = field(default=None, repr=False)  # the input, held until the consumer waits (streams)
+    _advance: Callable[[], None] | None = field(default=None, repr=False)
+
+    def advance(self) -> None:
+        """Wait for the first (intra) phase and issue the next one, without waiting for it: the
+        engine calls it a block after the issue, so a reduction's inter phase runs under the next
+        block's backward instead of inside ``wait()``. A no-op where the first phase is the slow
+        one (all-gather: inter first) or there is one phase."""
+        if self._advance is not None and self._finish is not None:
+            self._advance()
+        self._advance = None
 
     def wait(self) -> torch.Tensor:
         if self._finish is not None:
             self._result = self._finish()
             self._finish = None
             self._keep = None
+            self._advance = None
         return self._result  # type: ignore[return-value]
 
     @property
@@ -241,8 +252,14 @@ class ParoCC:
         else:  # per chunk a contiguous [l][k][s_c] buffer: intra RS hands rank l its [k][s_c]
             intra = [self._rs(src[:, :, a:b].transpose(0, 1).contiguous().view(-1), "intra", op) for a, b in bounds]
 
+        inter: list[torch.Tensor] = []
+
+        def advance() -> None:
+            if not inter:
+                inter.extend(self._rs(_wait(part), "inter", op) for part in intra)
+
         def finish() -> torch.Tensor:
-            inter = [self._rs(_wait(part), "inter", op) for part in intra]
+            advance()
             if len(bounds) == 1:
                 return _wait(inter[0]).view(out_shape)
             out = torch.empty(s, dtype=x.dtype, device=x.device)
@@ -250,7 +267,7 @@ class ParoCC:
                 out[a:b].copy_(_wait(part))
             return out.view(out_shape)
 
-        return HierPending(finish)
+        return HierPending(finish, _advance=advance)
 
     # ---- all-reduce --------------------------------------------------------------------------
     def all_reduce(self, t: torch.Tensor, *, op: str = "sum", chunks: int | None = None) -> HierPending:
@@ -290,15 +307,22 @@ class ParoCC:
             return padded
 
         rs = [self._rs(piece(a, b), "intra", op) for a, b in bounds]
+        ar: list[torch.Tensor] = []
+
+        def advance() -> None:  # every chunk's inter all-reduce in flight
+            if not ar:
+                ar.extend(self._ar(_wait(part), "inter", op) for part in rs)
 
         def finish() -> torch.Tensor:
-            ar: list[torch.Tensor] = []
             ag: list[torch.Tensor] = []
-            for c in range(len(bounds)):  # keep both links busy: chunk c's inter AR next to c-1's intra AG
-                ar.append(self._ar(_wait(rs[c]), "inter", op))
-                if c:
-                    ag.append(self._ag(_wait(ar[c - 1]), "intra"))
-            ag.append(self._ag(_wait(ar[-1]), "intra"))
+            if ar:  # advanced: the inter phases are all on the wire
+                ag.extend(self._ag(_wait(part), "intra") for part in ar)
+            else:
+                for c in range(len(bounds)):  # keep both links busy: chunk c's inter AR next to c-1's intra AG
+                    ar.append(self._ar(_wait(rs[c]), "inter", op))
+                    if c:
+                        ag.append(self._ag(_wait(ar[c - 1]), "intra"))
+                ag.append(self._ag(_wait(ar[-1]), "intra"))
             if len(bounds) == 1 and numel % m == 0:
                 return _wait(ag[0]).view(shape)
             out = torch.empty(numel, dtype=x.dtype, device=x.device)
@@ -306,7 +330,7 @@ class ParoCC:
                 out[a:b].copy_(_wait(part)[: b - a])
             return out.view(shape)
 
-        return HierPending(finish)
+        return HierPending(finish, _advance=advance)
 
 
 def flat_to_nested(t: torch.Tensor, g: int, m: int) -> torch.Tensor:

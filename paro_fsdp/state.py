@@ -5,9 +5,13 @@ Flow of one micro-step:
   block pre-forward  gather (or finish the prefetch), swap whole tensors in, prefetch the next
   block post-forward swap the DTensor parameters back, free the whole tensors (P = I or G)
   block pre-backward re-gather, prefetch the block that runs backward next
-  block post-backward reduce the bucket of gradients to the G level, free the whole tensors
+  block post-backward reduce the bucket of gradients to the G level, free the whole tensors;
+                     earlier blocks' reductions advance a phase, those two blocks back finish
+                     (on the last micro-step they then start their reduction to the OS level)
   block inputs' grads free the block's frozen groups (they get no post-backward of their own)
   end of backward    finish gradient reductions, free anything still gathered
+After the optimizer step each group's push to the P level may be in flight (overlap.py): a
+block's pre-forward, and a prefetch of it, wait for its groups' pushes first.
 """
 from __future__ import annotations
 
@@ -21,7 +25,9 @@ from torch.utils._pytree import tree_map
 
 from .comm import MeshComm
 from .hooks import Unshard, register_post_backward, register_pre_backward
+from .boundary import finalize_grads
 from .mesh import MeshInfo
+from .overlap import InFlight, boundary_bytes
 from .param_group import ParoParamGroup
 from .paro_cc import ParoCC
 from .traced import unshard as traced_unshard
@@ -43,6 +49,8 @@ class ParoBlock:
             nxt = self.model_state.next_block(self, backward)
             if nxt is not None and not nxt.traced:
                 for g in nxt.groups:
+                    if g.p_flat is not None:
+                        self.model_state.pushes.finish(g)
                     g.issue_unshard()
 
     @staticmethod
@@ -64,6 +72,8 @@ class ParoBlock:
                 self._swap(g, traced_unshard(g))
             return args, kwargs
         state = self.model_state
+        for g in self.groups:
+            state.pushes.finish(g)
         if _in_backward():
             for g in self.groups:
                 g.unshard()
@@ -72,6 +82,7 @@ class ParoBlock:
                 state.forward_order = []
             else:
                 state.forward_order.append(self)
+            state.seen_forward = True
             self.gather()
         grad_enabled = torch.is_grad_enabled()
         for i, g in enumerate(self.groups):
@@ -111,10 +122,11 @@ class ParoBlock:
 
     def post_backward(self, group_index: int, grads: list[torch.Tensor | None]) -> None:
         g = self.groups[group_index]
-        self.model_state.finish_grad_reductions()  # the previous block's, before issuing ours
+        state = self.model_state
+        state.progress_grad_reductions(self)
         if g.trainable:
             g.reduce_grads(grads[: len(g.trainable)])
-            self.model_state.in_flight.append(g)
+            state.in_flight.append((self, g))
         self.release(g)
 
 
@@ -135,14 +147,21 @@ class ParoState:
     def __init__(self, info: MeshInfo, comm: MeshComm, cc: ParoCC, blocks: list[ParoBlock]) -> None:
         self.info, self.comm, self.cc, self.blocks = info, comm, cc, blocks
         self.forward_order: list[ParoBlock] = []
+        self.seen_forward = False
         self._backward_queued = False
-        self.in_flight: list[ParoParamGroup] = []  # groups with a gradient reduction in flight
+        self.in_flight: list[tuple[ParoBlock, ParoParamGroup]] = []  # gradient reductions to the G level
+        self.boundary = InFlight()  # last micro-step: reductions to the OS level (overlap.py)
+        self.pushes = InFlight()  # after the step: master -> P level, waited at each pre-forward
 
     @property
     def groups(self) -> list[ParoParamGroup]:
         return [g for b in self.blocks for g in b.groups]
 
     def begin_backward(self) -> None:
+        self.pushes.finish()  # groups the forward did not reach
+        if len(self.boundary) or any(g.grads_ready and g.last_backward for g in self.groups):
+            raise RuntimeError("a backward after the last micro-step's (set_is_last_backward(True)) and before "
+                               "optimizer.step() and zero_grad(): call set_is_last_backward(False) for the others")
         if not self._backward_queued:
             self._backward_queued = True
             Variable._execution_engine.queue_callback(self.end_backward)
@@ -158,9 +177,33 @@ class ParoState:
             return order[i + 1] if i + 1 < len(order) else None
         return None
 
+    def progress_grad_reductions(self, block: ParoBlock) -> None:
+        """At ``block``'s post-backward: the reductions of the block before it advance a phase
+        (a PaRO-CC reduction's inter phase goes on the wire), older ones finish. Two blocks of
+        slack, as FSDP2's, and a block's own groups never wait for each other."""
+        earlier = [b for b, _ in self.in_flight if b is not block]
+        prev = earlier[-1] if earlier else None
+        keep = []
+        for b, g in self.in_flight:
+            if b is block or b is prev:
+                keep.append((b, g))
+            else:
+                self._finish_reduction(g)
+        self.in_flight = keep
+        for b, g in keep:
+            if b is prev:
+                g.advance_grad_reduction()
+        self.boundary.advance()
+
+    def _finish_reduction(self, g: ParoParamGroup) -> None:
+        g.finish_grad_reduction()
+        if g.last_backward and not torch.compiler.is_compiling():  # the step boundary starts now
+            self.boundary.queue(g, finalize_grads(g), boundary_bytes(g))
+            self.boundary.fill(finish_oldest=True)
+
     def finish_grad_reductions(self) -> None:
-        for g in self.in_flight:
-            g.finish_grad_reduction()
+        for _, g in self.in_flight:
+            self._finish_reduction(g)
         self.in_flight.clear()
 
     def end_backward(self) -> None:

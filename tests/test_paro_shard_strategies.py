@@ -100,6 +100,7 @@ def profile_cases(cases: list[tuple[str, int, int]]) -> dict[tuple, dict[str, An
                 (model(batch(dist.get_rank(), 0, a)).loss / accum).backward()
             opt.clip_grad_norm_(1.0)
             opt.step()
+            model.wait_for_params()  # the step's pushes, else the next forward finishes them
         seen: dict[str, float] = {}
         for e in prof.events():
             name = e.name.removeprefix("_c10d_functional::")

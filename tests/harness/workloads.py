@@ -98,7 +98,9 @@ def train_paro(strategy, group_size: int, accum: int, mp: MixedPrecision | None 
     ``compile_model``, plus "boundary_in_graph" (default True: the last micro-step's backward
     reduces to the OS level, ``set_is_last_backward``, and the push to P after the optimizer
     step is compiled, ``ParoOptimizer.compile``); the record of the passes is left on
-    ``model.paro_passes_record``."""
+    ``model.paro_passes_record``. Eager runs with A > 1 mark the last micro-step too (the trainer's
+    way), so an eager grid covers both boundaries: at the step (A = 1) and under the last
+    backward (overlap.py)."""
     mesh = init_paro_mesh(group_size)
     if compile is not None:
         torch._dynamo.reset()  # before paro_shard: a reset drops the compile-start callback that makes its sinks
@@ -122,7 +124,7 @@ def train_paro(strategy, group_size: int, accum: int, mp: MixedPrecision | None 
     for step in range(steps):
         total = torch.zeros(())
         for a in range(accum):
-            if compile is not None and compile.get("boundary_in_graph", True):
+            if (compile is None and accum > 1) or (compile is not None and compile.get("boundary_in_graph", True)):
                 model.set_is_last_backward(a == accum - 1)
             loss = call(batch(rank, step, a, args)).loss / accum
             loss.backward()

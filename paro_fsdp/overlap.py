@@ -1,0 +1,125 @@
+"""What the eager engine keeps in flight across hooks: the step boundary's reductions under the
+last backward, and the pushes of the updated parameters under the next forward.
+
+Why: PaRO's headline strategies (IIG, NIG, NII) move their inter-group bytes once per step, at the
+boundary. Run there, nothing computes under them; FSDP2's HSDP hides its once-per-step all-reduce
+under the last backward. So, as each block's gradient becomes final on the last micro-step
+(``set_is_last_backward(True)``), its reduction to the OS level starts (``boundary.finalize_grads``),
+and ``clip_grad_norm_`` / ``step`` wait only for what is still running; after the update each
+group's push (``boundary.push_params``) starts, and the block's next pre-forward waits for it,
+root first, like a prefetch.
+
+Bounds: a queue holds at most ``limit_bytes`` of started sequences (at least one); starting one
+past the bound first finishes the oldest (reductions), or waits until an earlier one is finished
+(pushes). Order: every rank starts, advances and finishes entries at the same hooks in the same
+FIFO order, so the collectives on each process group match across ranks. A push is deferred only
+where no forward-time collective of the model shares its process group (``push_dims``), so a read
+of the weights on one rank alone (``state_dict``), which finishes every push, cannot reorder them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .boundary import Steps, drive
+from .param_group import ParoParamGroup
+from .strategy import Level
+
+#: default bound of each queue: bytes of the buffers its started collectives hold
+IN_FLIGHT_BYTES = 256 << 20
+
+
+@dataclass
+class _Entry:
+    group: ParoParamGroup
+    steps: Steps
+    nbytes: int
+    pending: object = None  # the collective it waits on next; None: not started yet
+    started: bool = False
+
+
+class InFlight:
+    """A FIFO of a step's per-group collective sequences, at most ``limit_bytes`` started."""
+
+    def __init__(self, limit_bytes: int = IN_FLIGHT_BYTES) -> None:
+        self.limit_bytes = limit_bytes
+        self.entries: list[_Entry] = []
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __contains__(self, group: ParoParamGroup) -> bool:
+        return any(e.group is group for e in self.entries)
+
+    @property
+    def started_bytes(self) -> int:
+        return sum(e.nbytes for e in self.entries if e.started)
+
+    def queue(self, group: ParoParamGroup, steps: Steps, nbytes: int) -> None:
+        self.entries.append(_Entry(group, steps, nbytes))
+
+    def fill(self, finish_oldest: bool = False) -> None:
+        """Start queued sequences in order while under the bound. ``finish_oldest``: make room by
+        finishing the oldest started ones instead of leaving the rest queued."""
+        for e in list(self.entries):
+            if e.started:
+                continue
+            if self.started_bytes and self.started_bytes + e.nbytes > self.limit_bytes:
+                if not finish_oldest:
+                    return
+                while self.started_bytes and self.started_bytes + e.nbytes > self.limit_bytes:
+                    self._drain(next(i for i, x in enumerate(self.entries) if x.started) + 1)
+            e.started = True
+            try:
+                e.pending = next(e.steps)
+            except StopIteration:
+                self.entries.remove(e)
+
+    def advance(self) -> None:
+        """Issue the next phase of every started multi-phase collective (``HierPending.advance``)."""
+        for e in self.entries:
+            if e.started and hasattr(e.pending, "advance"):
+                e.pending.advance()
+
+    def finish(self, group: ParoParamGroup | None = None) -> None:
+        """Run to their end the sequences up to ``group``'s (FIFO; None: all), then start more."""
+        if group is not None and group not in self:
+            return
+        self._drain(len(self.entries) if group is None else
+                    next(i for i, e in enumerate(self.entries) if e.group is group) + 1)
+        self.fill()
+
+    def _drain(self, upto: int) -> None:
+        done, self.entries = self.entries[:upto], self.entries[upto:]
+        drive([e.steps for e in done])  # started ones resume at their wait; the others start here, in order
+
+
+def boundary_bytes(group: ParoParamGroup) -> int:
+    """What a group's boundary reduction holds while in flight: its input at the G level in the
+    reduce dtype (the result, at the OS level, is the master gradient itself)."""
+    return group.t_layout.numel(group.strategy.g) * _size(group.mp.grad_dtype)
+
+
+def push_bytes(group: ParoParamGroup) -> int:
+    """What a group's push holds while in flight: its gathered result at the P level."""
+    return group.t_layout.numel(group.strategy.p) * _size(group.mp.param_dtype)
+
+
+def push_dims(group: ParoParamGroup) -> set[str]:
+    """The process groups a group's push runs on (empty: a local copy)."""
+    P, OS = group.strategy.p, group.strategy.os
+    if not group.trainable or OS == Level.N or P == OS or (P == Level.G and OS == Level.I):
+        return set()
+    if P == Level.I:  # from OS = G
+        return {"inter"}
+    return {"intra"} if OS == Level.I else {"inter", "intra", "global"}
+
+
+def forward_dims(group: ParoParamGroup) -> set[str]:
+    """The process groups a group's forward all-gather runs on."""
+    return {Level.N: set(), Level.I: {"intra"}, Level.G: {"inter", "intra", "global"}}[group.strategy.p]
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()

@@ -1,0 +1,115 @@
+"""The step boundary under compute (paro_fsdp/overlap.py), on 4 gloo ranks as 2 x 2: the last
+micro-step's reductions to the OS level are issued during backward, in the order blocks finish,
+and bounded; the push to P is issued at the step and waited at each block's next pre-forward,
+root first, bounded; reads of the weights wait for it; a backward after the last one is refused.
+Exactness of every strategy on both boundaries is test_paro_shard_strategies.py's grid."""
+from __future__ import annotations
+
+import pytest
+
+from dist_harness import run_world
+
+
+def rank_main(payload: dict) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from paro_fsdp import ParoOptimizer, init_paro_mesh, paro_shard
+    from workloads import batch, make_model
+
+    rank = dist.get_rank()
+    out: dict = {}
+    for strategy in ("IIG", "NIG", "NII"):
+        for limit in (None, 1):
+            model = paro_shard(make_model(), init_paro_mesh(2), strategy)
+            opt = ParoOptimizer(model, torch.optim.AdamW, lr=1e-2)
+            state, stats = model._paro_state, model._paro_state.comm.stats
+            if limit:
+                state.boundary.limit_bytes = state.pushes.limit_bytes = limit
+            started: list[int] = []  # boundary sequences started, sampled at every block's pre-forward
+            order: list[str] = []  # the groups whose boundary started, in order
+            queue, fill = state.boundary.queue, state.boundary.fill
+            state.boundary.queue = lambda g, s, n: (order.append(g.name), queue(g, s, n))[1]
+            state.boundary.fill = lambda **k: (fill(**k), started.append(sum(e.started for e in state.boundary.entries)))
+            case: dict = {}
+            for step in range(2):
+                for a in range(2):
+                    model.set_is_last_backward(a == 1)
+                    model(batch(rank, step, a)).loss.backward()
+                if step == 0:
+                    case["inter_after_backward"] = stats.count("reduce_scatter", "inter") + stats.count("all_reduce", "inter")
+                    case["boundary_in_flight"] = len(state.boundary)
+                    case["max_started"] = max(started)
+                opt.clip_grad_norm_(1.0)
+                before = model.layers[0].attention.wk.weight.to_local().clone()
+                opt.step()
+                opt.zero_grad()
+                if step == 0:
+                    case["pushes_queued"] = len(state.pushes)
+                    case["pushes_started"] = sum(e.started for e in state.pushes.entries)
+                    case["p_stale"] = torch.equal(model.layers[0].attention.wk.weight.to_local(), before)
+                    seen: list[int] = []
+                    model.set_is_last_backward(False)
+                    hooks = [b.register_forward_pre_hook(lambda *_: seen.append(len(state.pushes)), prepend=True) for b in model.layers]
+                    model(batch(rank, 9, 0)).loss.backward()  # an extra micro-step: the pushes land in its forward
+                    for h in hooks:
+                        h.remove()
+                    case["queued_at_layers"] = seen
+                    case["p_fresh"] = not torch.equal(model.layers[0].attention.wk.weight.to_local(), before)
+                    opt.zero_grad()
+            case["order"] = order[:3]
+            # a read of the weights right after a step lands the pushes
+            for a in range(2):
+                model.set_is_last_backward(a == 1)
+                model(batch(rank, 5, a)).loss.backward()
+            opt.step()
+            case["queued_before_state_dict"] = len(state.pushes)
+            model.state_dict()
+            case["queued_after_state_dict"] = len(state.pushes)
+            opt.zero_grad()
+            model.set_is_last_backward(True)
+            model(batch(rank, 6, 0)).loss.backward()
+            try:
+                model(batch(rank, 6, 1)).loss.backward()
+                case["second_backward"] = "accepted"
+            except RuntimeError as e:
+                case["second_backward"] = str(e)
+            out[(strategy, limit)] = case
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_world(4, rank_main, {})[0]
+
+
+@pytest.mark.parametrize("strategy", ["IIG", "NIG", "NII"])
+def test_the_boundary_runs_under_the_last_backward(results, strategy):
+    case = results[(strategy, None)]
+    groups = 3  # root, layers.0, layers.1
+    assert case["inter_after_backward"] == groups  # issued in backward, not at clip_grad_norm_
+    assert case["order"] == ["layers.1:" + strategy, "layers.0:" + strategy, "<root>:" + strategy]
+
+
+@pytest.mark.parametrize("strategy", ["IIG", "NIG", "NII"])
+def test_the_push_lands_at_the_next_forward_root_first(results, strategy):
+    case = results[(strategy, None)]
+    assert case["pushes_queued"] == 3 and case["pushes_started"] == 3 and case["p_stale"]
+    # at each layer's pre-forward: the root's push has landed, and with P = I the prefetch of the
+    # layer about to run has waited for its push too
+    assert case["queued_at_layers"] == ([1, 0] if strategy == "IIG" else [2, 1])
+    assert case["p_fresh"]
+    assert case["queued_before_state_dict"] == 3 and case["queued_after_state_dict"] == 0
+
+
+@pytest.mark.parametrize("strategy", ["IIG", "NIG", "NII"])
+def test_bytes_in_flight_are_bounded(results, strategy):
+    case = results[(strategy, 1)]
+    assert case["max_started"] == 1
+    assert case["pushes_queued"] == 3 and case["pushes_started"] == 1
+    assert case["p_fresh"]
+
+
+def test_a_backward_after_the_last_one_is_refused(results):
+    msg = results[("IIG", None)]["second_backward"]
+    assert "set_is_last_backward(False)" in msg and "optimizer.step()" in msg
