@@ -8,6 +8,11 @@ path's own moves (``ParoParamGroup.gather_params`` / ``whole_rows``, ``grad_buff
 ``reduce_grad_buffer``), so eager and compiled runs move the same bytes. The G-level gradient goes
 to ``group.sink``, a leaf that holds no memory, whose hook adds it to the eager path's accumulator.
 
+A block compiled on its own goes through ``compile_block``, not ``nn.Module.compile``: the latter
+compiles ``_call_impl``, a frame dynamo skips, so the engine's pre-forward hook and the block's
+forward became two graphs; the gathered whole tensors were the hook graph's outputs and the
+forward graph's inputs, saved for backward whatever ``unshard``'s checkpoint policy said.
+
 The last micro-step (``model.set_is_last_backward(True)``) also runs the boundary's reduction to
 the OS level (``boundary.reduce_to_os``) in the graph, into ``group.os_sink``, whose hook sets the
 master gradients: the reorder pass then overlaps it with the rest of backward. Ordering, bucketing
@@ -20,6 +25,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Iterable
 
 import torch
+import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ._compat import isolate_compile_cache  # noqa: F401 - callers compiling the engine import it from here
@@ -104,6 +110,25 @@ def unshard(group: "ParoParamGroup") -> list[torch.Tensor]:
         return checkpoint(_gather, *args, *p, use_reentrant=False,
                           context_fn=partial(create_selective_checkpoint_contexts, _recompute_gathers))
     return _gather(*args, *p)
+
+
+def _call_with_hooks(block: nn.Module, *args, **kwargs):
+    return block._call_impl(*args, **kwargs)
+
+
+def _checkpointed_call_with_hooks(block: nn.Module, *args, **kwargs):
+    return checkpoint(block._call_impl, *args, use_reentrant=False, **kwargs)
+
+
+def compile_block(block: nn.Module, checkpointed: bool = False, **compile_kwargs) -> None:
+    """``block.compile(**compile_kwargs)`` with the block's hooks in its graph: the compiled frame
+    is this module's, which dynamo traces, and it inlines ``_call_impl`` with the hooks, so the
+    gather and the compute are one graph and ``reshard_after_forward`` holds (the gather
+    recomputed in backward). ``checkpointed``: the whole call, hooks included, under activation
+    checkpointing inside that graph, so backward gathers once for the recomputation (an eager
+    checkpoint around the compiled call would re-run the forward graph, then backward's gather)."""
+    call = _checkpointed_call_with_hooks if checkpointed else _call_with_hooks
+    block._compiled_call_impl = torch.compile(partial(call, block), **compile_kwargs)
 
 
 def _leaf(group: "ParoParamGroup", level: Level) -> torch.Tensor:

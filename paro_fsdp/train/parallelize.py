@@ -49,7 +49,11 @@ def paro_policy(cfg: JobConfig) -> Any:
 class _CheckpointedCall:
     """Mixed into a block's class: the whole module call (hooks included) under non-reentrant checkpointing."""
 
+    checkpoint_in_graph = False  # apply_compile, per block: the compiled call checkpoints itself (compile_block)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.checkpoint_in_graph:
+            return nn.Module.__call__(self, *args, **kwargs)
         with set_checkpoint_early_stop(False):
             return checkpoint(nn.Module.__call__, self, *args, use_reentrant=False, **kwargs)
 
@@ -109,7 +113,7 @@ def parallelize(model: nn.Module, cfg: JobConfig, mesh: Any, device: torch.devic
 def apply_compile(model: nn.Module, cfg: JobConfig) -> None:
     """torch.compile in place (whole, or per block) after ``paro_shard``, so collectives are graph nodes.
     Whoever drives the run installs ``[compile] passes`` first (``passes.install_for``): the package never does."""
-    from paro_fsdp.traced import isolate_compile_cache
+    from paro_fsdp.traced import compile_block, isolate_compile_cache
 
     isolate_compile_cache(torch.distributed.get_rank())
     c = cfg.compile
@@ -119,9 +123,12 @@ def apply_compile(model: nn.Module, cfg: JobConfig) -> None:
         torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     if c.scope == "model":
         model.compile(backend=c.backend)
-    else:
+    else:  # not block.compile(): its graph would leave out the engine's hooks (traced.compile_block)
         for block in transformer_blocks(model):
-            block.compile(backend=c.backend, fullgraph=True)
+            checkpointed = isinstance(block, _CheckpointedCall)
+            if checkpointed:
+                block.checkpoint_in_graph = True
+            compile_block(block, checkpointed=checkpointed, backend=c.backend, fullgraph=True)
 
 
 def check_policy(cfg: JobConfig, args: LlamaArgs) -> Optional[str]:
