@@ -34,6 +34,7 @@ from .bucketing import bucket_collectives
 from .graph import GroupTable, collectives, group_table, phase_of
 from .reorder import reorder_for_overlap
 from .schedule import Event, as_dicts, render_png, render_text, schedule, schedule_of_code, summary
+from .scope import peak_memory
 
 ORDER = ("bucketing", "reorder")
 #: passes that no longer exist, and why: named in the error a config naming them gets
@@ -86,8 +87,17 @@ class ParoPasses(CustomGraphPass):
         self.groups.update(group_table(mesh))
 
     def __call__(self, graph: fx.Graph) -> None:
-        if not collectives(graph, self.groups):
-            return
+        """Inductor's entry, on every graph it compiles: the passes, and inductor's
+        ``reorder_for_peak_memory`` off for this graph if it is the engine's (``passes.scope``)."""
+        engine = self.run(graph)
+        if "reorder" in self.names:
+            peak_memory.graph(engine)
+
+    def run(self, graph: fx.Graph) -> bool:
+        """Run the passes on ``graph`` if it is an engine graph (it has a collective of a group of
+        ``meshes``); return whether it was."""
+        if not any(c.info is not None for c in collectives(graph, self.groups)):
+            return False
         gm = graph.owning_module
         record = GraphRecord(phase_of(graph), schedule(graph, self.groups), [])
         fns = _passes(self.options, self.groups)
@@ -97,6 +107,7 @@ class ParoPasses(CustomGraphPass):
         self.records.append(record)
         if self.options.dump_dir:
             self._dump(record, len(self.records) - 1)
+        return True
 
     def _dump(self, r: GraphRecord, index: int) -> None:
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
@@ -117,15 +128,11 @@ class ParoPasses(CustomGraphPass):
         return "\n\n".join(self.report_one(r) for r in self.records)
 
     def inductor_options(self) -> dict:
-        """Inductor settings that run these passes and keep their order: for
-        ``torch.compile(options=...)``, or set process-wide by ``install``. Inductor's
-        ``reorder_for_peak_memory`` re-sorts the scheduled nodes after the post-grad passes and
-        moved every prefetched all-gather back to just before its use (tests/test_compile.py reads
-        the generated code), so it is off while the reorder pass runs."""
-        opts: dict = {"post_grad_custom_post_pass": self}
-        if "reorder" in self.names:
-            opts["reorder_for_peak_memory"] = False
-        return opts
+        """Inductor settings that run these passes: for ``torch.compile(options=...)``, or set
+        process-wide by ``install``. No ``reorder_for_peak_memory``: it moved every prefetched
+        all-gather back to just before its use (tests/test_compile.py reads the generated code),
+        and the pass itself turns it off for the engine's graphs only (``passes.scope``)."""
+        return {"post_grad_custom_post_pass": self}
 
     def uuid(self) -> bytes:
         files = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "*.py")))
@@ -137,12 +144,11 @@ def install(names: Iterable[str] = ORDER, options: PassOptions | None = None, me
             **kw) -> ParoPasses:
     """Register the passes with inductor (replacing any earlier ``install``) for the models of
     ``meshes``; return the object that records what they did. ``install([])`` keeps the
-    recording and runs no pass."""
+    recording and runs no pass. Inductor's other settings are left as they are: graphs without
+    the engine's collectives compile as they would without the passes."""
     p = ParoPasses(names, options or PassOptions(**kw), meshes)
     uninstall()
-    for key, value in p.inductor_options().items():
-        _installed[key] = getattr(torch._inductor.config, key)
-        setattr(torch._inductor.config, key, value)
+    torch._inductor.config.post_grad_custom_post_pass = p
     return p
 
 
@@ -170,23 +176,17 @@ def aot_backend(p: ParoPasses):
     from torch._dynamo.backends.common import aot_autograd
 
     def compiler(gm: fx.GraphModule, example_inputs):
-        p(gm.graph)
+        p.run(gm.graph)
         gm.recompile()
         return make_boxed_func(gm.forward)
 
     return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, partition_fn=min_cut_rematerialization_partition)
 
 
-_installed: dict = {}  # inductor settings ``install`` changed -> their values before
-
-
 def uninstall() -> None:
-    """Undo ``install``: no custom pass, inductor's own settings back."""
+    """Undo ``install``: no custom pass (and ``reorder_for_peak_memory`` as the user set it)."""
     torch._inductor.config.post_grad_custom_post_pass = None
-    for key, value in _installed.items():
-        if key != "post_grad_custom_post_pass":
-            setattr(torch._inductor.config, key, value)
-    _installed.clear()
+    peak_memory.end()
 
 
 __all__ = ["ORDER", "PassOptions", "ParoPasses", "aot_backend", "install", "uninstall", "schedule", "schedule_of_code", "summary"]
