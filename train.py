@@ -449,7 +449,7 @@ class Trainer:
         """The end of a run every rank agreed to stop (SIGTERM / SIGINT): one line on rank 0 with
         the command that resumes from the step just saved."""
         if timeline is not None:
-            timeline.close()
+            timeline.close(wait=False)  # a drawing under way must not hold up the exit torchrun is timing
         if pending:
             self._read_window(pending)
         step = self.state.step

@@ -5,6 +5,7 @@ through the trainer is checked in test_trainer.py (test_timeline_images_in_tenso
 from __future__ import annotations
 
 import json
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -128,3 +129,48 @@ def test_writer_puts_image_and_scalars_in_tensorboard(tmp_path):
     values = {tag: acc.Scalars(tag)[0].value for tag in acc.Tags()["scalars"]}
     assert values["timeline/overlap_fraction"] == pytest.approx(3.0 / 6.5)
     assert values["timeline/inter_busy_fraction"] == pytest.approx(0.3)
+
+
+def test_writer_parses_in_its_own_process_not_on_the_training_thread(tmp_path, monkeypatch):
+    """A 64-micro-step 7B trace is about a GB whose json.load holds the GIL for tens of seconds
+    (tools/bench/profile_cost.py): the profiler's sink only starts the drawing, which still lands."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    here, parse = [], T.parse
+    monkeypatch.setattr(T, "parse", lambda *a, **k: here.append(1) or parse(*a, **k))
+    path = tmp_path / "rank3.1.pt.trace.json"
+    path.write_text(json.dumps(cpu_trace()))
+    w = T.TimelineWriter(str(tmp_path / "tb"), 3, "eager", {INTRA_T: "intra", INTER_T: "inter"}, {})
+    w(str(path))
+    assert here == [] and w.written == []
+    w.close()
+    assert here == [] and w.written == [5]
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"images": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Images("timeline/rank3")] == [5]
+    want = T.fractions(parse(cpu_trace(), {INTRA_T: "intra", INTER_T: "inter"}))["intra_busy_fraction"]
+    assert acc.Scalars("timeline/intra_busy_fraction")[0].value == pytest.approx(want)
+
+
+def test_subtract_is_one_sweep_at_a_7b_steps_size():
+    """A 64-micro-step 7B step: millions of ops, tens of thousands of collective calls; a pairwise
+    subtraction (the ops times the calls) would never finish drawing it."""
+    ops = [(float(i), i + 0.7) for i in range(20000)]
+    calls = [(i + 0.5, i + 0.8) for i in range(20000)]
+    t0 = time.perf_counter()
+    out = T.subtract(ops, calls)
+    assert time.perf_counter() - t0 < 1.0
+    assert out == [(float(i), i + 0.5) for i in range(20000)]
+    assert T.subtract([(0, 10)], [(1, 2), (3, 4), (9, 12)]) == [(0, 1), (2, 3), (4, 9)]
+
+
+def test_render_draws_at_most_a_bar_per_pixel(monkeypatch):
+    from matplotlib.axes import Axes
+
+    bars, draw = [], Axes.broken_barh
+    monkeypatch.setattr(Axes, "broken_barh", lambda self, xr, *a, **k: bars.append(len(xr)) or draw(self, xr, *a, **k))
+    ops = [(i * 0.01, i * 0.01 + 0.005) for i in range(100000)]  # 1000 ms of sub-pixel ops and gaps
+    tl = T.Timeline(1, 1000.0, {r: ops if r == "compute" else [(500.0, 600.0)] if r == "inter" else [] for r in T.ROWS})
+    image = T.render(tl, "rank 0 | step 2 | eager")
+    assert max(bars) <= 1200 and sum(bars) >= 2
+    assert _has(image, T.COLORS["compute"]) and _has(image, T.COLORS["inter"])

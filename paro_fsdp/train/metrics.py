@@ -253,8 +253,10 @@ def build_profiler(cfg: JobConfig, rank: int, device: torch.device, start_step: 
         if on_trace is not None:
             on_trace(path)
 
+    # No shapes: the timeline needs none, and they make the stop and export that block the training thread
+    # 2.6x slower and the trace 1.5x larger (python -m tools.bench.profile_cost)
     prof = torch.profiler.profile(schedule=torch.profiler.schedule(wait=wait, warmup=warmup, active=active),
-                                  activities=activities, on_trace_ready=trace_ready, record_shapes=True)
+                                  activities=activities, on_trace_ready=trace_ready, record_shapes=False)
     prof.step_num = start_step  # a resumed run keeps tracing the same steps
     return prof
 

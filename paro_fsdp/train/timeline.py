@@ -16,8 +16,11 @@ collective (from its start on this rank, so an upper bound); ``compute_fraction`
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -66,14 +69,17 @@ def intersect(x: Intervals, y: Intervals) -> Intervals:
 
 
 def subtract(x: Intervals, y: Intervals) -> Intervals:
-    out, y = [], merge(y)
+    """One sweep over both (a 7B step's trace has millions of ops and tens of thousands of collective calls)."""
+    out, y, j = [], merge(y), 0
     for a, b in merge(x):
-        for c, d in y:
-            if d <= a or c >= b:
-                continue
-            if c > a:
-                out.append((a, c))
-            a = max(a, d)
+        while j < len(y) and y[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(y) and y[k][0] < b:
+            if y[k][0] > a:
+                out.append((a, y[k][0]))
+            a = max(a, y[k][1])
+            k += 1
         if b > a:
             out.append((a, b))
     return out
@@ -137,6 +143,17 @@ def fractions(tl: Timeline) -> dict[str, float]:
     return out
 
 
+def _coarse(iv: Intervals, gap: float) -> Intervals:
+    """Gaps under ``gap`` (a pixel) closed: at most a bar per pixel, where a 7B step has a million ops."""
+    out: Intervals = []
+    for a, b in iv:
+        if out and a - out[-1][1] < gap:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
 def render(tl: Timeline, title: str, width_px: int = 1200):
     """The timeline as an RGB uint8 image (HWC): a row per kind that occurs (compute, intra, inter always)."""
     import numpy as np
@@ -150,7 +167,8 @@ def render(tl: Timeline, title: str, width_px: int = 1200):
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     for y, row in enumerate(reversed(rows)):
-        ax.broken_barh([(a, b - a) for a, b in tl.rows[row]], (y - 0.4, 0.8), facecolors=COLORS[row])
+        ax.broken_barh([(a, b - a) for a, b in _coarse(tl.rows[row], tl.duration / width_px)], (y - 0.4, 0.8),
+                       facecolors=COLORS[row])
     ax.set_yticks(range(len(rows)), list(reversed(rows)), fontsize=13)
     ax.tick_params(axis="x", labelsize=12)
     ax.set_xlim(0, tl.duration)
@@ -216,36 +234,98 @@ def gloo_threads(dims: Mapping[str, str], delay_s: float = 0.03) -> dict[int, st
     return out
 
 
+def draw(trace_path: str, log_dir: str, rank: int, mode: str, thread_dims: Mapping[int, str],
+         group_dims: Mapping[str, str], step_offset: int = 1) -> Optional[int]:
+    """A trace's image ``timeline/rank{r}`` and fraction scalars written at step N + step_offset, in a
+    new event file of ``log_dir`` (TensorBoard reads them all); the step, or None for the closing trace.
+    Written with tensorboard's own writer: the drawing process never imports torch (seconds per trace)."""
+    import io
+
+    from PIL import Image
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.compat.proto.summary_pb2 import Summary
+    from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+    with open(trace_path) as f:
+        tl = parse(json.load(f), thread_dims, group_dims)
+    if tl is None:
+        return None
+    step = tl.step + step_offset
+    image = render(tl, f"rank {rank} | step {step} | {mode}")
+    png = io.BytesIO()
+    Image.fromarray(image).save(png, format="PNG")
+    values = [Summary.Value(tag=f"timeline/rank{rank}", image=Summary.Image(
+        height=image.shape[0], width=image.shape[1], colorspace=3, encoded_image_string=png.getvalue()))]
+    values += [Summary.Value(tag=f"timeline/{name}", simple_value=v) for name, v in fractions(tl).items()]
+    writer = EventFileWriter(log_dir)
+    writer.add_event(Event(wall_time=time.time(), step=step, summary=Summary(value=values)))
+    writer.close()
+    return step
+
+
+# Runs this file alone: no package import, so no torch (seconds per trace and rank)
+_RUN_FILE = "import runpy, sys; runpy.run_path(sys.argv.pop(1), run_name='__main__')"
+
+
 class TimelineWriter:
-    """The profiler's trace sink: per trace, image ``timeline/rank{r}`` and fraction scalars at step N + step_offset."""
+    """The profiler's trace sink. The training thread only starts a process that draws the trace:
+    a 64-micro-step 7B trace is 0.75 GB of JSON, whose ``json.load`` and parse take tens of seconds
+    and, in a thread, would hold the GIL the training loop needs. ``close`` waits for the drawings."""
 
     def __init__(self, log_dir: str, rank: int, mode: str, thread_dims: Mapping[int, str],
                  group_dims: Mapping[str, str], step_offset: int = 1) -> None:
-        self.log_dir, self.rank, self.mode, self.step_offset = log_dir, rank, mode, step_offset
-        self.thread_dims, self.group_dims = dict(thread_dims), dict(group_dims)
-        self.writer: Any = None
-        self.written: list[int] = []
+        self.rank = rank
+        self.spec = {"log_dir": log_dir, "rank": rank, "mode": mode, "thread_dims": dict(thread_dims),
+                     "group_dims": dict(group_dims), "step_offset": step_offset}
+        self.jobs: list[tuple[str, subprocess.Popen]] = []
+        self.written: list[int] = []  # steps drawn, as their processes are reaped
 
     def __call__(self, trace_path: str) -> None:
+        self._reap(wait=False)
+        try:  # its own session: a Ctrl-C to the trainer's process group lets a started drawing finish
+            self.jobs.append((trace_path, subprocess.Popen(
+                [sys.executable, "-c", _RUN_FILE, os.path.abspath(__file__), json.dumps(self.spec), trace_path],
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, start_new_session=True)))
+        except OSError as exc:  # a picture must never stop a training run
+            print(f"[paro] rank {self.rank}: no timeline image for {trace_path}: {type(exc).__name__}: {exc}",
+                  flush=True)
+
+    def _reap(self, wait: bool) -> None:
+        running = []
+        for path, job in self.jobs:
+            if not wait and job.poll() is None:
+                running.append((path, job))
+                continue
+            out, _ = job.communicate()
+            self.written += [int(line) for line in out.split()]
+            if job.returncode:  # killed (out of memory?): its own report never came
+                print(f"[paro] rank {self.rank}: no timeline image for {path}: the drawing exited with status "
+                      f"{job.returncode}", flush=True)
+        self.jobs = running
+
+    def close(self, wait: bool = True) -> None:
+        """``wait=False`` (a stop, which torchrun times): drawings still running finish on their own."""
+        if wait:
+            self._reap(wait=True)
+
+
+def _draw_main(spec_json: str, trace_path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.nice(10)  # the training ranks' data loaders and launch threads come first
+    spec = json.loads(spec_json)
+    spec["thread_dims"] = {int(tid): dim for tid, dim in spec["thread_dims"].items()}
+    try:
+        step = draw(trace_path, **spec)
+    except Exception as exc:  # one line, never a traceback: the training run goes on
+        print(f"[paro] rank {spec['rank']}: no timeline image for {trace_path}: {type(exc).__name__}: {exc}",
+              file=sys.stderr, flush=True)
+        return
+    if step is not None:
         try:
-            with open(trace_path) as f:
-                tl = parse(json.load(f), self.thread_dims, self.group_dims)
-            if tl is None:
-                return
-            step = tl.step + self.step_offset
-            image = render(tl, f"rank {self.rank} | step {step} | {self.mode}")
-            if self.writer is None:
-                from torch.utils.tensorboard import SummaryWriter
+            print(step, flush=True)
+        except BrokenPipeError:  # the trainer stopped without waiting: the image is written all the same
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
-                self.writer = SummaryWriter(self.log_dir)
-            self.writer.add_image(f"timeline/rank{self.rank}", image, step, dataformats="HWC")
-            for name, value in fractions(tl).items():
-                self.writer.add_scalar(f"timeline/{name}", value, step)
-            self.writer.flush()
-            self.written.append(step)
-        except Exception as exc:  # a picture must never stop a training run
-            print(f"[paro] rank {self.rank}: no timeline image for {trace_path}: {type(exc).__name__}: {exc}", flush=True)
 
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+if __name__ == "__main__":
+    _draw_main(*sys.argv[1:3])
