@@ -33,7 +33,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .mesh import Coords
+from .mesh import Coords, MeshInfo, mesh_device
 from .strategy import Level
 
 
@@ -74,7 +74,8 @@ class _Nesting:
     ``_nesting``), and, where the world size does not divide d0, the row indices of its NESTED <->
     whole-tensor moves: NESTED rows as [m * g, g_pad] (``mg`` = l * g + k, ``r``: row of the global
     shard), the padded whole tensor's as [m, c] (``bl``, ``bj``). Entry q of each index is row q of
-    the whole tensor. CPU int64 tensors made outside any FakeTensorMode; ``on`` moves them."""
+    the whole tensor. CPU int64 tensors made outside any FakeTensorMode; ``to_device`` copies them
+    to a device once, before any trace, and ``on`` hands out those copies."""
 
     def __init__(self, d0: int, g: int, m: int) -> None:
         self.d0, self.g, self.m = d0, g, m
@@ -132,23 +133,30 @@ class _Nesting:
                 self._inter[l] = (self.mg[sl] - l * self.g, self.r[sl].clone())
         return self._inter[l]
 
+    def _cpu(self, name: str, l: int) -> torch.Tensor:  # noqa: E741
+        return self.inter(l)[("k", "r").index(name)] if l >= 0 else getattr(self, name)
+
+    def to_device(self, device: torch.device, *names: str, l: int = -1) -> None:  # noqa: E741
+        """Copy the index tensors ``names`` to ``device`` now, outside any trace: a compiled graph
+        then reads them as inputs instead of copying them from the host on every call."""
+        with unset_fake_temporarily(), torch.inference_mode(False):
+            for n in names:
+                if (n, l, device) not in self._dev:
+                    self._dev[n, l, device] = self._cpu(n, l).to(device)
+
     def on(self, like: torch.Tensor, *names: str, l: int = -1) -> list[torch.Tensor]:  # noqa: E741
         """The index tensors ``names`` (attributes, or "k" / "r" of ``inter(l)``) on ``like``'s
-        device: cached per device eagerly, fake for fake buffers, moved in the graph when tracing."""
-        cpu = [self.inter(l)[("k", "r").index(n)] if l >= 0 else getattr(self, n) for n in names]
+        device: the copies ``to_device`` made (moved in the graph only for a device it was not
+        given), fake for fake buffers, cached per device eagerly."""
         if torch.compiler.is_compiling():
-            return [x.to(like.device) for x in cpu]
+            made = [self._dev.get((n, l, like.device)) for n in names]
+            return made if all(x is not None for x in made) else [self._cpu(n, l).to(like.device) for n in names]
         if isinstance(like, FakeTensor):
-            return [like.fake_mode.from_tensor(x).to(like.device) for x in cpu]
+            return [like.fake_mode.from_tensor(self._cpu(n, l)).to(like.device) for n in names]
         if like.device.type == "cpu":
-            return cpu
-        out = []
-        for n, x in zip(names, cpu):
-            key = (n, l, like.device)
-            if key not in self._dev:
-                self._dev[key] = x.to(like.device)
-            out.append(self._dev[key])
-        return out
+            return [self._cpu(n, l) for n in names]
+        self.to_device(like.device, *names, l=l)
+        return [self._dev[n, l, like.device] for n in names]
 
 
 @functools.lru_cache(maxsize=None)
@@ -234,11 +242,15 @@ def tensor_layout(name: str, shape: torch.Size, info: Coords) -> TensorLayout:
 
 
 class FlatLayout:
-    """The flat FULL / I / G buffers of a list of tensors, and the copies between them."""
+    """The flat FULL / I / G buffers of a list of tensors, and the copies between them.
+    ``device``: where the buffers live (default: the mesh's device, CPU for bare coordinates),
+    which the row indices of uneven tensors are copied to once, here."""
 
-    def __init__(self, tensors: list[TensorLayout], info: Coords) -> None:
+    def __init__(self, tensors: list[TensorLayout], info: Coords, device: torch.device | str | None = None) -> None:
         self.tensors = tensors
         self.info = info
+        self.device = torch.device(device) if device is not None else \
+            mesh_device(info) if isinstance(info, MeshInfo) else torch.device("cpu")
         off_i = off_g = 0
         for t in tensors:
             t.off_i, t.off_g = off_i, off_g
@@ -247,9 +259,11 @@ class FlatLayout:
         self.sum_i, self.sum_g = off_i, off_g
         #: NESTED has no padding and maps to FULL by strided copies (sizes n divides)
         self.nested_uniform = all(t.uniform for t in tensors)
-        for t in tensors:  # the index tensors of this rank's I <-> [g, sum_g] moves, made outside tracing
+        for t in tensors:  # the row indices of uneven tensors, on the device before any trace
+            if not t.uniform:
+                t.nest.to_device(self.device, "mg", "r", "bl", "bj")
             if not t.uniform_here:
-                t.nest.inter(t.l)
+                t.nest.to_device(self.device, "k", "r", l=t.l)
 
     def numel(self, level: Level) -> int:
         return {Level.N: self.info.m * self.sum_i, Level.I: self.sum_i, Level.G: self.sum_g}[level]

@@ -256,6 +256,47 @@ def test_global_collectives_follow_the_engines_paro_cc_chunking(mesh):
         assert {k: v * 7 / 8 for k, v in totals(flat, phase, what="bytes").items()} == pytest.approx(eager)
 
 
+def _uneven_moves(lay, nested, full, flat_i, inter):
+    """Every copy of an uneven layout that goes through row indices."""
+    info = lay.info
+    return (lay.nested_to_full(nested, full.new_zeros(info.m * lay.sum_i)),
+            lay.full_to_nested(full, nested.new_zeros(info.n * lay.sum_g)),
+            lay.i_to_inter(flat_i, flat_i.new_zeros(info.g * lay.sum_g)),
+            lay.inter_to_i(inter, inter.new_zeros(lay.sum_i)), lay.nested_rows(nested, lay.tensors[0]))
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_uneven_layout_indices_are_graph_inputs_on_the_device(device):
+    """Rows that the mesh does not divide move through index tensors. The layout puts them on
+    its device before any trace, so a graph reads them as inputs: no host tensor copied to the
+    device (meta here, as CUDA would be) on every call, and the same results as eager."""
+    from torch._dynamo.backends.common import aot_autograd
+    from functorch.compile import make_boxed_func
+    from paro_fsdp.layout import FlatLayout, tensor_layout
+    from paro_fsdp.mesh import MeshCoords
+
+    info = MeshCoords(g=2, m=2, k=0, l=1)
+    lay = FlatLayout([tensor_layout("odd", torch.Size([9, 3]), info), tensor_layout("b", torch.Size([5]), info)],
+                     info, device=device)
+    assert not any(t.uniform or t.uniform_here for t in lay.tensors)
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    args = [torch.randn(n, device=device) for n in (info.n * lay.sum_g, info.m * lay.sum_i, lay.sum_i, info.g * lay.sum_g)]
+    torch._dynamo.reset()
+    got = torch.compile(_uneven_moves, backend=aot_autograd(fw_compiler=capture), fullgraph=True)(lay, *args)
+    nodes = list(graphs[0].graph.nodes)
+    made = [n.format_node() for n in nodes if n.op == "call_function" and getattr(n.meta.get("val"), "dtype", None) == torch.int64]
+    assert made == []  # no index built or copied in the graph
+    assert all(n.meta["val"].device == torch.device(device) for n in nodes if n.op == "placeholder")
+    if device == "cpu":
+        for a, b in zip(got, _uneven_moves(lay, *args)):
+            assert torch.equal(a, b)
+
+
 def test_removed_hierarchical_pass_is_named_in_the_error():
     with pytest.raises(ValueError, match="'hierarchical'.*PaRO-CC in compiled graphs without a pass"):
         passes.ParoPasses(["bucketing", "hierarchical"])
