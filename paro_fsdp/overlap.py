@@ -95,6 +95,11 @@ class InFlight:
         drive([e.steps for e in done])  # started ones resume at their wait; the others start here, in order
 
 
+def has_boundary_traffic(group: ParoParamGroup) -> bool:
+    """Whether the group's reduction to the OS level runs a collective (all but G = OS = G)."""
+    return bool(group.trainable) and not (group.strategy.g == Level.G and group.strategy.os == Level.G)
+
+
 def boundary_bytes(group: ParoParamGroup) -> int:
     """What a group's boundary reduction holds while in flight: its input at the G level in the
     reduce dtype (the result, at the OS level, is the master gradient itself)."""

@@ -27,7 +27,7 @@ from .comm import MeshComm
 from .hooks import Unshard, register_post_backward, register_pre_backward
 from .boundary import finalize_grads
 from .mesh import MeshInfo
-from .overlap import InFlight, boundary_bytes
+from .overlap import InFlight, boundary_bytes, has_boundary_traffic
 from .param_group import ParoParamGroup
 from .paro_cc import ParoCC
 from .traced import unshard as traced_unshard
@@ -123,6 +123,7 @@ class ParoBlock:
     def post_backward(self, group_index: int, grads: list[torch.Tensor | None]) -> None:
         g = self.groups[group_index]
         state = self.model_state
+        state.queue_end_backward()  # the root's pre-backward may not have run: an output torch's pytree cannot see into
         state.progress_grad_reductions(self)
         if g.trainable:
             g.reduce_grads(grads[: len(g.trainable)])
@@ -162,6 +163,9 @@ class ParoState:
         if len(self.boundary) or any(g.grads_ready and g.last_backward for g in self.groups):
             raise RuntimeError("a backward after the last micro-step's (set_is_last_backward(True)) and before "
                                "optimizer.step() and zero_grad(): call set_is_last_backward(False) for the others")
+        self.queue_end_backward()
+
+    def queue_end_backward(self) -> None:
         if not self._backward_queued:
             self._backward_queued = True
             Variable._execution_engine.queue_callback(self.end_backward)
@@ -180,12 +184,15 @@ class ParoState:
     def progress_grad_reductions(self, block: ParoBlock) -> None:
         """At ``block``'s post-backward: the reductions of the block before it advance a phase
         (a PaRO-CC reduction's inter phase goes on the wire), older ones finish. Two blocks of
-        slack, as FSDP2's, and a block's own groups never wait for each other."""
+        slack, as FSDP2's (one on the last micro-step ahead of boundary traffic), and a block's
+        own groups never wait for each other."""
         earlier = [b for b, _ in self.in_flight if b is not block]
         prev = earlier[-1] if earlier else None
         keep = []
         for b, g in self.in_flight:
-            if b is block or b is prev:
+            # on the last micro-step a reduction with boundary traffic after it finishes a block
+            # sooner: its slow collective then starts while more of backward is left to hide it
+            if b is block or (b is prev and not (g.last_backward and has_boundary_traffic(g))):
                 keep.append((b, g))
             else:
                 self._finish_reduction(g)

@@ -10,6 +10,42 @@ import pytest
 from dist_harness import run_world
 
 
+def opaque_output_case(strategy: str) -> dict:
+    """A model whose output torch's pytree cannot see into (the root gets no pre-backward): the
+    same collectives and parameters with and without ``set_is_last_backward``."""
+    import types
+
+    import torch
+    import torch.nn as nn
+
+    from paro_fsdp import ParoOptimizer, init_paro_mesh, paro_shard
+
+    class Opaque(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = x + layer(x).tanh()
+            return types.SimpleNamespace(loss=x.pow(2).mean())
+
+    out = {}
+    for last in (False, True):
+        torch.manual_seed(0)
+        model = paro_shard(Opaque(), init_paro_mesh(2), strategy)
+        opt = ParoOptimizer(model, torch.optim.SGD, lr=0.1)
+        for step in range(2):
+            for a in range(3):
+                model.set_is_last_backward(last and a == 2)
+                model(torch.randn(4, 16, generator=torch.Generator().manual_seed(step * 10 + a))).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        out[last] = {"comm": model.comm_stats().as_dict(),
+                     "params": {n: p.full_tensor() for n, p in model.named_parameters()}}
+    return out
+
+
 def rank_main(payload: dict) -> dict:
     import torch
     import torch.distributed as dist
@@ -75,6 +111,7 @@ def rank_main(payload: dict) -> dict:
             except RuntimeError as e:
                 case["second_backward"] = str(e)
             out[(strategy, limit)] = case
+        out[(strategy, "opaque")] = opaque_output_case(strategy)
     return out
 
 
@@ -108,6 +145,16 @@ def test_bytes_in_flight_are_bounded(results, strategy):
     assert case["max_started"] == 1
     assert case["pushes_queued"] == 3 and case["pushes_started"] == 1
     assert case["p_fresh"]
+
+
+@pytest.mark.parametrize("strategy", ["IIG", "NIG", "NII"])
+def test_an_output_pytree_cannot_see_into_changes_nothing(results, strategy):
+    import torch
+
+    case = results[(strategy, "opaque")]
+    assert case[True]["comm"] == case[False]["comm"]
+    for name, value in case[False]["params"].items():
+        torch.testing.assert_close(case[True]["params"][name], value, rtol=1e-6, atol=1e-7, msg=name)
 
 
 def test_a_backward_after_the_last_one_is_refused(results):
