@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from tools.emulate.emulator import Emulator, EmulatorError, list_namespaces, parse_delay, parse_rate
+from tools.emulate.emulator import UNSHAPED, Emulator, EmulatorError, list_namespaces, parse_delay, parse_rate, set_link_rate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -114,6 +114,23 @@ def test_shaping_is_real_and_cleaned_up(tmp_path, topology):
     assert nbytes <= sent <= nbytes * 1.1, sent
     # ... and the intra-node transfer touched no link
     assert all(after[key] - mid[key] < 64 * 1024 for key in after), (mid, after)
+
+
+@needs_netns
+def test_links_unshape_and_reshape_within_a_run(tmp_path):
+    """tools.bench's limit: the same run's links go unshaped (the compute-side limit) and back."""
+    rate, nbytes = "100mbit", 4 << 20
+    expected = nbytes * 8 / parse_rate(rate)
+    with Emulator(nodes=2, ranks_per_node=1, rate=rate) as emu:
+        assert len(emu.shaped) == 4  # each node's uplink and its switch port
+        set_link_rate(UNSHAPED, emu.shaped)
+        free = min(_transfer(emu, 0, 1, nbytes, tmp_path, 7011), _transfer(emu, 0, 1, nbytes, tmp_path, 7012))
+        set_link_rate(rate, emu.shaped)
+        shaped = _transfer(emu, 0, 1, nbytes, tmp_path, 7013)
+    assert free < expected / 4, (free, expected)
+    assert expected * 0.95 <= shaped <= expected * 1.25, (shaped, expected)
+    with pytest.raises(EmulatorError, match="run under tools.emulate"):
+        set_link_rate(UNSHAPED, [])
 
 
 @needs_netns

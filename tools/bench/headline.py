@@ -9,6 +9,8 @@ cluster (``tools.emulate``), A = 1 and A = 4.
     python -m tools.emulate -- -m tools.bench   # the same worker through the emulator CLI
     python -m tools.bench --quick --nodes 2 --ranks-per-node 4   # 8 ranks: about 2 minutes here
     make bench                                  # the README's headline: A = 1 and 4, then 1/16 trainable
+    python -m tools.bench --model mlp --dim 512 --ffn 2048 --layers 4 --inter-rate 1gbit --accum 4 \
+        --strategies GGG,IIG,NIG,NII --baselines fsdp2-zero3,fsdp2-hsdp   # the boundary benchmark (8.4M MLP)
     python -m tools.bench --compiled            # eager vs compiled vs each graph pass vs FSDP2 + compile
                                                 # (compiled_emulated.py: 1gbit, A = 2, timelines per variant)
 
@@ -25,7 +27,10 @@ final norm, output) included, is frozen (requires_grad=False), the convention of
 ``tools.estimate`` and the advisor, so the advisor predicts the same model. Frozen weights have
 no gradient and no optimizer state in every configuration. Every model lives at once and the rounds interleave
 them (order flipped every round) so machine noise hits all alike; a step's time is the slowest
-rank's, from a barrier to the end of ``optimizer.step``; the table shows the median.
+rank's: ``--steps-per-round`` steps back to back from a barrier until what they left in flight
+has landed (PaRO: the last step's push, which training hides under the next forward), over K;
+the table shows the median. PaRO steps call ``set_is_last_backward`` on the last micro-step, as
+the trainer does.
 
 Columns:
   tok/s      tokens per second over all ranks (n x A x micro-batch x seq / step time)
@@ -39,6 +44,11 @@ Columns:
   intra/inter MiB  bytes one rank sends per step inside / between nodes, *measured*: the kernel's
              tx_bytes counters of node 0's loopback (intra) and uplink(s) (inter), divided by
              the ranks per node (gloo's wire bytes: its reduce-scatter is an all-reduce)
+  unsh s     the same step in the same round with every link unshaped (tools.emulate's
+             set_link_rate): the compute-side limit (--no-limit skips it)
+  link s     a node's inter bytes over its link's rate: the link-side limit
+  /limit     meas s over the limit, the larger of unsh s and link s
+  hidden     the fraction of link s that compute hides: 1 - (meas s - unsh s) / link s, in [0, 1]
   pred s     the advisor's predicted step time with a cluster calibrated on this emulator
              (paro_fsdp.cost.calibrate.calibrate_in_process, run by the workers first); PaRO rows only
 """
@@ -88,8 +98,14 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--accum", default=None, help="* gradient accumulation steps, comma separated (1,4)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps-per-round", type=int, default=2,
+                   help="steps a configuration runs back to back per round, timed together with what they "
+                        "leave in flight (PaRO's last push): one push in K runs exposed")
     for flag in ("dim", "layers", "heads", "kv-heads", "ffn", "vocab", "seq", "batch"):
         p.add_argument(f"--{flag}", type=int, default=None, help=f"* ({DEFAULTS[False][flag.replace('-', '_')]})")
+    p.add_argument("--model", default="llama", choices=("llama", "mlp"),
+                   help="mlp: residual Linear-GELU-Linear blocks of --dim x --ffn, --layers of them (workload.MLPStack); "
+                        "full training, fp32, no advisor")
     p.add_argument("--dtype", default="fp32", choices=DTYPES,
                    help="parameter / gradient dtype (fp32 master weights and optimizer states either way)")
     p.add_argument("--trainable", type=float, default=1.0,
@@ -100,6 +116,8 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
                         "the base frozen), the same adapter for PaRO and every baseline; 0 = off. Skips the advisor "
                         "(it models trainable whole layers only)")
     p.add_argument("--no-advisor", action="store_true", help="skip calibration and predictions")
+    p.add_argument("--no-limit", action="store_true",
+                   help="skip the limit: each round again with the links unshaped (doubles the run)")
     p.add_argument("--budget-mib", type=float, default=None,
                    help="per-rank model-state budget for the verdict (default: FSDP2 HSDP's)")
     p.add_argument("--out-dir", default=None, help="* where bench.json and the PNGs go (outputs/bench)")
@@ -130,6 +148,10 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--lora-rank {args.lora_rank} is invalid; valid: 0 (off) or a positive rank, without --trainable "
                 f"and --compiled")
     if args.lora_rank:
+        args.no_advisor = True
+    if args.model == "mlp":
+        if args.trainable != 1.0 or args.lora_rank or args.compiled or args.dtype != "fp32":
+            p.error("--model mlp measures fp32 full training (no --trainable, --lora-rank, --compiled, --dtype)")
         args.no_advisor = True
     if args.compiled:
         from .compiled_emulated_report import MODES

@@ -13,9 +13,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from tools.emulate.emulator import local_tx_bytes
+from tools.emulate.emulator import UNSHAPED, local_tx_bytes, parse_rate, set_link_rate
 from .headline_report import format_report
-from .workload import LR, MAX_NORM, WD
+from .workload import LR, MAX_NORM, WD, MLPStack
 
 RESULT_TAG = "PARO_BENCH_JSON "
 
@@ -27,7 +27,9 @@ class Runner:
     kind: str  # "paro" or "baseline"
     step_fn: Callable[[int, int], Any]  # (step index, accum) -> loss
     memory_fn: Callable[[], int]
+    settle: Callable[[], None] = lambda: None  # what a step leaves in flight, landed (PaRO: the pushes)
     times: dict[int, list[float]] = field(default_factory=dict)
+    unshaped: dict[int, list[float]] = field(default_factory=dict)  # the same steps, links unshaped
     sent: dict[int, list[dict[str, int]]] = field(default_factory=dict)
     n_steps: int = 0
     error: str | None = None
@@ -56,11 +58,11 @@ def worker(args: argparse.Namespace) -> None:
 
     bf16 = args.dtype == "bf16"
     # partial training: the first t layers trainable, the rest and the root frozen (advisor's rule)
-    n_trainable = model_spec(margs, args.trainable).trainable_layers
+    n_trainable = model_spec(margs, args.trainable).trainable_layers if args.model == "llama" else margs.n_layers
 
     def make_model() -> torch.nn.Module:
         torch.manual_seed(0)
-        model = Llama(margs)
+        model = Llama(margs) if args.model == "llama" else MLPStack(args.dim, args.ffn, args.layers, args.vocab)
         if args.lora_rank:  # the same adapter for every variant: LoRA on the attention projections, base frozen
             from peft import LoraConfig, inject_adapter_in_model
 
@@ -103,6 +105,7 @@ def worker(args: argparse.Namespace) -> None:
         def step(i: int, accum: int):
             total = 0.0
             for a in range(accum):
+                model.set_is_last_backward(a == accum - 1)  # the trainer's idiom: the boundary under the last backward
                 loss = model(batch(i, a)).loss / accum
                 loss.backward()
                 total += loss.item()
@@ -111,7 +114,7 @@ def worker(args: argparse.Namespace) -> None:
             opt.zero_grad()
             return total
 
-        return Runner(strategy, "paro", step, lambda: model.memory_report(opt)["total"])
+        return Runner(strategy, "paro", step, lambda: model.memory_report(opt)["total"], model.wait_for_params)
 
     def fsdp2(kind: str) -> Runner:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -198,16 +201,29 @@ def worker(args: argparse.Namespace) -> None:
             runners.append(Runner(b, "baseline", lambda i, a: 0.0, lambda: 0, error=f"{type(e).__name__}: {e}"))
 
     def timed(r: Runner, accum: int) -> tuple[float, dict[str, int]]:
+        """Per step: ``--steps-per-round`` steps back to back, then what they left in flight
+        landed, all in the window: PaRO's push under the next forward counts as it runs in
+        training (one in K exposed), and no model's traffic leaks into the next one's window."""
         # counters before the barrier: after it node 0's other ranks may send before rank 0 reads
         before = local_tx_bytes(["lo", *uplinks]) if rank == 0 and on_emulator else {}
         dist.barrier()
         t = time.perf_counter()
-        r.step_fn(r.n_steps, accum)
-        dt = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
+        for _ in range(args.steps_per_round):
+            r.step_fn(r.n_steps, accum)
+            r.n_steps += 1
+        r.settle()
+        dt = torch.tensor([(time.perf_counter() - t) / args.steps_per_round], dtype=torch.float64)
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
         after = local_tx_bytes(["lo", *uplinks]) if rank == 0 and on_emulator else {}
-        r.n_steps += 1
-        return dt.item(), {k: after[k] - before[k] for k in after}
+        return dt.item(), {k: (after[k] - before[k]) / args.steps_per_round for k in after}
+
+    def links(rate: str) -> None:
+        dist.barrier()
+        if rank == 0:
+            set_link_rate(rate)
+        dist.barrier()
+
+    limit = on_emulator and not args.no_limit
 
     t0 = time.perf_counter()
     for accum in accums:
@@ -220,6 +236,12 @@ def worker(args: argparse.Namespace) -> None:
                 if rnd >= args.warmup:
                     r.times.setdefault(accum, []).append(t)
                     r.sent.setdefault(accum, []).append(sent)
+            if limit and rnd >= args.warmup:  # the round again on unshaped links: the compute-side limit
+                links(UNSHAPED)
+                for r in order:
+                    if not r.error:
+                        r.unshaped.setdefault(accum, []).append(timed(r, accum)[0])
+                links(os.environ["PARO_EMU_RATE"])
     t_run = time.perf_counter() - t0
 
     rows = []
@@ -236,6 +258,11 @@ def worker(args: argparse.Namespace) -> None:
                     per = [{k: v / m for k, v in s.items()} for s in r.sent[accum]]
                     row["intra_bytes"] = statistics.median(p.get("lo", 0) for p in per)
                     row["inter_bytes"] = statistics.median(sum(v for k, v in p.items() if k != "lo") for p in per)
+                    # a node's bytes over its link's rate (the bytes limit; shared: the node's m ranks share one)
+                    per_link = m if os.environ.get("PARO_EMU_TOPOLOGY") == "shared" else 1
+                    row["link_s"] = row["inter_bytes"] * per_link / (parse_rate(os.environ["PARO_EMU_RATE"]) / 8)
+                if r.unshaped.get(accum):
+                    row["unshaped_s"] = statistics.median(r.unshaped[accum])
                 if (r.name, accum) in preds:
                     row["pred_s"] = preds[(r.name, accum)]
                 if pick and pick.get(accum) == r.name:
@@ -245,7 +272,7 @@ def worker(args: argparse.Namespace) -> None:
         ref = make_model()
         meta = {"n": n, "m": m, "topology": os.environ.get("PARO_EMU_TOPOLOGY", "none"),
                 "rate": os.environ.get("PARO_EMU_RATE", "?"), "params": sum(p.numel() for p in ref.parameters()),
-                "trainable_params": sum(p.numel() for p in trainable(ref)), "dtype": args.dtype,
+                "trainable_params": sum(p.numel() for p in trainable(ref)), "dtype": args.dtype, "model_kind": args.model,
                 "model": vars(args) | {}, "calibrate_s": t_cal, "run_s": t_run,
                 "cluster": None if cluster is None else {"intra_gbs": cluster.intra.bandwidth_gbs,
                                                           "inter_gbs": cluster.inter.bandwidth_gbs,

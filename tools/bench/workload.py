@@ -9,10 +9,12 @@ the same AdamW, or the ratios compare different work.
 from __future__ import annotations
 
 import argparse
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from paro_fsdp.models.llama import Llama, LlamaArgs
 
@@ -23,6 +25,25 @@ LR, WD, MAX_NORM = 1e-3, 0.1, 1.0
 def make_model(args: LlamaArgs, seed: int = 0) -> Llama:
     torch.manual_seed(seed)
     return Llama(args)
+
+
+class MLPStack(nn.Module):
+    """Residual blocks of Linear -> GELU -> Linear, regressing each token's next one in a fixed
+    random embedding (a buffer, not trained): a model whose every parameter sits in a block and
+    costs 6 FLOPs per token, so compute against traffic is set by its width alone. Takes the
+    Llama benchmarks' token batches and returns ``.loss`` as Llama does."""
+
+    def __init__(self, dim: int, ffn: int, layers: int, vocab: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(dim, ffn), nn.GELU(), nn.Linear(ffn, dim))
+                                    for _ in range(layers))
+        self.register_buffer("table", torch.randn(vocab, dim, generator=torch.Generator().manual_seed(1)))
+
+    def forward(self, tokens: torch.Tensor) -> SimpleNamespace:
+        h, target = self.table[tokens[:, :-1]], self.table[tokens[:, 1:]]
+        for layer in self.layers:
+            h = h + layer(h)
+        return SimpleNamespace(loss=(h - target).pow(2).mean())
 
 
 def batch_for(cfg: Any, rank: int, step: int, micro: int) -> torch.Tensor:

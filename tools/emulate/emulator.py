@@ -92,6 +92,33 @@ def local_tx_bytes(ifnames: list[str]) -> dict[str, int]:
     return out
 
 
+def tbf_args(rate: str) -> list[str]:
+    """The tbf qdisc of a link at ``rate``. Bucket: >= 2 ms of traffic and >= one 64 KiB GSO
+    segment, so tbf does not split TSO packets into MTU pieces (CPU) nor under-run at high rates;
+    queue: 100 ms of traffic."""
+    rate_Bps = parse_rate(rate) / 8
+    burst = int(max(64 * 1024, rate_Bps * 0.002))
+    limit = int(max(4 * burst, rate_Bps * 0.1))
+    return ["tbf", "rate", rate, "burst", str(burst), "limit", str(limit)]
+
+
+#: the rate ``set_link_rate`` gives an "unshaped" link: far above what 2 cores can send over a veth
+UNSHAPED = "100gbit"
+
+
+def set_link_rate(rate: str, shaped: list[list[str]] | None = None) -> None:
+    """Every shaped link of this run to ``rate`` (``UNSHAPED``: the compute-side limit of a
+    benchmark, measured in the same run) and back. From a worker: the links come from
+    ``PARO_EMU_SHAPED`` in its environment (``launch`` sets it); root only."""
+    if shaped is None:
+        shaped = json.loads(os.environ.get("PARO_EMU_SHAPED", "[]"))
+    if not shaped:
+        raise EmulatorError("no shaped links to change: run under tools.emulate (PARO_EMU_SHAPED is unset)")
+    tbf = tbf_args(rate)
+    for ns, dev, handle in shaped:
+        _run(["tc", "-n", ns, "qdisc", "change", "dev", dev, *handle.split(), *tbf])
+
+
 class EmulatorError(RuntimeError):
     """A setup problem the user can fix (root, missing tools, bad arguments)."""
 
@@ -211,6 +238,7 @@ class Emulator:
     prefix: str = field(default_factory=lambda: f"{NS_PREFIX}{os.getpid()}-{secrets.token_hex(3)}")
     log: IO[str] = field(default=sys.stderr)
     delay_applied: bool = field(default=False, init=False)
+    shaped: list[list[str]] = field(default_factory=list, init=False)  # [namespace, device, tc handle] per tbf
     _created: list[str] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
@@ -275,18 +303,14 @@ class Emulator:
 
     def _shape(self, ns: str, dev: str, with_delay: bool) -> None:
         """tbf at the link rate (+ netem delay on this direction when asked and available)."""
-        rate_Bps = self.rate_bps / 8
-        # bucket: >= 2 ms of traffic and >= one 64 KiB GSO segment, so tbf does not split TSO
-        # packets into MTU pieces (CPU) nor under-run at high rates; queue: 100 ms of traffic
-        burst = int(max(64 * 1024, rate_Bps * 0.002))
-        limit = int(max(4 * burst, rate_Bps * 0.1))
-        tbf = ["tbf", "rate", self.rate, "burst", str(burst), "limit", str(limit)]
+        tbf = tbf_args(self.rate)
         if with_delay and self.delay_s > 0:
             res = _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem",
                         "delay", self.delay, "limit", "100000"], check=False)
             if res.returncode == 0:
                 _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", *tbf])
                 self.delay_applied = True
+                self.shaped.append([ns, dev, "parent 1:1 handle 10:"])
                 return
             msg = (f"cannot add delay: the kernel has no netem qdisc ({res.stderr.strip()}); "
                    f"links are rate-limited only")
@@ -296,6 +320,7 @@ class Emulator:
                 print(f"[emulate] WARNING: {msg}", file=self.log)
                 self._warned_delay = True
         _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", *tbf])
+        self.shaped.append([ns, dev, "root handle 1:"])
 
     def setup(self) -> None:
         sw = self.switch_ns
