@@ -525,6 +525,8 @@ class Trainer:
         self.metrics.close()
         if self.owns_process_group and dist.is_initialized():
             if not failed:
+                if hasattr(getattr(self, "model", None), "wait_for_params"):
+                    self.model.wait_for_params()  # the last step's pushes, before the process group goes
                 dist.barrier()
                 dist.destroy_process_group()
 

@@ -99,10 +99,11 @@ class ParoOptimizer:
 
     def _can_defer_push(self) -> bool:
         """Whether the pushes may wait for the next forward (overlap.py): eager blocks only (a
-        traced block reads P inside its graph), after a forward has shown the order, and no
-        forward all-gather sharing a process group with a push."""
+        traced block reads P inside its graph), after a forward has shown the order, not while
+        torch.profiler records (a collective it saw issued must not be waited after it stopped:
+        gloo's wait crashed there), and no forward all-gather sharing a process group with a push."""
         state = self.state
-        if not state.seen_forward or any(b.traced for b in state.blocks):
+        if not state.seen_forward or any(b.traced for b in state.blocks) or torch.autograd._profiler_enabled():
             return False
         gathers = set().union(*(forward_dims(g) for g in state.groups))
         return not any(push_dims(g) & gathers for g in self.groups)

@@ -110,6 +110,12 @@ def rank_main(payload: dict) -> dict:
                 case["second_backward"] = "accepted"
             except RuntimeError as e:
                 case["second_backward"] = str(e)
+            opt.zero_grad()
+            model.set_is_last_backward(False)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+                model(batch(rank, 7, 0)).loss.backward()
+                opt.step()
+                case["queued_while_profiling"] = len(state.pushes)
             out[(strategy, limit)] = case
         out[(strategy, "opaque")] = opaque_output_case(strategy)
     return out
@@ -155,6 +161,11 @@ def test_an_output_pytree_cannot_see_into_changes_nothing(results, strategy):
     assert case[True]["comm"] == case[False]["comm"]
     for name, value in case[False]["params"].items():
         torch.testing.assert_close(case[True]["params"][name], value, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_no_push_is_left_in_flight_past_a_profiled_step(results):
+    """torch.profiler saw it issued; gloo's wait crashed once the profiler had stopped."""
+    assert results[("IIG", None)]["queued_while_profiling"] == 0
 
 
 def test_a_backward_after_the_last_one_is_refused(results):
