@@ -88,9 +88,10 @@ class MeshComm:
         return _ops.all_reduce(t, op, self.info.group_names[dim])
 
     # ---- on the side stream of its kind on a GPU: a Pending ------------------------------------
-    def all_gather(self, shard: torch.Tensor, dim: str) -> Pending:
-        """Concatenate every rank's 1-D ``shard`` in rank order along ``dim``."""
-        return self._issue("gather", dim, shard, lambda: self.functional_all_gather(shard, dim))
+    def all_gather(self, shard: torch.Tensor, dim: str, *, params: bool = False) -> Pending:
+        """Concatenate every rank's 1-D ``shard`` in rank order along ``dim``. ``params``: a
+        micro-step's parameter gather, which waits only for earlier copy-outs (streams.py)."""
+        return self._issue("params" if params else "gather", dim, shard, lambda: self.functional_all_gather(shard, dim))
 
     def reduce_scatter(self, full: torch.Tensor, dim: str, *, op: str = "sum") -> Pending:
         """Reduce the 1-D ``full`` over ``dim`` and keep this rank's 1/k piece."""

@@ -82,13 +82,15 @@ class InFlight:
             if e.started and hasattr(e.pending, "advance"):
                 e.pending.advance()
 
-    def finish(self, group: ParoParamGroup | None = None) -> None:
-        """Run to their end the sequences up to ``group``'s (FIFO; None: all), then start more."""
-        if group is not None and group not in self:
-            return
+    def finish(self, group: ParoParamGroup | None = None) -> bool:
+        """Run to their end the sequences up to ``group``'s (FIFO; None: all), then start more;
+        whether any ran."""
+        if not self.entries or (group is not None and group not in self):
+            return False
         self._drain(len(self.entries) if group is None else
                     next(i for i, e in enumerate(self.entries) if e.group is group) + 1)
         self.fill()
+        return True
 
     def _drain(self, upto: int) -> None:
         done, self.entries = self.entries[:upto], self.entries[upto:]

@@ -27,6 +27,7 @@ from .layout import FlatLayout, TensorLayout, placements, tensor_layout
 from .mesh import MeshInfo, mesh_device
 from .mixed_precision import MixedPrecision
 from .strategy import Level, Strategy
+from .streams import active
 
 
 @dataclass
@@ -179,8 +180,8 @@ class ParoParamGroup:
         """Issue the all-gather of the P-level shard: FULL (P = I, one intra all-gather) or
         NESTED (P = G, the global PaRO-CC all-gather, whose inter phase goes first)."""
         if self.strategy.p == Level.G:
-            return self.cc.all_gather(self.p_flat, order="nested")
-        return self.comm.all_gather(self.p_flat, "intra")
+            return self.cc.all_gather(self.p_flat, order="nested", params=True)
+        return self.comm.all_gather(self.p_flat, "intra", params=True)
 
     def whole_rows(self, gathered: torch.Tensor, t: TensorLayout) -> torch.Tensor:
         """Tensor ``t``'s rows in ``gather_params``' result (a view where the layout allows):
@@ -243,6 +244,9 @@ class ParoParamGroup:
             rows = self.whole_rows(gathered, t)
             with torch.autograd._unsafe_preserve_version_counter(b):
                 b[: rows.numel()].view_as(rows).copy_(rows)
+        streams = active(self.comm.streams)
+        if streams is not None:  # the result's memory is reused only after these copies (streams.py)
+            streams.copied_out(gathered)
         self.state = ShardState.UNSHARDED
 
     def reshard(self) -> None:

@@ -176,10 +176,11 @@ class ParoCC:
 
         return HierPending(finish, _keep=keep)
 
-    def all_gather(self, shard: torch.Tensor, *, order: str = "flat", chunks: int | None = None) -> HierPending:
+    def all_gather(self, shard: torch.Tensor, *, order: str = "flat", chunks: int | None = None,
+                   params: bool = False) -> HierPending:
         """Concatenate every rank's ``shard`` along dim 0 (rank order per ``order``):
-        inter all-gather, then intra all-gather, per chunk."""
-        return self._issue("gather", shard, lambda: self._all_gather(shard, order, chunks))
+        inter all-gather, then intra all-gather, per chunk. ``params``: see ``MeshComm.all_gather``."""
+        return self._issue("params" if params else "gather", shard, lambda: self._all_gather(shard, order, chunks))
 
     def _all_gather(self, shard: torch.Tensor, order: str, chunks: int | None) -> HierPending:
         self._check(order)

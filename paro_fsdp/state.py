@@ -30,6 +30,7 @@ from .mesh import MeshInfo
 from .overlap import InFlight, boundary_bytes, has_boundary_traffic
 from .param_group import ParoParamGroup
 from .paro_cc import ParoCC
+from .streams import active
 from .traced import unshard as traced_unshard
 
 
@@ -50,7 +51,7 @@ class ParoBlock:
             if nxt is not None and not nxt.traced:
                 for g in nxt.groups:
                     if g.p_flat is not None:
-                        self.model_state.pushes.finish(g)
+                        self.model_state.land_push(g)
                     g.issue_unshard()
 
     @staticmethod
@@ -73,7 +74,7 @@ class ParoBlock:
             return args, kwargs
         state = self.model_state
         for g in self.groups:
-            state.pushes.finish(g)
+            state.land_push(g)
         if _in_backward():
             for g in self.groups:
                 g.unshard()
@@ -83,6 +84,8 @@ class ParoBlock:
             else:
                 state.forward_order.append(self)
             state.seen_forward = True
+            if self.is_root and (streams := active(state.comm.streams)) is not None:
+                streams.params_written()  # the step's P writes are queued: later gathers start after them
             self.gather()
         grad_enabled = torch.is_grad_enabled()
         for i, g in enumerate(self.groups):
@@ -127,7 +130,10 @@ class ParoBlock:
         state.progress_grad_reductions(self)
         if g.trainable:
             g.reduce_grads(grads[: len(g.trainable)])
-            state.in_flight.append((self, g))
+            if g.last_backward and not len(state.boundary) and has_boundary_traffic(g):
+                state._finish_reduction(g)  # the first boundary collective of the step goes out now
+            else:
+                state.in_flight.append((self, g))
         self.release(g)
 
 
@@ -208,6 +214,12 @@ class ParoState:
             self.boundary.queue(g, finalize_grads(g), boundary_bytes(g))
             self.boundary.fill(finish_oldest=True)
 
+    def land_push(self, group: ParoParamGroup) -> None:
+        """Finish ``group``'s push (and those queued before it): it writes P on the current
+        stream, which the next parameter gathers must follow (streams.py)."""
+        if self.pushes.finish(group) and (streams := active(self.comm.streams)) is not None:
+            streams.params_written()
+
     def finish_grad_reductions(self) -> None:
         for _, g in self.in_flight:
             self._finish_reduction(g)
@@ -219,6 +231,8 @@ class ParoState:
         for b in self.blocks:
             for g in b.groups:
                 b.release(g)
+        if (streams := active(self.comm.streams)) is not None:
+            streams.release()  # the kept gather results, once the gather stream has waited for their reads
 
     def install_hooks(self) -> None:
         for b in self.blocks:

@@ -202,3 +202,26 @@ def test_parameter_gathers_wait_for_copy_outs_and_reductions_for_the_compute_str
         with s.issue(kind) as side:
             assert side is getattr(s, kind)
         assert log == [(kind, "waits for stream", "compute")]
+
+
+def test_the_engine_waits_for_the_compute_stream_once_per_forward(fake_world, fake_streams):
+    """The wiring of the rule above into the engine (IIG on a fake 2 x 4 world, the streams
+    replaced by loggers): in one forward the gather stream waits for the compute stream only at
+    the root's pre-forward; every block's parameter gather after it waits on copy-out events."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from paro_fsdp import paro_shard
+    from paro_fsdp.models.llama import Llama, LlamaArgs
+    from paro_fsdp.streams import CommStreams
+
+    log = fake_streams
+    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("inter", "intra"))
+    args = LlamaArgs(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_dim=48, max_seq_len=16)
+    model = paro_shard(Llama(args), mesh, "IIG")
+    model._paro_state.comm.streams = CommStreams(torch.device("cuda", 0))
+    with torch.no_grad():
+        model(torch.randint(0, 64, (2, 9)))
+    gather_waits = [e for e in log if e[0] == "gather" and e[1].startswith("waits")]
+    assert gather_waits[0] == ("gather", "waits for stream", "compute")  # the root's params_written
+    assert [e for e in gather_waits[1:] if e[1] == "waits for stream"] == []
+    assert sum(e[1] == "waits for event" for e in gather_waits) >= args.n_layers - 1
