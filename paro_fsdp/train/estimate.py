@@ -99,6 +99,7 @@ def _measure(args: LlamaArgs, pattern: Sequence[bool], root_trainable: bool, mes
             (model(tokens).loss / grad_accum).backward()
         opt.clip_grad_norm_(max_norm)
         opt.step()
+        model.wait_for_params()  # the step's pushes (they would land in the next forward)
         memory = model.memory_report(opt)
         opt.zero_grad()
     out = {f"mem:{k}": float(v) for k, v in memory.items()}
