@@ -330,8 +330,9 @@ class Trainer:
         (``training.on_nonfinite``); checking it is the step's one device-to-host read."""
         total = torch.zeros((), device=self.device)
         for micro in range(self.grad_accum):
-            if self.cfg.compile.enable:  # the last backward's graphs also reduce to the OS level
-                self.model.set_is_last_backward(micro == self.grad_accum - 1)
+            # the last backward also reduces to the OS level: eager, under the blocks still computing
+            # (overlap.py); compiled, in its graphs
+            self.model.set_is_last_backward(micro == self.grad_accum - 1)
             batch = next(self.data)
             if self.device.type == "cuda":  # a copy from pageable memory may block the host
                 batch = batch.pin_memory()

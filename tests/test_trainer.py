@@ -62,6 +62,34 @@ def _full_state(trainer) -> dict[str, Any]:
     return {"master": master, "moments": moments, "sharded": sharded, "step": trainer.state.step}
 
 
+def _count_inter_before_clip(trainer) -> list[tuple[int, int]]:
+    """Per step, the inter-group reductions issued before ``clip_grad_norm_`` (since the last
+    ``zero_grad``) and from there to this step's ``zero_grad``: all of them come first when the
+    boundary runs under the last backward."""
+    stats, opt = trainer.model.comm_stats, trainer.optimizer
+    counts: list[tuple[int, int]] = []
+    marks = [0, 0]
+
+    def inter() -> int:
+        s = stats()
+        return int(s.count("reduce_scatter", "inter") + s.count("all_reduce", "inter"))
+
+    clip, zero = opt.clip_grad_norm_, opt.zero_grad
+
+    def clip_counted(*a, **k):
+        marks[1] = inter()
+        return clip(*a, **k)
+
+    def zero_counted(*a, **k):
+        zero(*a, **k)
+        now = inter()
+        counts.append((marks[1] - marks[0], now - marks[1]))
+        marks[0] = now
+
+    opt.clip_grad_norm_, opt.zero_grad = clip_counted, zero_counted
+    return counts
+
+
 def _barrier() -> None:
     import torch.distributed as dist
 
@@ -79,10 +107,14 @@ def world4_first(tmp: str) -> dict[str, Any]:
         if s == "IIG":  # this one also writes TensorBoard scalars, metrics.jsonl and profiler traces
             extra = ["--metrics.enable_tensorboard", "--profiling.enable_profiling", "--profiling.profile_freq", "2",
                      "--job.dump_folder", f"{tmp}/iig"]
-        trainer, losses = _run(["--parallelism.paro_strategy", s, "--parallelism.paro_group_size", "2",
-                                "--training.steps", "3"] + extra)
+        trainer = _trainer(["--parallelism.paro_strategy", s, "--parallelism.paro_group_size", "2",
+                            "--training.steps", "3"] + extra)
+        inter_before_clip = _count_inter_before_clip(trainer)
+        losses = trainer.train()
+        trainer.close()
         out[f"family/{s}"] = {"losses": losses, "comm": trainer.model.comm_stats().as_dict(),
-                              "memory": trainer.model.memory_report(trainer.optimizer)}
+                              "memory": trainer.model.memory_report(trainer.optimizer),
+                              "inter_before_clip": inter_before_clip}
     # compiled with the trainer's defaults (per block, the push eager; AOTAutograd graphs run as
     # they are: inductor codegen costs minutes on 2 cores); its step 2 is traced too (the timeline
     # of collectives that run inside graphs)
@@ -214,6 +246,9 @@ def test_family_comm_and_memory_follow_the_strategy(first):
     nnn, iig, ggg = (first[f"family/{s}"]["memory"]["total"] for s in ("NNN", "IIG", "GGG"))
     assert ggg < iig < nnn
     assert 0 < inter("IIG") < inter("GGG")  # IIG crosses groups once per step, GGG every micro-step
+    # eager, the trainer marks the last micro-step: IIG's boundary reductions run under its backward
+    counts = first["family/IIG"]["inter_before_clip"]
+    assert len(counts) == 3 and all(before > 0 and after == 0 for before, after in counts), counts
 
 
 def _eager_bytes(run: dict, key: str) -> float:
