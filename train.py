@@ -52,7 +52,7 @@ from paro_fsdp.train.data import build_dataloader, describe
 from paro_fsdp.train.faults import (GracefulStop, NonFiniteGuard, TrainingStopped, collective_failure, config_error_exit,
                                     nonfinite_masters, restart_store, resume_command, set_collective_timeout, stuck_line)
 from paro_fsdp.train.lr import build_lr_scheduler
-from paro_fsdp.train.metrics import CommMeter, MetricsLogger, StepTimer, build_profiler, flops_per_token
+from paro_fsdp.train.metrics import NO_PROFILER, CommMeter, MetricsLogger, StepTimer, build_profiler, flops_per_token
 from paro_fsdp.train.parallelize import DTYPES, apply_compile, build_model, check_policy, model_args, parallelize
 from paro_fsdp.train.timeline import TimelineWriter, gloo_threads, group_dims
 from paro_fsdp.train.tokenizer import build_tokenizer
@@ -323,16 +323,18 @@ class Trainer:
             _log(f"no checkpoint in {self.checkpointer.folder}: starting from step 0")
 
     # ---- the training loop --------------------------------------------------------------------
-    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def train_step(self, profiler: Any = NO_PROFILER) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step: ``grad_accum`` micro-steps, clip, step. Returns (loss averaged
         over ranks and micro-steps, global grad norm before clipping) as 0-dim tensors on the
         device. A non-finite loss or norm skips the step or stops the run
-        (``training.on_nonfinite``); checking it is the step's one device-to-host read."""
+        (``training.on_nonfinite``); checking it is the step's one device-to-host read.
+        ``profiler`` (``build_profiler``'s) pauses its trace over a traced step's middle micro-steps."""
         total = torch.zeros((), device=self.device)
         for micro in range(self.grad_accum):
             # the last backward also reduces to the OS level: eager, under the blocks still computing
             # (overlap.py); compiled, in its graphs
             self.model.set_is_last_backward(micro == self.grad_accum - 1)
+            profiler.micro_step(micro, self.grad_accum)  # a traced step: its first and last micro-steps only
             batch = next(self.data)
             if self.device.type == "cuda":  # a copy from pageable memory may block the host
                 batch = batch.pin_memory()
@@ -394,7 +396,7 @@ class Trainer:
                 t_host = time.perf_counter()
                 lr = self.optimizer.param_groups[0]["lr"]
                 with self._order_check(step):
-                    loss, grad_norm = self.train_step()
+                    loss, grad_norm = self.train_step(profiler)
                 self.lr_scheduler.step()
                 timer.stop()
                 pending.append((step, loss, grad_norm))

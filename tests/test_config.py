@@ -88,6 +88,8 @@ def test_print_config_round_trips(tmp_path):
         (["--lr_scheduler.min_lr_factor", "2"], "min_lr_factor = 2.0 is out of range; valid: a number in [0, 1]"),
         (["--parallelism.paro_strategy", "auto", "--parallelism.paro_policy", "output.*=GGG"],
          'paro_strategy = "auto" cannot be combined with parallelism.paro_policy'),
+        (["--profiling.traced_micro_steps", "-1"], "profiling.traced_micro_steps = -1 is invalid; valid: 0 (trace every "
+                                                  "micro-step) or a count >= 1 (the first ones and the last"),
     ],
 )
 def test_errors_name_key_and_choices(argv, needle):

@@ -80,6 +80,50 @@ def test_cuda_kernels_classified_by_process_group_args():
     assert f["inter_busy_fraction"] == pytest.approx(0.2)
 
 
+def test_a_paused_stretch_is_cut_out_of_rows_duration_and_fractions():
+    """profiling.traced_micro_steps: the profiler paused over the middle micro-steps of a 20 ms step
+    (its pause and resume marks at 4 and 14 ms). The intra all-gather issued before the pause ran to
+    6 ms: the cut starts there, so 8 ms are cut and the step's traced time is 12 ms."""
+    trace = {"traceEvents": [
+        ev("ProfilerStep#4", 0, 20000, cat="user_annotation"),
+        ev("aten::mm", 1000, 3000),  # the first micro-step
+        ev("gloo:all_gather", 2500, 6000, tid=INTRA_T, cat="user_annotation"),
+        ev("paro::pause#2", 4000, 4010, cat="user_annotation"),
+        ev("paro::resume", 14000, 14010, cat="user_annotation"),
+        ev("aten::mm", 15000, 17000),  # the last micro-step, then the boundary's inter all-reduce
+        ev("gloo:all_reduce", 16000, 19000, tid=INTER_T, cat="user_annotation"),
+    ]}
+    tl = T.parse(trace, {INTRA_T: "intra", INTER_T: "inter"})
+    assert tl.duration == pytest.approx(12.0) and tl.cuts == [(pytest.approx(6.0), 2)]
+    assert tl.rows["compute"] == [(1.0, 3.0), (7.0, 9.0)]  # the marks are not compute
+    assert tl.rows["intra"] == [(2.5, 6.0)] and tl.rows["inter"] == [(8.0, 11.0)] and tl.rows["wait"] == []
+    f = T.fractions(tl)
+    assert f["compute_fraction"] == pytest.approx(4 / 12) and f["inter_busy_fraction"] == pytest.approx(3 / 12)
+    assert f["intra_busy_fraction"] == pytest.approx(3.5 / 12) and f["overlap_fraction"] == pytest.approx(1.5 / 6.5)
+
+
+def test_a_paused_stretch_on_a_gpu_starts_when_its_last_kernel_ends(monkeypatch):
+    """The GPU runs behind the host: a kernel launched before the pause mark ran on past it."""
+    from matplotlib.axes import Axes
+
+    trace = {"traceEvents": [
+        ev("ProfilerStep#0", 0, 20000, cat="user_annotation"),
+        ev("paro::pause#62", 3000, 3010, cat="user_annotation"),
+        ev("paro::resume", 12000, 12010, cat="user_annotation"),
+        ev("sm90_gemm_kernel", 1000, 5000, tid=7, cat="kernel"),
+        ev("sm90_gemm_kernel", 13000, 15000, tid=7, cat="kernel"),
+        ev("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 14000, 16000, tid=21, cat="kernel",
+           **{"Process Group Description": "mesh_inter"}),
+    ]}
+    tl = T.parse(trace)
+    assert tl.duration == pytest.approx(13.0) and tl.cuts == [(pytest.approx(5.0), 62)]
+    assert tl.rows["compute"] == [(1.0, 5.0), (6.0, 8.0)] and tl.rows["inter"] == [(7.0, 9.0)]
+    lines, axvline = [], Axes.axvline
+    monkeypatch.setattr(Axes, "axvline", lambda self, x, *a, **k: lines.append(x) or axvline(self, x, *a, **k))
+    T.render(tl, "rank 0 | step 1 | eager")
+    assert lines == [pytest.approx(5.0)]  # the cut is marked
+
+
 def test_closing_trace_without_work_is_skipped():
     empty = {"traceEvents": [ev("ProfilerStep#3", 0, 50, cat="user_annotation")]}
     assert T.parse(empty) is None

@@ -184,6 +184,9 @@ class Profiling:
     """Trace one step every profile_freq steps (a checkpoint save after a traced step is not in its trace)"""
     keep_latest_k: int = 3
     """Keep each rank's newest k trace files (older ones are deleted as new ones are written); 0 keeps all"""
+    traced_micro_steps: int = 2
+    """Micro-steps of a profiled step that are traced: the first ones and the last, which holds the step boundary
+    (clip, optimizer step); collection pauses in between, bounding the trace and its stop and export. 0 = all"""
     timeline: bool = True
     """With metrics.enable_tensorboard: each traced step's timeline (compute, intra and inter collectives, per
     rank) as a TensorBoard image, its overlap and link-busy fractions as scalars (needs matplotlib)"""

@@ -323,6 +323,9 @@ def validate(cfg: JobConfig, world_size: Optional[int], local_world_size: Option
                       ("checkpoint.interval", False), ("checkpoint.keep_latest_k", True)):
         section, name = key.split(".")
         positive(key, getattr(getattr(cfg, section), name), allow_zero=zero)
+    if cfg.profiling.traced_micro_steps < 0:
+        raise ConfigError(f"profiling.traced_micro_steps = {cfg.profiling.traced_micro_steps} is invalid; valid: 0 (trace "
+                          "every micro-step) or a count >= 1 (the first ones and the last, which holds the step boundary)")
     if cfg.checkpoint.load_step < -1:
         raise ConfigError(f"checkpoint.load_step = {cfg.checkpoint.load_step} is invalid; valid: -1 (latest) or a saved step")
     positive("comm.init_timeout_seconds", cfg.comm.init_timeout_seconds)

@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .config import JobConfig
+from .timeline import PAUSE_MARK, RESUME_MARK
 
 MiB = float(2**20)
 
@@ -225,11 +226,11 @@ class MetricsLogger:
 
 def build_profiler(cfg: JobConfig, rank: int, device: torch.device, start_step: int,
                    on_trace: Optional[Callable[[str], None]] = None):
-    """A torch.profiler tracing one step every ``profile_freq`` steps (each rank's newest ``keep_latest_k`` kept),
+    """A ``StepProfiler`` tracing one step every ``profile_freq`` steps (each rank's newest ``keep_latest_k`` kept),
     or a null context; ``on_trace(path)`` gets each trace written."""
     p = cfg.profiling
     if not p.enable_profiling:
-        return contextlib.nullcontext(_NoProfiler())
+        return contextlib.nullcontext(NO_PROFILER)
     trace_dir = os.path.join(cfg.job.dump_folder, p.save_traces_folder)
     os.makedirs(trace_dir, exist_ok=True)
     active = 1
@@ -255,15 +256,68 @@ def build_profiler(cfg: JobConfig, rank: int, device: torch.device, start_step: 
 
     # No shapes: the timeline needs none, and they make the stop and export that block the training thread
     # 2.6x slower and the trace 1.5x larger (python -m tools.bench.profile_cost)
-    prof = torch.profiler.profile(schedule=torch.profiler.schedule(wait=wait, warmup=warmup, active=active),
-                                  activities=activities, on_trace_ready=trace_ready, record_shapes=False)
+    prof = StepProfiler(p.traced_micro_steps, schedule=torch.profiler.schedule(wait=wait, warmup=warmup, active=active),
+                        activities=activities, on_trace_ready=trace_ready, record_shapes=False)
     prof.step_num = start_step  # a resumed run keeps tracing the same steps
     return prof
+
+
+# Every kind torch can toggle: CPU alone or with CUDA logs a C++ warning at each toggle (torch's check wants both
+# CUDA and XPU to stay quiet); the GPU kinds flip one switch of kineto's, a no-op on a CPU run
+_TOGGLED = (torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.XPU)
+_RECORDING = (torch.profiler.ProfilerAction.RECORD, torch.profiler.ProfilerAction.RECORD_AND_SAVE)
+
+
+class StepProfiler(torch.profiler.profile):
+    """torch's profiler, which in the step it traces records only ``traced`` micro-steps: the first
+    ``traced - 1`` and the last, which runs into the step's boundary (clip, optimizer step, zero_grad: the
+    once-per-step inter-group traffic). Why: torch's stop and export of a trace, which hold the training
+    thread, grow with its events, so with every micro-step traced (docs/trainer.md has the figures).
+    The pause covers CPU and GPU activity alike.
+
+    Collection pauses with torch's ``toggle_collection_dynamic``; the trace keeps a zero-length
+    ``paro::pause#<micro-steps skipped>`` range where it paused and ``paro::resume`` where it went on,
+    so the timeline can cut the untraced time out (``timeline.parse``)."""
+
+    def __init__(self, traced: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.traced = traced  # 0: every micro-step
+        self.paused = False
+
+    def micro_step(self, micro: int, grad_accum: int) -> None:
+        """Call at the start of each micro-step ``micro`` (0-based) of ``grad_accum``: pauses or resumes collection
+        in a traced step; a no-op in the others."""
+        if not self.traced or grad_accum <= self.traced or self.current_action not in _RECORDING:
+            return
+        if micro == self.traced - 1:
+            with torch.profiler.record_function(f"{PAUSE_MARK}{grad_accum - self.traced}"):
+                pass
+            self.toggle_collection_dynamic(False, _TOGGLED)
+            self.paused = True
+        elif micro == grad_accum - 1:
+            self._resume()
+
+    def _resume(self) -> None:
+        if self.paused:
+            self.toggle_collection_dynamic(True, _TOGGLED)
+            self.paused = False
+            with torch.profiler.record_function(RESUME_MARK):
+                pass
+
+    def step(self) -> None:
+        self._resume()  # a step that never reached its last micro-step must not leave the next one paused
+        super().step()
 
 
 class _NoProfiler:
     def step(self) -> None:
         pass
+
+    def micro_step(self, micro: int, grad_accum: int) -> None:
+        pass
+
+
+NO_PROFILER = _NoProfiler()
 
 
 class StepTimer:

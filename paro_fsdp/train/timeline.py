@@ -13,6 +13,12 @@ and wait (the step's thread blocked in ``wait_tensor``: exposed communication), 
 start. ``overlap_fraction``: of the time a collective runs, the share compute runs too;
 ``inter_busy_fraction`` / ``intra_busy_fraction``: the share of the step that link carries a
 collective (from its start on this rank, so an upper bound); ``compute_fraction``.
+
+A step traced in part (``profiling.traced_micro_steps``: the profiler pauses over the middle
+micro-steps) marks the pause with ``paro::pause#<micro-steps skipped>`` and ``paro::resume`` ranges;
+that untraced time is cut out: rows, duration and fractions are of the traced time only (its first
+micro-step(s), the last and the boundary, where the once-per-step inter traffic runs, so the inter
+link's share is larger than over the whole step), and the image marks each cut.
 """
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 Intervals = list[tuple[float, float]]
@@ -32,13 +38,15 @@ COLORS = {"compute": "#1f77b4", "intra": "#2ca02c", "inter": "#ff7f0e", "global"
           "wait": "#d62728"}
 _DESC = {"mesh_intra": "intra", "mesh_inter": "inter", "default_pg": "global"}
 _COMM_OPS = ("_c10d_functional::", "c10d::", "record_param_comms", "gloo:", "nccl:")
+PAUSE_MARK, RESUME_MARK = "paro::pause#", "paro::resume"  # metrics.StepProfiler writes them
 
 
 @dataclass
 class Timeline:
     step: int  # N of the trace's ProfilerStep#N range
-    duration: float  # ms
-    rows: dict[str, Intervals]  # ROWS -> merged intervals, ms from the step's start
+    duration: float  # ms, untraced time left out
+    rows: dict[str, Intervals]  # ROWS -> merged intervals, ms from the step's start (untraced time left out)
+    cuts: list[tuple[float, int]] = field(default_factory=list)  # (ms, micro-steps not traced) where time was cut
 
 
 def merge(iv: Intervals) -> Intervals:
@@ -116,7 +124,7 @@ def parse(trace: Mapping[str, Any], thread_dims: Mapping[int, str] = {}, group_d
             name, span = str(e.get("name", "")), (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
             if name.startswith("gloo:"):
                 rows[thread_dims.get(e["tid"]) or _dim(e.get("args", {}), group_dims) or "other"].append(span)
-            elif e["tid"] == main and e is not step:
+            elif e["tid"] == main and e is not step and not name.startswith((PAUSE_MARK, RESUME_MARK)):
                 if name.startswith(_COMM_OPS):
                     calls.append(span)
                     if name == "_c10d_functional::wait_tensor":
@@ -126,9 +134,34 @@ def parse(trace: Mapping[str, Any], thread_dims: Mapping[int, str] = {}, group_d
         rows["compute"] = subtract(ops, calls)
     if not any(rows[r] for r in ROWS if r != "compute") and measure(rows["compute"]) == 0:
         return None
-    clip = [(t0, t1)]
-    rows = {r: [((a - t0) / 1e3, (b - t0) / 1e3) for a, b in intersect(iv, clip)] for r, iv in rows.items()}
-    return Timeline(int(str(step["name"]).split("#")[1]), (t1 - t0) / 1e3, rows)
+    gaps = _paused(events, main, t0, t1)
+    traced = subtract([(t0, t1)], [(a, b) for a, b, _ in gaps])
+
+    def shift(t: float) -> float:  # ms since the step started, the gaps before t cut out
+        return (t - t0 - sum(b - a for a, b, _ in gaps if b <= t)) / 1e3
+
+    rows = {r: merge([(shift(a), shift(b)) for a, b in intersect(iv, traced)]) for r, iv in rows.items()}
+    cuts = [(shift(a), skipped) for a, _, skipped in gaps]
+    return Timeline(int(str(step["name"]).split("#")[1]), measure(traced) / 1e3, rows, cuts)
+
+
+def _paused(events: list[dict], main: Any, t0: float, t1: float) -> list[tuple[float, float, int]]:
+    """(start, end, micro-steps skipped) of each pause in the step (us): from the pause mark, or the end of the
+    last event that began before it and ended before the resume (a kernel or collective still running), to the
+    resume mark. Ranges that span the pause (the step's own, a collective over it) are cut, not counted."""
+    marks = sorted((float(e["ts"]), e) for e in events if e["tid"] == main and t0 <= float(e["ts"]) <= t1
+                   and str(e.get("name", "")).startswith((PAUSE_MARK, RESUME_MARK)))
+    gaps, pause = [], None
+    for ts, e in marks:
+        name = str(e["name"])
+        if name.startswith(PAUSE_MARK):
+            pause = (ts + float(e["dur"]), int(name[len(PAUSE_MARK):] or 0))
+        elif pause is not None:
+            start = max([pause[0]] + [float(x["ts"]) + float(x["dur"]) for x in events
+                                      if float(x["ts"]) < pause[0] and float(x["ts"]) + float(x["dur"]) < ts])
+            gaps.append((min(start, ts), ts, pause[1]))
+            pause = None
+    return gaps
 
 
 def fractions(tl: Timeline) -> dict[str, float]:
@@ -171,9 +204,13 @@ def render(tl: Timeline, title: str, width_px: int = 1200):
                        facecolors=COLORS[row])
     ax.set_yticks(range(len(rows)), list(reversed(rows)), fontsize=13)
     ax.tick_params(axis="x", labelsize=12)
+    for x, skipped in tl.cuts:  # where untraced micro-steps were cut out
+        ax.axvline(x, color="black", linestyle="--", linewidth=1.5)
+        ax.annotate(f"{skipped} micro-steps not traced", (x, len(rows) - 0.6), xytext=(4, 0), textcoords="offset points",
+                    fontsize=11, va="top", bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8})
     ax.set_xlim(0, tl.duration)
     ax.set_ylim(-0.6, len(rows) - 0.4)
-    ax.set_xlabel("ms since the step started", fontsize=12)
+    ax.set_xlabel("ms since the step started" + (" (untraced micro-steps cut out)" if tl.cuts else ""), fontsize=12)
     ax.set_title(f"{title}\n{text}", fontsize=14)
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()

@@ -12,9 +12,11 @@ the trace's event count, which a tiny CPU run hides.
    the events (and bytes) per micro-step and of the rest of the step; times 8 (32 layers for the
    debug model's 4) and 64 micro-steps is the 7B trace, on CPU (a GPU trace adds kernel and
    runtime events).
-2. The profiler: ``build_profiler`` with the trainer's ``TimelineWriter`` as its sink over a step of
-   that many recorded ops (small ``F.linear``s, nested as the model's ops are); the time of the
-   ``profiler.step()`` that ends the traced step is what the training thread blocks for.
+2. The profiler: ``build_profiler`` over a step of 64 micro-steps of that many recorded ops in all
+   (small ``F.linear``s, nested as the model's ops are), once with every micro-step traced and once
+   with the default ``profiling.traced_micro_steps``; the time of the ``profiler.step()`` that ends
+   the traced step is what the training thread blocks for (the sink's own call, which only starts
+   the drawing's process, is timed in 3).
 3. The timeline: the 2-micro-step trace replicated up to that size; the time ``TimelineWriter``'s
    call takes on the calling thread, and until its drawing is written (``close``).
 To measure an older checkout: ``cd /tmp && PYTHONPATH=<checkout> python <this file>`` (outside the repository,
@@ -22,7 +24,9 @@ whose folder would come first on sys.path); the script prints which code it meas
 
 Measured on 2 shared CPU cores (2.78 M events): the step() ending the traced step took 261-300 s with shapes
 recorded and the timeline drawn on the training thread, 20.5 s now (torch's stop 18 s and export 5 s; with
-shapes 46 s and 13 s); the drawing, 27 s and 5.3 GB in its own process.
+shapes 46 s and 13 s); the drawing, 27 s and 5.3 GB in its own process. With 2 of the 64 micro-steps traced
+(``profiling.traced_micro_steps``' default): 0.09 M events, 23 MB, step() 0.46 s where all traced took 27 s in the
+same run (0.74 GB), 1.7% of it.
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Optional
 
 LAYERS_7B, LAYERS_DEBUG, MICRO_7B = 32, 4, 64
 
@@ -83,36 +88,57 @@ def _ops_per_iteration() -> int:
     return max(1, len(prof.events()) // 100)
 
 
-def profiler_cost(events: int, tmp: str) -> None:
+def _traced_step(events: int, tmp: str, traced: Optional[int]) -> tuple[int, float, float, float]:
+    """One step of 64 micro-steps over ``events`` recorded ops, ``traced`` of them traced (0: all; None: an
+    older checkout, which has no such key and traces all): the trace's events and bytes, the seconds
+    recording it and those of the ``step()`` that ends it."""
     import torch
     import torch.nn.functional as F
 
-    from paro_fsdp.train import timeline as T
     from paro_fsdp.train.config_parse import parse_args
     from paro_fsdp.train.metrics import build_profiler
 
-    dump = os.path.join(tmp, "synthetic")
-    cfg, _ = parse_args(["--job.dump_folder", dump, "--profiling.enable_profiling", "--profiling.profile_freq", "2"], 1)
-    writer = T.TimelineWriter(os.path.join(dump, "tb"), 0, "eager", {}, {})
+    dump = os.path.join(tmp, f"synthetic{traced}")
+    argv = ["--job.dump_folder", dump, "--profiling.enable_profiling", "--profiling.profile_freq", "2"]
+    if traced is not None:
+        argv += ["--profiling.traced_micro_steps", str(traced)]
+    cfg, _ = parse_args(argv, 1)
     x, w, b = torch.randn(4, 8), torch.randn(8, 8), torch.randn(8)
-    iters = events // _ops_per_iteration()
-    with build_profiler(cfg, 0, torch.device("cpu"), 0, on_trace=writer) as prof:
+    per_micro = max(1, events // _ops_per_iteration() // MICRO_7B)
+    with build_profiler(cfg, 0, torch.device("cpu"), 0) as prof:
+        micro_step = getattr(prof, "micro_step", lambda micro, n: None)  # an older checkout's profiler has none
         prof.step()  # the warm-up step
         t0 = time.perf_counter()
-        for _ in range(iters):
-            F.linear(x, w, b).relu_()
+        for micro in range(MICRO_7B):
+            micro_step(micro, MICRO_7B)
+            for _ in range(per_micro):
+                F.linear(x, w, b).relu_()
         t1 = time.perf_counter()
-        prof.step()  # ends the traced step: stop, export, prune, the sink
+        prof.step()  # ends the traced step: stop, export, prune
         t2 = time.perf_counter()
-    t_close = time.perf_counter()
-    writer.close()
-    t3 = time.perf_counter()
     (trace,) = glob.glob(os.path.join(dump, "profile_traces", "rank0.*.pt.trace.json"))
     with open(trace) as f:
         n = len(json.load(f)["traceEvents"])
-    print(f"profiler: {n / 1e6:.2f} M events, {os.path.getsize(trace) / 1e9:.2f} GB trace; recording the step "
-          f"{t1 - t0:.1f} s; training thread in the step() that ends it: {t2 - t1:.1f} s; close() then waited "
-          f"{t3 - t_close:.1f} s (drawn steps {writer.written})")
+    size = os.path.getsize(trace)
+    os.remove(trace)
+    return n, size, t1 - t0, t2 - t1
+
+
+def profiler_cost(events: int, tmp: str) -> None:
+    """The step() ending a traced 64-micro-step step, every micro-step traced and then the default bound."""
+    from paro_fsdp.train.config import Profiling
+
+    bound = getattr(Profiling(), "traced_micro_steps", None)
+    rows = {}
+    for traced in (0, bound) if bound else (bound,):
+        n, size, record, stop = rows[traced] = _traced_step(events, tmp, traced)
+        what = "every micro-step" if not traced else f"{traced} of {MICRO_7B} micro-steps"
+        print(f"profiler, {what} traced: {n / 1e6:.2f} M events, {size / 1e9:.3f} GB trace; recording the step "
+              f"{record:.1f} s; training thread in the step() that ends it: {stop:.2f} s")
+    if bound:
+        (n0, b0, _, s0), (n1, b1, _, s1) = rows[0], rows[bound]
+        print(f"profiler, bounded / all: events {n1 / n0:.3f}, bytes {b1 / b0:.3f}, step() {s1 / s0:.3f} "
+              f"({s0:.2f} s -> {s1:.2f} s)")
 
 
 def _replicate(src: str, events: int, out: str) -> int:
