@@ -36,6 +36,9 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from .mesh import Coords, MeshInfo, mesh_device
 from .strategy import Level
 
+#: (a, b, piece): columns a..b of every rank's global shard, piece shaped [m, g, b - a] (a NESTED
+#: buffer is [m, g, sum_g]): how a chunked PaRO-CC all-gather delivers it (``copy_out_nested``)
+NestedPart = tuple[int, int, torch.Tensor]
 
 def placements(level: Level, m: int) -> tuple:
     return {
@@ -364,10 +367,30 @@ class FlatLayout:
         mg, r = t.nest.on(nested, "mg", "r")
         return part[mg, r]
 
-    def copy_out_nested(self, nested: torch.Tensor, t: TensorLayout, dst: torch.Tensor) -> None:
-        """Write tensor ``t`` from a NESTED buffer into ``dst`` (at least m * c rows, padded)."""
-        rows = self.nested_rows(nested, t)
-        dst[: rows.numel()].view_as(rows).copy_(rows)
+    def copy_out_nested(self, nested: torch.Tensor | list[NestedPart], t: TensorLayout, dst: torch.Tensor) -> None:
+        """Write tensor ``t`` from a NESTED buffer, or from its column chunks as a chunked
+        PaRO-CC all-gather delivers them (``NestedPart``), into ``dst`` (at least m * c rows,
+        padded). Uniform: each chunk's share lands in place, one copy; uneven: the tensor's
+        columns are put together first (a tensor-sized buffer, a view when one chunk holds them
+        all), then its rows gathered into ``dst``."""
+        m, g = self.info.m, self.info.g
+        if isinstance(nested, torch.Tensor):
+            nested = [(0, self.sum_g, nested.view(m, g, self.sum_g))]
+        lo, hi = t.off_g, t.off_g + t.size_g
+        mine = [(max(a, lo), min(b, hi), a, piece) for a, b, piece in nested if a < hi and lo < b]
+        if t.uniform:
+            cols = dst[: m * g * t.size_g].view(m, g, t.size_g)
+        elif len(mine) == 1:
+            x, y, a, piece = mine[0]
+            cols, mine = piece[:, :, x - a : y - a], []
+        else:
+            cols = dst.new_empty(m, g, t.size_g)
+        for x, y, a, piece in mine:
+            cols[:, :, x - lo : y - lo].copy_(piece[:, :, x - a : y - a])
+        if not t.uniform:  # one gather of the real rows, straight into dst
+            mg, r = t.nest.on(cols, "mg", "r")
+            torch.ops.aten.index.Tensor_out(cols.view(m * g, t.g_pad, t.row), [mg, r],
+                                            out=dst[: t.d0 * t.row].view(t.d0, t.row))
 
     def copy_in_nested(self, nested: torch.Tensor, t: TensorLayout, src: torch.Tensor) -> None:
         """Write the whole tensor ``src`` into a NESTED buffer (its padding is left as it is)."""

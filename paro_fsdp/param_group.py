@@ -176,11 +176,12 @@ class ParoParamGroup:
 
     # ---- the micro-step's moves, one implementation for the eager hooks and traced.py ---------
     # Buffer order and padding are decided here once: FULL for the intra level, NESTED for the global one.
-    def gather_params(self) -> Pending | HierPending:
+    def gather_params(self, parts: bool = False) -> Pending | HierPending:
         """Issue the all-gather of the P-level shard: FULL (P = I, one intra all-gather) or
-        NESTED (P = G, the global PaRO-CC all-gather, whose inter phase goes first)."""
+        NESTED (P = G, the global PaRO-CC all-gather, whose inter phase goes first; ``parts``:
+        its chunks as they arrived, for ``copy_out``)."""
         if self.strategy.p == Level.G:
-            return self.cc.all_gather(self.p_flat, order="nested", params=True)
+            return self.cc.all_gather(self.p_flat, order="nested", params=True, parts=parts)
         return self.comm.all_gather(self.p_flat, "intra", params=True)
 
     def whole_rows(self, gathered: torch.Tensor, t: TensorLayout) -> torch.Tensor:
@@ -188,6 +189,15 @@ class ParoParamGroup:
         read row-major, its first numel elements are the whole tensor."""
         layout = self.p_layout
         return layout.nested_rows(gathered, t) if self.strategy.p == Level.G else layout.full_rows(gathered, t)
+
+    def copy_out(self, gathered: torch.Tensor | list, t: TensorLayout, dst: torch.Tensor) -> None:
+        """Write tensor ``t`` from ``gather_params(parts=True)``'s result into ``dst`` (its
+        padded whole buffer): one copy, chunk by chunk for a chunked global gather."""
+        if self.strategy.p == Level.G:
+            self.p_layout.copy_out_nested(gathered, t, dst)
+        else:
+            rows = self.p_layout.full_rows(gathered, t)
+            dst[: rows.numel()].view_as(rows).copy_(rows)
 
     def grad_buffer(self, grads: list[torch.Tensor | None], into: torch.Tensor | None = None) -> torch.Tensor:
         """The input of the G-level reduction: the whole-tensor gradients (None: zeros) laid out
@@ -230,20 +240,19 @@ class ParoParamGroup:
         until ``unshard`` waits."""
         if self.state != ShardState.SHARDED:
             return
-        self._pending = self.gather_params()
+        self._pending = self.gather_params(parts=True)
         self.state = ShardState.GATHERING
 
     def unshard(self) -> None:
         if self.state == ShardState.UNSHARDED:
             return
         self.issue_unshard()
-        gathered = self._pending.wait()  # FULL (P=I) or NESTED (P=G)
+        gathered = self._pending.wait()  # FULL (P=I) or NESTED chunks (P=G)
         self._pending = None
         for b, t in zip(self.full_bufs, self.p_layout.tensors):
             b.untyped_storage().resize_(b.numel() * b.element_size())
-            rows = self.whole_rows(gathered, t)
             with torch.autograd._unsafe_preserve_version_counter(b):
-                b[: rows.numel()].view_as(rows).copy_(rows)
+                self.copy_out(gathered, t, b)
         streams = active(self.comm.streams)
         if streams is not None:  # the result's memory is reused only after these copies (streams.py)
             streams.copied_out(gathered)

@@ -177,12 +177,21 @@ class ParoCC:
         return HierPending(finish, _keep=keep)
 
     def all_gather(self, shard: torch.Tensor, *, order: str = "flat", chunks: int | None = None,
-                   params: bool = False) -> HierPending:
+                   params: bool = False, parts: bool = False) -> HierPending:
         """Concatenate every rank's ``shard`` along dim 0 (rank order per ``order``):
-        inter all-gather, then intra all-gather, per chunk. ``params``: see ``MeshComm.all_gather``."""
-        return self._issue("params" if params else "gather", shard, lambda: self._all_gather(shard, order, chunks))
+        inter all-gather, then intra all-gather, per chunk. ``params``: see ``MeshComm.all_gather``.
 
-    def _all_gather(self, shard: torch.Tensor, order: str, chunks: int | None) -> HierPending:
+        ``parts`` (order "nested", a 1-D shard of s elements): the result is the chunks as they
+        arrived, a list of ``(a, b, piece)``, piece the [m, g, b - a] columns a..b of every rank's
+        shard (``layout.NestedPart``), not assembled into one buffer: the consumer copies each
+        straight to where it goes, one copy-out and one buffer of the whole, as FSDP2's
+        ``split_with_sizes_copy`` (assembling first held the pieces, the buffer and the copy)."""
+        if parts and (order != "nested" or shard.dim() != 1):
+            raise ValueError("parts=True needs order='nested' and a 1-D shard")
+        return self._issue("params" if params else "gather", shard,
+                           lambda: self._all_gather(shard, order, chunks, parts))
+
+    def _all_gather(self, shard: torch.Tensor, order: str, chunks: int | None, parts: bool = False) -> HierPending:
         self._check(order)
         g, m = self.info.g, self.info.m
         n = g * m
@@ -190,24 +199,32 @@ class ParoCC:
         x = shard.reshape(-1)
         if not x.is_contiguous():
             x = x.contiguous()
+        s = x.numel()
+
+        def whole(nested: torch.Tensor) -> torch.Tensor | list:  # a NESTED result: the tensor, or its one part
+            return [(0, s, nested.view(m, g, s))] if parts else nested.view(out_shape)
+
         if n == 1:
-            return _done(x.clone().view(out_shape))
+            return _done(whole(x.clone()))
         if g == 1 or m == 1:  # one level only: the global group *is* that level, same rank order
             res = self._ag(x, "intra" if g == 1 else "inter")
-            return HierPending(lambda: _wait(res).view(out_shape))
-        s = x.numel()
+            return HierPending(lambda: whole(_wait(res)))
         if s == 0:
-            return _done(x.new_empty(out_shape))
+            return _done(whole(x.new_empty(out_shape)))
         if self.runs_flat(n * s * x.element_size()):
             res = self._ag(x, "global")  # flat rank order k * m + l
-            return HierPending(lambda: (_wait(res) if order == "flat" else flat_to_nested(_wait(res), g, m)).view(out_shape))
+            if order == "nested":
+                return HierPending(lambda: whole(flat_to_nested(_wait(res), g, m)))
+            return HierPending(lambda: _wait(res).view(out_shape))
         bounds = _bounds(s, self._nchunks(n * s * x.element_size(), s, chunks))
         inter = [self._ag(x[a:b], "inter") for a, b in bounds]  # [k][j] per chunk, all in flight
 
-        def finish() -> torch.Tensor:
+        def finish() -> torch.Tensor | list:
             intra = []
             for part in inter:  # intra phase of chunk c overlaps the inter phase of c + 1 ...
                 intra.append(self._ag(_wait(part), "intra"))
+            if parts:  # intra output [l][k][b - a]: chunk c's columns of the nested layout
+                return [(a, b, _wait(part).view(m, g, b - a)) for (a, b), part in zip(bounds, intra)]
             if len(bounds) == 1 and order == "nested":
                 return _wait(intra[0]).view(out_shape)  # [l][k][s] is the nested layout itself
             out = torch.empty(n * s, dtype=x.dtype, device=x.device)

@@ -47,7 +47,7 @@ class CommStreams:
         self.reduce = torch.cuda.Stream(device, priority=-1)
         self.slack = slack
         self._written = False  # params_written has run: until then "params" waits as "gather" does
-        self._copied: deque[tuple[torch.cuda.Event, torch.Tensor]] = deque()
+        self._copied: deque[tuple[torch.cuda.Event, object]] = deque()  # a result: a tensor or its chunks
 
     def stream(self, kind: str) -> torch.cuda.Stream:
         if kind not in KINDS:
@@ -72,7 +72,7 @@ class CommStreams:
         self._wait_current(self.gather)
         self._written = True
 
-    def copied_out(self, gathered: torch.Tensor) -> None:
+    def copied_out(self, gathered: object) -> None:
         """The consumer has queued its reads of a parameter gather's result on the current
         stream: keep ``gathered`` until the gather stream has waited for them."""
         self._copied.append((torch.cuda.current_stream(self.device).record_event(), gathered))

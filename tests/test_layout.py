@@ -123,6 +123,14 @@ def test_nested_buffers_hold_every_ranks_g_buffer(g, m):
             out = torch.empty(m * t.size_i)
             lay.copy_out_nested(expected, t, out)
             assert torch.equal(out[: x.numel()].view(x.shape), x)
+        # as a chunked all-gather delivers it: column chunks cut anywhere, inside tensors and rows
+        cols = expected.view(m, g, sum_g)
+        for cuts in ([0, sum_g], [0, 1, sum_g], [0, sum_g // 3, sum_g // 2 + 1, sum_g - 1, sum_g]):
+            parts = [(a, b, cols[:, :, a:b].clone()) for a, b in zip(cuts, cuts[1:])]
+            for t, x in zip(lay.tensors, fulls):
+                out = torch.full((m * t.size_i,), float("nan"))
+                lay.copy_out_nested(parts, t, out)
+                assert torch.equal(out[: x.numel()].view(x.shape), x), (cuts, t.name)
     assert lays[0, 0].nested_uniform == all(d0 % n == 0 for d0 in (s[0] for s in shapes))
 
 

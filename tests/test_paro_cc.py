@@ -106,6 +106,10 @@ def suite(payload: dict) -> dict:
             got_flat = call(flat)  # below flat_below_bytes: the flat collective itself, bit for bit
             flat_ok = torch.equal(got_flat, want) and got_flat.shape == want.shape and \
                 set(flat.stats.as_dict()) == {f"{kind}/global"} and flat.stats.count() == 1
+            parts_ok = None
+            if kind == "all_gather" and order == "nested" and x.dim() == 1:  # the chunks, not assembled
+                parts_ok = all(_assembled(c.all_gather(x, order="nested", chunks=ch, parts=True).wait(), x.numel())
+                               .equal(want.view(m, info.g, -1)) for c in (cc, flat))
         except Exception as e:  # noqa: BLE001 - report per case
             out[case] = {"error": f"{type(e).__name__}: {e}"}
             continue
@@ -119,6 +123,7 @@ def suite(payload: dict) -> dict:
             "scale": want.float().abs().max().item() if want.numel() else 0.0,
             "exact": exact,
             "flat_ok": flat_ok,
+            "parts_ok": parts_ok,
         }
     # one-level meshes (1 x n: all intra; n x 1: all inter) reduce to the plain collective
     for m_alt in (n, 1):
@@ -128,6 +133,8 @@ def suite(payload: dict) -> dict:
         y = torch.arange(6.0 * n) * (rank + 1)
         ok &= torch.equal(alt.reduce_scatter(y).wait(), ops.wait_tensor(ops.reduce_scatter_tensor(y, "sum", n, gname)))
         ok &= torch.equal(alt.all_reduce(y[:7]).wait(), ops.wait_tensor(ops.all_reduce(y[:7].clone(), "sum", gname)))
+        nested = flat_to_nested(ops.wait_tensor(ops.all_gather_into_tensor(x, n, gname)), n // m_alt, m_alt)
+        ok &= _assembled(alt.all_gather(x, order="nested", parts=True).wait(), 6).equal(nested.view(m_alt, n // m_alt, 6))
         out[f"one_level_{m_alt}"] = ok
     # ledger: a 4-chunk all-gather of a (1000,) fp32 shard records 4 inter + 4 intra all-gathers
     stats.reset()
@@ -145,6 +152,14 @@ def suite(payload: dict) -> dict:
     out["async_val"] = torch.equal(pend.wait(), torch.full((64,), float(n)))
     out["side_streams"] = _side_stream_checks(info, cc, n)
     return out
+
+
+def _assembled(parts: list, s: int) -> torch.Tensor:
+    """An all-gather's ``parts=True`` result as one [m, g, s] tensor, after checking that its
+    chunks cover columns 0..s in order."""
+    assert [a for a, _, _ in parts] == [0] + [b for _, b, _ in parts[:-1]] and parts[-1][1] == s, [p[:2] for p in parts]
+    assert all(p.shape[2] == b - a for a, b, p in parts)
+    return torch.cat([p for _, _, p in parts], dim=2)
 
 
 class RecordingStreams:
@@ -213,6 +228,7 @@ def _check(results: list[dict], case: tuple) -> None:
         assert "error" not in r, f"rank {rank}: {r.get('error')}"
         assert r["shape_ok"] and r["dtype_ok"], (rank, r)
         assert r["flat_ok"], (rank, r)  # the flat branch is the flat collective, counted once as global
+        assert r["parts_ok"] in (None, True), (rank, r)  # chunks as they arrived: the same columns
         if r["exact"]:
             assert r["equal"], (rank, r)
         else:
@@ -270,3 +286,8 @@ def test_side_streams_issue_every_phase_at_call(request, shape):
             assert s[kind] == {"issued_at_call": True, "waited": 1, "equal": True}, (kind, s[kind])
         assert s["issued"][:3] == ["gather", "reduce", "reduce"]
         assert s["mesh_comm"] == {"kinds": ["gather", "reduce"], "equal": True}
+
+
+def test_nested_all_gather_parts_were_checked(results4):
+    checked = [c for c in CASES if results4[0][c].get("parts_ok") is True]
+    assert len(checked) == sum(c[0] == "all_gather" and c[4] == "nested" and len(c[2]) == 1 for c in CASES) > 0
