@@ -226,6 +226,15 @@ def resume_command(argv: list[str]) -> str:
 
 
 # ---- a configuration error under torchrun ---------------------------------------------------------
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` still runs (an exited child torchrun has not reaped yet is a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:  # gone, or no /proc: nothing to wait for
+        return False
+
+
 def config_error_exit(line: str, rank: int, write_line: Callable[[str], None], wait_s: float = 60.0) -> int:
     """Rank 0 writes ``line`` (also to torchrun's error file and store), waits ``wait_s`` for its node's ranks to ack
     it (they return 0 silently) and returns 2; a rank with another error or no answer writes its own line."""
@@ -241,13 +250,20 @@ def config_error_exit(line: str, rank: int, write_line: Callable[[str], None], w
         deadline = time.monotonic() + wait_s
         while others > 0 and store.add("config_error_acks", 0) < others and time.monotonic() < deadline:
             time.sleep(0.05)
-        time.sleep(0.5)  # the acknowledged ranks have exited 0 (torchrun polls every 0.1 s): rank 0 fails last
+        # rank 0 fails last: after the acknowledged ranks' processes have exited 0 (on a loaded node
+        # that takes longer than torchrun's 0.1 s poll), else torchrun lists them as failures too
+        acked = store.add("config_error_acks", 0)  # each acknowledged rank set its pid first
+        pids = [int(p) for p in store.multi_get([f"config_error_pid{i}" for i in range(others)])] if acked >= others > 0 else []
+        while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)  # torchrun's poll sees their exit first
         return 2
     if store is None:
         return 2
     said = _wait_key(store, "config_error", wait_s)
     if said is not None and said == line:
         if node0:
+            store.set(f"config_error_pid{store.add('config_error_pids', 1) - 1}", str(os.getpid()))
             store.add("config_error_acks", 1)
             return 0
         if os.environ.get("LOCAL_RANK") == "0":

@@ -27,7 +27,9 @@ stream-side, the host never blocks. The stand-in keeps that contract with two in
 per process group:
 
 * at the issue (current stream S: the engine's side stream, ``streams.CommStreams.issue``, which
-  first made S wait for the compute stream; or the compute stream inside a compiled graph):
+  first made S wait for the compute stream -- or, for a micro-step's parameter gather, for the
+  copy-outs of the results it may reuse and the last write of P; or the compute stream inside a
+  compiled graph):
   the *input* stream waits for S, then poisons the output and copies the input to pinned host
   memory (non_blocking). The input is read in stream order after S, so a side stream that did not
   wait for the compute stream reads a stale input -- the check's model stalls the compute stream
