@@ -467,7 +467,9 @@ def compiled_suite(cases: list) -> dict:
                                       chunk_bytes=chunk_bytes, compile=how)
         out[_case_id(case)] = {"losses": losses, "params": full_params(model),
                                "breaks": dict(counters["graph_break"]),
-                               "graphs": len(model.paro_passes_record.records)}
+                               "graphs": len(model.paro_passes_record.records),
+                               "backward_gathers": sum(e.kind == "all_gather" for r in model.paro_passes_record.records
+                                                       if r.phase == "backward" for e in r.before)}
     return out
 
 
@@ -481,6 +483,10 @@ def _check(got: dict, ref: dict, case: tuple) -> None:
     # micro-step's boundary reduction (G=N always needs one)
     if not _g_n_falls_back(strategy, how.get("boundary_in_graph", True)):
         assert (got["graphs"] > 0) == (strategy[:2] != "NN" or how.get("boundary_in_graph", True))
+    if how.get("scope") == "blocks" and strategy[0] != "N":
+        # per block as the trainer compiles (traced.compile_block): the gather is in the block's
+        # graph, so reshard_after_forward holds and its backward graph re-gathers
+        assert got["backward_gathers"] > 0
     for (loss, norm), (ref_loss, ref_norm) in zip(got["losses"], ref["losses"]):
         assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
         assert abs(norm - ref_norm) <= 1e-5 * abs(ref_norm) + 1e-7, (norm, ref_norm)

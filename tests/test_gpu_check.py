@@ -324,6 +324,9 @@ def test_part_d_passes_on_cpu_and_a_planted_missing_wait_fails_it():
     assert by["d.plant.issue-wait"]["status"] == checks.SKIP
     graphs = by["d.compiled"]["data"]["cases"]["GGG+compiled"]["graph_collectives"]
     assert graphs["forward all_gather/intra"] > 0 and graphs["backward reduce_scatter/inter"] > 0
+    # compiled as the trainer compiles (traced.compile_block): the gather is in the block's graph,
+    # so backward re-gathers (reshard_after_forward); block.compile() left it out of the graphs
+    assert graphs.get("backward all_gather/intra", 0) > 0 and graphs.get("backward all_gather/inter", 0) > 0, graphs
 
     planted = Rows()
     ranks.worker_d(planted, "cpu", 300, strategies=["NNN", "IIG", "GGG"], plant="missing-wait", compiled=False)

@@ -402,3 +402,86 @@ def test_unsupported_configs_stop_with_a_clear_error(what):
     with pytest.raises(ValueError, match=what):
         to_paro(cfg)
     to_paro(cfg, enable=False)  # FSDP2 takes it
+
+
+# ---- the per-block compile's graphs (one process, the fake 8-rank world as 2 groups x 4) ----
+
+
+def _gather_counting_backend(gathers: dict, runs: dict):
+    """AOTAutograd's graphs run as they are; counts each phase's all-gathers and graph runs."""
+    import torch
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+
+    gather = torch.ops._c10d_functional.all_gather_into_tensor.default
+
+    def compiler(phase: str):
+        def compile_graph(gm, example_inputs):
+            gathers[phase] = gathers.get(phase, 0) + sum(n.target is gather for n in gm.graph.nodes)
+            boxed = make_boxed_func(gm.forward)
+
+            def run(args):
+                runs[phase] = runs.get(phase, 0) + 1
+                return boxed(args)
+            run._boxed_call = True
+            return run
+        return compile_graph
+
+    return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
+                        partition_fn=min_cut_rematerialization_partition)
+
+
+@pytest.fixture
+def fake_world():
+    from paro_fsdp.train.estimate import ensure_fake_world, release_fake_world
+
+    ensure_fake_world(8)
+    yield
+    release_fake_world()
+
+
+@pytest.mark.parametrize("ac", [None, "full", "selective"], ids=["no_ac", "ac_full", "ac_selective"])
+def test_per_block_compile_keeps_the_engine_hooks_in_the_block_graph(fake_world, ac):
+    """``parallelize_paro`` through torchtitan's ``apply_compile`` on a one-block debug Llama 3,
+    GGG: the block's gather is in its compiled graph, so each step runs one forward and one
+    backward graph and the backward graph re-gathers (``reshard_after_forward``). Without AC,
+    torchtitan's ``block.compile()`` left the engine's pre-forward hook out: a graph of its own
+    (two forward graphs a step) whose gathered whole tensors the block's graph saved for
+    backward (no all-gather in backward). AC-wrapped blocks were already right (the hooks are
+    on the wrapped module, which dynamo inlines): checked here too."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    import titan_shims  # noqa: F401
+    import torch
+    from titan_shims import sdpa_model_spec
+    from torchtitan.config import CompileConfig
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    from paro_fsdp.integrations.torchtitan import ParoConfig, parallelize_paro
+
+    torch._dynamo.reset()  # before paro_shard: a reset drops the compile-start callback that makes its sinks
+    spec = sdpa_model_spec()
+    spec.model.layers = spec.model.layers[:1]
+    with torch.device("meta"):
+        model = spec.model.build()
+    gathers: dict = {}
+    runs: dict = {}
+    cc = CompileConfig(enable=True, components=["model"])
+    cc.backend = _gather_counting_backend(gathers, runs)  # torchtitan hands a non-flex model's backend on as is
+    ac_config = {None: None, "full": FullAC.Config(), "selective": SelectiveAC.Config()}[ac]
+    training = SimpleNamespace(mixed_precision_param="float32", mixed_precision_reduce="float32")
+    # torchtitan's apply_compile sets dynamo options for the process, its AC the LRU cache: undone after
+    with torch._dynamo.config.patch(capture_scalar_outputs=False, skip_fwd_side_effects_in_bwd_under_checkpoint=False), \
+            mock.patch("torchtitan.distributed.activation_checkpoint._disable_dynamo_lru_cache"):
+        model = parallelize_paro(model, parallel_dims=SimpleNamespace(tp_enabled=False), training=training,
+                                 parallelism=SimpleNamespace(), compile_config=cc, ac_config=ac_config,
+                                 dump_folder="", paro=ParoConfig(strategy="GGG", group_size=4))
+        model.to_empty(device="cpu")
+        model.init_weights(buffer_device=torch.device("cpu"))
+        tokens = torch.randint(0, 2048, (2, 16))
+        model(tokens).sum().backward()  # compiles
+        runs.clear()
+        model(tokens).sum().backward()
+    assert runs == {"forward": 1, "backward": 1}
+    assert gathers["backward"] == gathers["forward"] == 2  # intra and inter, re-gathered

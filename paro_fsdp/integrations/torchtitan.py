@@ -4,14 +4,15 @@
         --config llama3_8b_paro --paro.strategy IIG --paro.group_size 8
 
 torchtitan keeps its model, data, loss, LR schedule, metrics, checkpointer and loop. What
-changes: ``parallelize_paro`` (its AC and per-block compile, then ``paro_shard`` on the blocks
-unwrapped from the AC wrapper, so recomputation re-gathers; gradients summed, as its loss is
-already divided by the global token count); parameters drawn inside ``paro_shard`` by its own
-per-parameter initialisers, seeded by name; ``ParoOptimizersContainer`` (clips at ``step()``,
-its ``clip_grad_norm_`` sees no ``.grad``; a flat DTensor state dict that interchanges with
-FSDP2, plus each fp32 master so a bf16 resume does not drift); ``ParoTrainer`` (marks the last
-micro-batch, computes the chunked loss unchunked, reads checkpoints through ``safe_load``:
-torchtitan's ``dcp.load`` would unpickle a crafted folder on every rank).
+changes: ``parallelize_paro`` (its AC and per-block compile, with the engine's hooks inside each
+block's graph, then ``paro_shard`` on the blocks unwrapped from the AC wrapper, so recomputation
+re-gathers; gradients summed, as its loss is already divided by the global token count);
+parameters drawn inside ``paro_shard`` by its own per-parameter initialisers, seeded by name;
+``ParoOptimizersContainer`` (clips at ``step()``, its ``clip_grad_norm_`` sees no ``.grad``; a
+flat DTensor state dict that interchanges with FSDP2, plus each fp32 master so a bf16 resume
+does not drift); ``ParoTrainer`` (marks the last micro-batch, computes the chunked loss
+unchunked, reads checkpoints through ``safe_load``: torchtitan's ``dcp.load`` would unpickle a
+crafted folder on every rank).
 
 Not supported (a clear error at start-up): tensor, pipeline, context and expert parallelism,
 HSDP replicate degrees (PaRO's group size replaces them), and regex optimizer param groups.
@@ -20,9 +21,10 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -122,6 +124,27 @@ def _unwrap(block: nn.Module) -> nn.Module:
     return getattr(block, "_checkpoint_wrapped_module", block)
 
 
+@contextmanager
+def _compile_with_hooks(blocks: list[nn.Module]) -> Iterator[None]:
+    """While torchtitan's ``apply_compile`` runs, a block not wrapped for activation checkpointing
+    compiles through ``traced.compile_block`` (with torchtitan's backend and ``fullgraph``).
+    Why: ``block.compile()`` compiles ``_call_impl``, a frame dynamo skips, so the engine's hooks
+    on that block (``paro_shard`` registers them later) became a graph of their own, whose
+    outputs, the gathered whole tensors, the block's graph saved for backward
+    (``reshard_after_forward`` lost, no re-gather in backward). A wrapped block is left as it
+    is: its hooks are on the module inside, which dynamo inlines from the wrapper's forward."""
+    from paro_fsdp.traced import compile_block
+
+    redirected = [b for b in blocks if _unwrap(b) is b]
+    for block in redirected:  # an instance attribute: torchtitan calls transformer_block.compile(...)
+        block.compile = partial(compile_block, block)
+    try:
+        yield
+    finally:
+        for block in redirected:
+            block.__dict__.pop("compile", None)
+
+
 def parallelize_paro(model: nn.Module, *, parallel_dims: Any, training: Any, parallelism: Any,
                      compile_config: Any, ac_config: Any, dump_folder: str, paro: ParoConfig) -> nn.Module:
     """torchtitan's ``parallelize_fn`` contract (``ModelSpec.parallelize_fn``) with PaRO in
@@ -132,7 +155,8 @@ def parallelize_paro(model: nn.Module, *, parallel_dims: Any, training: Any, par
     if ac_config is not None:
         ac_config.build(dump_folder=dump_folder).apply(model)
     if compile_config.enable and "model" in compile_config.components:
-        apply_compile(model, compile_config=compile_config, parallel_dims=parallel_dims)
+        with _compile_with_hooks(list(model.get_submodule("layers").values())):
+            apply_compile(model, compile_config=compile_config, parallel_dims=parallel_dims)
     mesh = init_paro_mesh(paro.group_size)
     mp = MixedPrecision(param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
                         reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],

@@ -69,7 +69,7 @@ def compile_model(model, how: dict, opt: ParoOptimizer | None = None):
     passes on AOTAutograd's graphs without inductor codegen (passes.aot_backend). ``opt``: its
     push to the P level is compiled with the same backend."""
     import passes
-    from paro_fsdp.traced import isolate_compile_cache
+    from paro_fsdp.traced import compile_block, isolate_compile_cache
 
     isolate_compile_cache(dist.get_rank())
     record = passes.ParoPasses(how.get("passes", passes.ORDER), passes.PassOptions(**how.get("options", {})),
@@ -83,9 +83,9 @@ def compile_model(model, how: dict, opt: ParoOptimizer | None = None):
         backend = "inductor"
     if opt is not None:
         opt.compile(backend=backend)
-    if how.get("scope", "model") == "blocks":
+    if how.get("scope", "model") == "blocks":  # the trainer's way: the engine's hooks in each block's graph
         for block in model.layers:
-            block.compile(backend=backend, fullgraph=True)
+            compile_block(block, backend=backend, fullgraph=True)
         return model, record
     return torch.compile(model, backend=backend), record
 

@@ -13,8 +13,9 @@ first (compiling) step and the second step, seconds, the slowest rank; the graph
 and its recompilations; inductor's FX-graph cache hits and misses (the warm run must hit).
 
 Variants: ``paro-model`` (the whole model compiled, the graph passes on: the trainer's
-``compile.scope = "model"``), ``paro-blocks`` (each transformer block on its own, as torchtitan
-does: identical blocks make identical graphs, so all but the first hit the cache), ``fsdp2``
+``compile.scope = "model"``), ``paro-blocks`` (each transformer block on its own, as the
+trainer's ``apply_compile`` does with ``traced.compile_block``: identical blocks make identical
+graphs, so all but the first hit the cache), ``fsdp2``
 (``fully_shard`` per block and the root, each block compiled, ZeRO-3 over the 4 ranks).
 """
 from __future__ import annotations
@@ -77,9 +78,11 @@ def _build(cfg: Config, variant: str):
     passes.install(passes.ORDER, meshes=[model.paro_mesh_groups()])
     if variant == "paro-model":
         model.compile()
-    else:
+    else:  # as apply_compile: compile_block keeps the engine's hooks in each block's graph
+        from paro_fsdp.traced import compile_block
+
         for layer in model.layers:
-            layer.compile(fullgraph=True)
+            compile_block(layer, fullgraph=True)
     if cfg.push_graph:
         opt.compile()
     model.set_is_last_backward(True)  # A = 1: every micro-step is the last one

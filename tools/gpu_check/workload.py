@@ -134,7 +134,7 @@ def compile_first_block(model: torch.nn.Module, device: str) -> Any:
     import torch.distributed as dist
 
     import passes
-    from paro_fsdp.traced import isolate_compile_cache
+    from paro_fsdp.traced import compile_block, isolate_compile_cache
 
     isolate_compile_cache(dist.get_rank())
     torch._inductor.config.force_disable_caches = True  # a cache hit would skip the passes (and the record)
@@ -145,7 +145,7 @@ def compile_first_block(model: torch.nn.Module, device: str) -> Any:
     else:
         record = passes.ParoPasses(passes.ORDER, meshes=[model.paro_mesh_groups()])
         backend = passes.aot_backend(record)
-    model.layers[0].compile(backend=backend, fullgraph=True)
+    compile_block(model.layers[0], backend=backend, fullgraph=True)  # the engine's hooks in the block's graph
     return record
 
 
