@@ -16,11 +16,10 @@ from unittest import mock
 
 import pytest
 import torch
-from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
-from torch._dynamo.backends.common import aot_autograd
 
 import passes
 from dist_harness import run_world
+from graph_runs import counting_backend
 from paro_fsdp import ParoOptimizer, init_paro_mesh, paro_shard
 from paro_fsdp.models.llama import LlamaArgs
 from paro_fsdp.train.config import JobConfig
@@ -39,23 +38,13 @@ def mesh():
     release_fake_world()
 
 
-def counting_backend(record: passes.ParoPasses, runs: Counter):
+def recording_backend(record: passes.ParoPasses, runs: Counter):
     """``passes.aot_backend(record)`` that also counts how often each phase's graphs run."""
-    def compiler(phase: str):
-        def compile_graph(gm, example_inputs):
-            record(gm.graph)
-            gm.recompile()
-            boxed = make_boxed_func(gm.forward)
+    def on_graph(phase, gm) -> None:
+        record(gm.graph)
+        gm.recompile()
 
-            def run(args):
-                runs[phase] += 1
-                return boxed(args)
-            run._boxed_call = True
-            return run
-        return compile_graph
-
-    return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
-                        partition_fn=min_cut_rematerialization_partition)
+    return counting_backend(runs, on_graph)
 
 
 def _ring(stats: dict) -> dict[str, float]:
@@ -99,7 +88,7 @@ def per_block(mesh, strategy: str, reshard: bool = True, ac: bool = False) -> di
         cfg.activation_checkpoint.mode = "full"
     model = paro_shard(model, mesh, strategy, reshard_after_forward=reshard)
     record, runs = passes.ParoPasses([], meshes=[model.paro_mesh_groups()]), Counter()
-    cfg.compile.backend = counting_backend(record, runs)
+    cfg.compile.backend = recording_backend(record, runs)
     # apply_compile sets a dynamo option and a cache folder for the process: both undone after
     with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=False), \
             mock.patch.dict(os.environ):

@@ -410,25 +410,14 @@ def test_unsupported_configs_stop_with_a_clear_error(what):
 def _gather_counting_backend(gathers: dict, runs: dict):
     """AOTAutograd's graphs run as they are; counts each phase's all-gathers and graph runs."""
     import torch
-    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
-    from torch._dynamo.backends.common import aot_autograd
+    from graph_runs import counting_backend
 
     gather = torch.ops._c10d_functional.all_gather_into_tensor.default
 
-    def compiler(phase: str):
-        def compile_graph(gm, example_inputs):
-            gathers[phase] = gathers.get(phase, 0) + sum(n.target is gather for n in gm.graph.nodes)
-            boxed = make_boxed_func(gm.forward)
+    def on_graph(phase, gm) -> None:
+        gathers[phase] = gathers.get(phase, 0) + sum(n.target is gather for n in gm.graph.nodes)
 
-            def run(args):
-                runs[phase] = runs.get(phase, 0) + 1
-                return boxed(args)
-            run._boxed_call = True
-            return run
-        return compile_graph
-
-    return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
-                        partition_fn=min_cut_rematerialization_partition)
+    return counting_backend(runs, on_graph)
 
 
 @pytest.fixture
