@@ -404,6 +404,7 @@ def inductor_step(mesh, names, estimate=None, args=TINY):
     return record
 
 
+@pytest.mark.slow  # 61 s of inductor codegen on 2 cores: make test-all
 def test_passes_run_inside_inductor_and_their_order_survives_it(mesh):
     """The real thing once: inductor calls the installed passes on its post-grad graphs (caches
     off, since a cache hit would skip them), and the order the reorder pass chose is the order
@@ -438,7 +439,7 @@ NIGHTLY = [(s, 2, {"passes": ALL}, "tiny") for s in ALL_STRATEGIES] + [
     ("IIG", 2, {"passes": ALL, "ac": True}, "tiny"),  # activation checkpointing under compile
     ("TWO_GROUPS", 2, {"passes": ALL}, "tiny"),  # two groups per block, bucketed
     ("GGG", 1, {"passes": ALL, "cc_chunk_bytes": 512}, "odd"),  # uneven, PaRO-CC chunked
-    ("GGG", 1, {"passes": ALL, "backend": "inductor"}, "tiny"),  # inductor's codegen (make test: test_passes_run_inside_inductor)
+    ("GGG", 1, {"passes": ALL, "backend": "inductor"}, "tiny"),  # inductor's codegen (also test_passes_run_inside_inductor, make test-all)
     # three blocks: reorder defers the first block's intra reduce-scatter wait past the next
     # block's backward (every micro-step for GGG, the boundary's for IIG)
     ("GGG", 2, {"passes": ALL}, "three"), ("IIG", 2, {"passes": ALL}, "three")]

@@ -41,6 +41,7 @@ def stress(payload: dict) -> int:
     return checks
 
 
+@pytest.mark.slow  # 17 s: make test-all
 def test_concurrent_collectives_on_both_dimensions():
     results = run_world(4, "test_gloo_concurrency:stress", {"safe": True, "iters": ITERS})
     assert results == [ITERS * 4 * 6] * 4

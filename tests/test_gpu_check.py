@@ -303,6 +303,7 @@ class Rows(list):
         return {r["id"]: r for r in self}
 
 
+@pytest.mark.slow  # 35 s: make test-all
 def test_part_d_passes_on_cpu_and_a_planted_missing_wait_fails_it():
     """Every strategy, the planted self-test and the compiled block pass; the same part with a
     missing wait planted in every run fails every exactness row, with NaN in the results."""

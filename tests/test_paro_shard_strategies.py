@@ -284,16 +284,19 @@ def test_global_collectives_through_paro_cc_chunks_and_uneven_shards(world_resul
 IDS_8 = [f"{8 // m}x{m}-{s}-A{a}" for s, m, a in CASES_8]
 
 
+@pytest.mark.slow  # the 8-rank world (2x4): make test-all; 2x2 runs all 27 here
 @pytest.mark.parametrize("strategy,group,accum", CASES_8, ids=IDS_8)
 def test_matches_reference_on_8_ranks(results_8, refs_8, strategy, group, accum):
     check_against_reference(results_8["train"][(strategy, group, accum)], refs_8[accum])
 
 
+@pytest.mark.slow  # the 8-rank world (2x4): make test-all; 2x2 runs all 27 here
 @pytest.mark.parametrize("strategy,group,accum", CASES_8, ids=IDS_8)
 def test_bytes_per_step_follow_the_ledger_on_8_ranks(results_8, strategy, group, accum):
     check_ledger(results_8["train"][(strategy, group, accum)], strategy, 8, group, accum)
 
 
+@pytest.mark.slow  # the 8-rank world (2x4): make test-all; 2x2 runs all 27 here
 @pytest.mark.parametrize("strategy,group,accum", PROFILED, ids=[s for s, _, _ in PROFILED])
 def test_profiler_sees_the_counted_collectives(results_8, strategy, group, accum):
     got = results_8["profile"][(strategy, group, accum)]
