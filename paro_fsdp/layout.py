@@ -40,6 +40,7 @@ from .strategy import Level
 #: buffer is [m, g, sum_g]): how a chunked PaRO-CC all-gather delivers it (``copy_out_nested``)
 NestedPart = tuple[int, int, torch.Tensor]
 
+
 def placements(level: Level, m: int) -> tuple:
     return {
         Level.N: (Replicate(), Replicate()),
