@@ -1,8 +1,10 @@
-"""paro-fsdp: PaRO (Partial Redundancy Optimizer) data parallelism on DTensor."""
-from .api import ParoModule, paro_shard
+"""paro-fsdp: PaRO (Partial Redundancy Optimizer) data parallelism on DTensor, with FSDP2's contract."""
+from .api import paro_shard
 from .collectives import CommStats
+from .fully_shard import fully_shard
 from .mesh import init_paro_mesh
 from .mixed_precision import MixedPrecision
+from .module import ParoModule
 from .optim import ParoOptimizer
 from .strategy import ALL_STRATEGIES, Level, Strategy
 
@@ -14,6 +16,7 @@ __all__ = [
     "ParoModule",
     "ParoOptimizer",
     "Strategy",
+    "fully_shard",
     "init_paro_mesh",
     "paro_shard",
 ]

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Generator
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from .comm import Pending
 from .paro_cc import HierPending
@@ -48,8 +49,8 @@ def drive(sequences: list[Steps]) -> None:
 
 
 def finalize_grads(group: ParoParamGroup) -> Steps:
-    """The accumulated gradient, reduced over all ranks at the OS level, to the fp32 masters."""
-    if group.grads_ready or not group.trainable:
+    """The accumulated gradient, reduced over all ranks at the OS level, into the parameters' ``.grad``."""
+    if not group.trainable or not group.has_grads:
         return
     acc = group.grad_acc.sum()
     out: list[torch.Tensor] = []
@@ -95,20 +96,28 @@ def reduce_to_os(group: ParoParamGroup, acc: torch.Tensor, out: list[torch.Tenso
 
 
 def set_master_grads(group: ParoParamGroup, reduced: torch.Tensor) -> None:
-    """``reduced`` (from ``reduce_to_os``) / n (or / ``grad_divide_factor``) becomes the
-    fp32 masters' ``.grad``."""
+    """``reduced`` (from ``reduce_to_os``) / n (or / ``grad_divide_factor``) into the parameters'
+    ``.grad`` (fp32 DTensors at the OS level), added to what an earlier reducing backward left
+    there, as FSDP2 accumulates its sharded gradients; the accumulator starts again from zero."""
     layout, OS, dt = group.t_layout, group.strategy.os, group.mp.grad_dtype
     scale = 1.0 / (group.info.n if group.grad_divide_factor is None else group.grad_divide_factor)
     if OS == Level.N:
+        grads = []
         for master, t in zip(group.master, layout.tensors):
             tmp = torch.empty(group.info.m * t.size_i, dtype=dt, device=group.device)
             layout.copy_out(reduced, t, tmp)
-            master.grad = tmp[: master.numel()].view(master.shape).to(torch.float32) * scale
+            grads.append(tmp[: master.numel()].view(master.shape).to(torch.float32) * scale)
     else:
-        grads = reduced.to(torch.float32) * scale  # one fp32 buffer per group; grads are views
-        for master, t in zip(group.master, layout.tensors):
-            master.grad = layout.local_view(grads, t, OS)
-    group.grads_ready = True
+        flat = reduced.to(torch.float32) * scale  # one fp32 buffer per group; grads are views
+        grads = [layout.local_view(flat, t, OS) for t in layout.tensors]
+    for param, grad in zip(group.sharded_params, grads):
+        if param.grad is None:
+            param.grad = DTensor.from_local(grad, param.device_mesh, param.placements, run_check=False,
+                                            shape=param.shape, stride=param.stride())
+        else:
+            param.grad._local_tensor.add_(grad)
+    group.grad_acc.zero()
+    group.has_grads = False
 
 
 def gather_up(group: ParoParamGroup, flat: torch.Tensor, level: Level, target: Level, out: list[torch.Tensor]) -> Steps:
@@ -131,9 +140,9 @@ def gather_up(group: ParoParamGroup, flat: torch.Tensor, level: Level, target: L
 
 
 def push_params(group: ParoParamGroup) -> Steps:
-    """After the optimizer step: the updated master to the P level in param dtype (under
-    ``torch.no_grad()``)."""
-    if not group.trainable:
+    """After the parameters changed (an optimizer step, a load): the fp32 masters to the P level in
+    param dtype (under ``torch.no_grad()``); nothing where P is the master (``shares_p``)."""
+    if not group.trainable or group.shares_p:
         return
     layout, P, OS, dt = group.t_layout, group.strategy.p, group.strategy.os, group.mp.param_dtype
     n_t = len(group.trainable)

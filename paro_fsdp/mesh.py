@@ -141,13 +141,33 @@ class MeshInfo(MeshGroups):
 
     @classmethod
     def from_mesh(cls, mesh: DeviceMesh) -> "MeshInfo":
-        if mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ()) != MESH_DIMS:
-            raise ValueError(
-                f"paro_shard needs a 2D DeviceMesh named {MESH_DIMS} (use init_paro_mesh(group_size)), "
-                f"got dims {mesh.mesh_dim_names} of shape {tuple(mesh.shape)}"
-            )
+        """Any 2D mesh, dimension 0 across groups and 1 inside a group, whatever its names (the
+        HSDP convention ``("replicate", "shard")`` is the same order); a 1D mesh is one group."""
+        mesh = as_2d(mesh)
+        dims = tuple(mesh.mesh_dim_names)
         with unset_fake_temporarily():  # DeviceMesh builds rank tensors: keep them real under FakeTensorMode
             k, l = mesh.get_coordinate()
-            names = {dim: mesh.get_group(dim).group_name for dim in MESH_DIMS}
-            names["global"] = mesh[MESH_DIMS]._flatten().get_group().group_name
+            names = {dim: mesh.get_group(i).group_name for i, dim in enumerate(MESH_DIMS)}
+            names["global"] = mesh[dims]._flatten().get_group().group_name
         return cls(mesh.size(0), mesh.size(1), names, k, l, mesh)
+
+
+_AS_2D: dict[int, tuple[DeviceMesh, DeviceMesh]] = {}
+
+
+def as_2d(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh PaRO shards on: a named 2D mesh as given; an unnamed 2D mesh named ``("inter",
+    "intra")``; a 1D mesh as ``(1, n)``, one group (built once per mesh: new process groups)."""
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch DeviceMesh (init_device_mesh or init_paro_mesh), got {type(mesh).__name__}")
+    if mesh.ndim == 2 and mesh.mesh_dim_names is not None:
+        return mesh
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"PaRO shards on a 1D or 2D DeviceMesh (dim 0 across groups, dim 1 inside a group), got "
+                         f"{mesh.ndim} dims {mesh.mesh_dim_names}: pass the data-parallel part, e.g. mesh['dp_replicate', 'dp_shard']")
+    cached = _AS_2D.get(id(mesh))
+    if cached is None or cached[0] is not mesh:
+        with unset_fake_temporarily():
+            ranks = mesh.mesh.reshape(1, -1) if mesh.ndim == 1 else mesh.mesh
+            cached = _AS_2D[id(mesh)] = (mesh, DeviceMesh(mesh.device_type, ranks, mesh_dim_names=MESH_DIMS))
+    return cached[1]

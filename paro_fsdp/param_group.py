@@ -133,8 +133,13 @@ class ParoParamGroup:
                 self.p_locals = [self.p_layout.local_view(self.p_flat, t, P) for t in layouts]
                 for local, t, o in zip(self.p_locals, layouts, originals):
                     local.copy_(t.local_slice(o, P, info.k))
-            # fp32 master at the OS level
-            if OS == Level.N:
+            # fp32 master at the OS level: the module's parameters, which the user's optimizer updates.
+            # Where P is the same level and dtype (fp32 P = OS) the P storage is the master: one copy.
+            self.shares_p = P == OS and mp.param_dtype == torch.float32 and len(self.trainable) == len(self.refs)
+            if self.shares_p:
+                self.master_flat = self.p_flat
+                self.master = list(self.p_locals)
+            elif OS == Level.N:
                 self.master_flat = None
                 self.master = [o.to(device=device, dtype=torch.float32, copy=True) for o in originals[: len(self.trainable)]]
             else:
@@ -142,17 +147,20 @@ class ParoParamGroup:
                 self.master = [self.t_layout.local_view(self.master_flat, t, OS) for t in self.t_layout.tensors]
                 for local, t, o in zip(self.master, self.t_layout.tensors, originals):
                     local.copy_(t.local_slice(o, OS, info.k))
-        self.master = [nn.Parameter(m_, requires_grad=True) for m_ in self.master]
 
+        # the module's parameters: trainable ones are the fp32 masters at the OS level (FSDP2's
+        # sharded parameters), frozen ones their only copy, at the P level
         self.sharded_params = []
-        for ref, local, t in zip(self.refs, self.p_locals, layouts):
-            dt = DTensor.from_local(local, info.mesh, placements(P, info.m), run_check=False, shape=t.shape, stride=ref.stride)
+        for i, (ref, t) in enumerate(zip(self.refs, layouts)):
+            local, level = (self.master[i], OS) if i < len(self.trainable) else (self.p_locals[i], P)
+            dt = DTensor.from_local(local, info.mesh, placements(level, info.m), run_check=False, shape=t.shape, stride=ref.stride)
             new = nn.Parameter(dt, requires_grad=ref.requires_grad)
             for module, attr in ref.owners:
                 module._parameters[attr] = new
             self.sharded_params.append(new)
             ref.source = None
         del originals
+        self.pushed_version = self.params_version()
 
         # whole tensors while unsharded: views of the P storage (P = N) or of padded buffers
         if P == Level.N:
@@ -167,12 +175,26 @@ class ParoParamGroup:
         self._pending: Pending | HierPending | None = None
         self.grad_acc = GradAccumulator(self.t_layout.numel(strategy.g), mp.acc_dtype, device)
         self._pending_rs: Pending | HierPending | None = None
-        self.grads_ready = False  # reduced to the OS level and handed to the master params
-        self.has_grads = False  # at least one backward reached this group since the last step
-        self.last_backward = False  # compiled blocks: the next backward also reduces to the OS level
+        self.has_grads = False  # the accumulator holds gradients not yet reduced to the OS level
+        # a backward reduces to the OS level (the parameters' .grad) when both are set: FSDP2's
+        # set_requires_gradient_sync and set_is_last_backward, True by default (as FSDP2 reduces)
+        self.requires_sync = True
+        self.is_last = True
+        self.reshard_after_backward = True
         self.sink: torch.Tensor | None = None  # gradient leaves of the traced path (traced.py)
         self.os_sink: torch.Tensor | None = None
         self.grad_divide_factor: float | None = None  # None: the world size (set_gradient_divide_factor)
+
+    @property
+    def last_backward(self) -> bool:
+        """Whether the next backward reduces the gradients to the OS level (the step boundary)."""
+        return self.requires_sync and self.is_last
+
+    def params_version(self) -> int:
+        """Grows with every in-place write of a trainable parameter (an optimizer step, a load):
+        the DTensor's own counter (ops on the DTensor) plus its local tensor's (writes into
+        ``to_local()``, as DCP's load)."""
+        return sum(p._version + p._local_tensor._version for p in self.sharded_params[: len(self.trainable)])
 
     # ---- the micro-step's moves, one implementation for the eager hooks and traced.py ---------
     # Buffer order and padding are decided here once: FULL for the intra level, NESTED for the global one.
@@ -293,38 +315,10 @@ class ParoParamGroup:
         self._pending_rs = None
         self.grad_acc.add(shard)  # reduce dtype on the wire, summed in the accumulate dtype
 
-    @torch.no_grad()
-    def reload_master(self, fqns: set[str], full: dict[str, torch.Tensor]) -> None:
-        """After a model-only ``load_state_dict``, the fp32 masters of ``fqns`` take the loaded
-        values (else the next step would push the old masters back). ``full``: whole values where
-        the caller had them (exact masters); the others are gathered from P."""
-        todo = [(i, r) for i, r in enumerate(self.trainable) if r.fqn in fqns]
-        if not todo:
-            return
-        gather = self.strategy.p != Level.N and any(r.fqn not in full for _, r in todo)
-        was = self.state
-        if gather:
-            self.reshard()  # whole tensors gathered before the load would be stale
-            self.unshard()
-        for i, ref in todo:
-            t, master = self.t_layout.tensors[i], self.master[i]
-            if ref.fqn in full:
-                whole = full[ref.fqn].detach().to(device=self.device, dtype=torch.float32)
-                master.copy_(t.local_slice(whole, self.strategy.os, self.info.k))
-                continue
-            loaded = t.local_slice(self.full_params[i].detach(), self.strategy.os, self.info.k)
-            # a master that already rounds to the loaded P value stays: a resume that loaded the
-            # optimizer's masters first (torchtitan's order) stays exact in a bf16 run
-            same = master.detach().to(loaded.dtype) == loaded
-            master.copy_(torch.where(same, master.detach(), loaded.to(torch.float32)))
-        if gather and was == ShardState.SHARDED:
-            self.reshard()
-
     def zero_grad(self) -> None:
+        """Drop the gradients not yet reduced to the OS level (the parameters' ``.grad`` are the
+        user's optimizer's to clear)."""
         self.grad_acc.zero()
-        for master in self.master:
-            master.grad = None
-        self.grads_ready = False
         self.has_grads = False
 
     # ---- accounting ------------------------------------------------------------------------
@@ -346,9 +340,11 @@ class ParoParamGroup:
         g_numel = layout.numel(S.g) if self.trainable else 0
         g_bytes = g_numel * size(self.mp.acc_dtype)
         os_numel = self.master_flat.numel() if self.master_flat is not None else sum(m_.numel() for m_ in self.master)
-        os_bytes = os_numel * 4
-        for m_ in self.master:
-            for v in (optimizer_states or {}).get(m_, {}).values():
+        os_bytes = 0 if self.shares_p else os_numel * 4  # shared: counted in P
+        for param in self.sharded_params[: len(self.trainable)]:
+            for v in (optimizer_states or {}).get(param, {}).values():
+                if isinstance(v, DTensor):
+                    v = v.to_local()
                 if torch.is_tensor(v) and v.dim() > 0:
                     os_bytes += v.numel() * v.element_size()
         boundary_grads = boundary_params = 0

@@ -15,19 +15,21 @@ block's pre-forward, and a prefetch of it, wait for its groups' pushes first.
 """
 from __future__ import annotations
 
+import weakref
 from functools import partial
 from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.autograd import Variable
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_map
 
 from .comm import MeshComm
 from .hooks import Unshard, register_post_backward, register_pre_backward
-from .boundary import finalize_grads
+from .boundary import drive, finalize_grads, push_params
 from .mesh import MeshInfo
-from .overlap import InFlight, boundary_bytes, has_boundary_traffic
+from .overlap import InFlight, boundary_bytes, forward_dims, has_boundary_traffic, push_bytes, push_dims
 from .param_group import ParoParamGroup
 from .paro_cc import ParoCC
 from .streams import active
@@ -42,13 +44,22 @@ class ParoBlock:
         self.is_root = False
         self.cast_inputs: torch.dtype | None = None  # root only: floating inputs cast to this (MixedPrecision)
         self.traced = False  # set once torch.compile has traced this block: no eager prefetch into it
+        # FSDP2's set_modules_to_forward_prefetch / _backward_prefetch: the blocks gathered ahead of
+        # this one's compute (None: the next one in the recorded order)
+        self.forward_prefetch: list[ParoBlock] | None = None
+        self.backward_prefetch: list[ParoBlock] | None = None
 
     def gather(self, prefetch_next: bool = True, backward: bool = False) -> None:
         for g in self.groups:
             g.unshard()
         if prefetch_next:
-            nxt = self.model_state.next_block(self, backward)
-            if nxt is not None and not nxt.traced:
+            explicit = self.backward_prefetch if backward else self.forward_prefetch
+            if explicit is None:
+                nxt = self.model_state.next_block(self, backward)
+                explicit = [nxt] if nxt is not None else []
+            for nxt in explicit:
+                if nxt.traced:
+                    continue
                 for g in nxt.groups:
                     if g.p_flat is not None:
                         self.model_state.land_push(g)
@@ -73,6 +84,8 @@ class ParoBlock:
                 self._swap(g, traced_unshard(g))
             return args, kwargs
         state = self.model_state
+        if self.is_root and not _in_backward():
+            state.refresh_params()
         for g in self.groups:
             state.land_push(g)
         if _in_backward():
@@ -115,8 +128,11 @@ class ParoBlock:
         self.gather(backward=True)
 
     def release(self, group: ParoParamGroup) -> None:
+        """After the group's backward: the parameters back, the whole tensors freed (kept under
+        ``set_reshard_after_backward(False)``, for the next forward)."""
         self._swap(group, group.sharded_params)
-        group.reshard()
+        if group.reshard_after_backward:
+            group.reshard()
 
     def post_backward_frozen(self) -> None:
         for g in self.groups:
@@ -166,9 +182,6 @@ class ParoState:
 
     def begin_backward(self) -> None:
         self.pushes.finish()  # groups the forward did not reach
-        if len(self.boundary) or any(g.grads_ready and g.last_backward for g in self.groups):
-            raise RuntimeError("a backward after the last micro-step's (set_is_last_backward(True)) and before "
-                               "optimizer.step() and zero_grad(): call set_is_last_backward(False) for the others")
         self.queue_end_backward()
 
     def queue_end_backward(self) -> None:
@@ -226,15 +239,73 @@ class ParoState:
         self.in_flight.clear()
 
     def end_backward(self) -> None:
+        """As FSDP2's root post-backward: every reduction lands, so after ``backward()`` each
+        parameter whose group reduced holds its gradient in ``.grad``."""
         self._backward_queued = False
         self.finish_grad_reductions()
+        self.boundary.finish()  # the boundary's reductions started under backward (overlap.py)
+        drive([finalize_grads(g) for g in self.groups if g.last_backward and g.has_grads])
         for b in self.blocks:
             for g in b.groups:
                 b.release(g)
         if (streams := active(self.comm.streams)) is not None:
             streams.release()  # the kept gather results, once the gather stream has waited for their reads
 
-    def install_hooks(self) -> None:
-        for b in self.blocks:
+    @torch.no_grad()
+    def refresh_params(self) -> None:
+        """Bring the working copies (P level) to the parameters after they changed in place (an
+        optimizer step, a load), found by their version counters: called after every optimizer
+        step (a torch.optim hook) and at the root's pre-forward. Pushes that move bytes wait for
+        the forward that needs them (overlap.py) where that is safe."""
+        changed = [g for g in self.groups if g.trainable and g.params_version() != g.pushed_version]
+        if not changed:
+            return
+        self.pushes.finish()
+        for g in self.groups:
+            g.reshard()  # a gathered copy (the root in eval, a prefetch, kept after backward) is stale
+        for g in changed:
+            g.pushed_version = g.params_version()
+        deferred = [g for g in changed if push_dims(g)] if self._can_defer_push() else []
+        drive([push_params(g) for g in changed if g not in deferred])  # local copies, or every push
+        for g in deferred:  # root first: the order the next forward needs them
+            self.pushes.queue(g, push_params(g), push_bytes(g))
+        self.pushes.fill()
+
+    def _can_defer_push(self) -> bool:
+        """Whether the pushes may wait for the next forward (overlap.py): eager blocks only (a
+        traced block reads P inside its graph), after a forward has shown the order, not while
+        torch.profiler records (a collective it saw issued must not be waited after it stopped:
+        gloo's wait crashed there), and no forward all-gather sharing a process group with a push."""
+        if not self.seen_forward or any(b.traced for b in self.blocks) or torch.autograd._profiler_enabled():
+            return False
+        gathers = set().union(*(forward_dims(g) for g in self.groups))
+        return not any(push_dims(g) & gathers for g in self.groups)
+
+    def install_hooks(self, blocks: list[ParoBlock] | None = None) -> None:
+        for b in self.blocks if blocks is None else blocks:
             b.module.register_forward_pre_hook(b.pre_forward, with_kwargs=True)
             b.module.register_forward_hook(b.post_forward, with_kwargs=True)
+
+
+# Every live model's state, refreshed after any torch optimizer's step: the user's optimizer is a
+# plain torch.optim one over the parameters, so the engine learns of the update from torch's
+# global step hook and starts the pushes to P at once, as the step ends (the root's pre-forward
+# checks again, for writes no optimizer made: loads, in-place edits).
+_watched: "weakref.WeakSet[ParoState]" = weakref.WeakSet()
+_hook_handle = None
+
+
+def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for state in list(_watched):
+        state.refresh_params()
+
+
+def watch(state: ParoState) -> None:
+    global _hook_handle
+    _watched.add(state)
+    if _hook_handle is None:
+        _hook_handle = register_optimizer_step_post_hook(_after_optimizer_step)
+
+
+def unwatch(state: ParoState) -> None:
+    _watched.discard(state)

@@ -150,7 +150,6 @@ def make_sinks(group: "ParoParamGroup") -> None:
     def hand_to_masters(leaf: torch.Tensor) -> None:
         set_master_grads(group, leaf.grad)
         leaf.grad = None
-        group.has_grads = True
 
     group.sink, group.os_sink = _leaf(group, group.strategy.g), _leaf(group, group.strategy.os)
     group.sink.register_post_accumulate_grad_hook(hand_over)

@@ -209,14 +209,19 @@ def test_matches_reference(results, refs, strategy, group, accum):
 
 @compat
 @pytest.mark.parametrize("strategy", ALL_STRATEGIES)
-def test_parameters_are_dtensors_at_p_level(results, strategy):
-    expected = {"N": ("Replicate()", "Replicate()"), "I": ("Replicate()", "Shard(dim=0)")}  # repr of placements
+def test_parameters_are_dtensors_at_their_level(results, strategy):
+    """FSDP2's contract: a trainable parameter is the optimizer's, a DTensor at its OS level; a
+    frozen one (no optimizer state) is its only copy, at the P level."""
     got = results[0][(strategy, 2, 1)]["placements"]
+    frozen = set(results[0][(strategy, 2, 1)]["grad_free"])
+    assert frozen
     for name, placement in got.items():
-        if strategy[0] == "G":
+        level = strategy[0] if name in frozen else strategy[2]
+        if level == "G":
             assert placement[0].startswith("_StridedShard(dim=0") and placement[1] == "Shard(dim=0)", (name, placement)
         else:
-            assert placement == expected[strategy[0]], (name, placement)
+            expected = {"N": ("Replicate()", "Replicate()"), "I": ("Replicate()", "Shard(dim=0)")}[level]
+            assert placement == expected, (name, placement)
 
 
 @compat

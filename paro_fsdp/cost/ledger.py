@@ -26,7 +26,9 @@ The method's table, row by row, and where each row is in the engine:
                             G->N global AG | G->I inter AG(/m) | G->G none     (all of Psi', grad dtype)
   boundary, params -> P     OS=N none | OS=I: P=N intra AG, else none |         push_params
                             OS=G: P=N global AG, P=I inter AG(/m), P=G none    (Psi', param dtype)
-  gradient clipping         one flat all-reduce of one fp32 scalar (dim "global")  clip_grad_norm_
+  gradient clipping         torch's clip_grad_norm_ over the DTensor parameters: DTensor's own
+                            scalar all-reduces, not the engine's (counted with ``clip=True``
+                            as one flat fp32 all-reduce, dim "global")
 
 Memory per rank: M = param_bytes Psi/d(P) + grad_bytes Psi'/d(G) + os_bytes Psi'/d(OS), d(N) = 1,
 d(I) = m, d(G) = n. Exact when n divides dim 0 of every tensor (no padding: LLaMA 7B/13B/65B on 64
@@ -145,7 +147,7 @@ def _bucket_traffic(t: Ledger, b: Bucket, grad_accum: int, param_bytes: int, gra
 
 
 def traffic_of(buckets: Iterable[Bucket], n: int, m: int, grad_accum: int = 1, param_bytes: int = 2,
-               grad_bytes: int = 2, clip: bool = True, flat_below_bytes: int = 0) -> CommStats:
+               grad_bytes: int = 2, clip: bool = False, flat_below_bytes: int = 0) -> CommStats:
     """Collectives per rank for one optimizer step of ``grad_accum`` micro-steps (forward,
     backward; then, if ``clip``, ``clip_grad_norm_``; then ``step``), bucket by bucket, so that
     counts as well as bytes match ``model.comm_stats()`` (use ``buckets_of(model)``, and the
@@ -186,10 +188,10 @@ def _whole_model(strategy: StrategyLike, psi: int, psi_trainable: int, psi_kept:
 
 
 def formula_bytes(strategy: StrategyLike, psi: int, psi_trainable: int, n: int, m: int, grad_accum: int = 1,
-                  psi_kept: int = 0, param_bytes: int = 2, grad_bytes: int = 2, clip: bool = True) -> dict[str, float]:
+                  psi_kept: int = 0, param_bytes: int = 2, grad_bytes: int = 2, clip: bool = False) -> dict[str, float]:
     """The method's ledger for a whole model under one strategy: per-rank bytes per optimizer step,
-    ``{"intra", "inter", "global", "total"}`` ("global": the clip-norm all-reduce, dropped with
-    ``clip=False``); every global collective hierarchical. ``psi_kept``: parameters gathered once
+    ``{"intra", "inter", "global", "total"}`` ("global": the clip-norm all-reduce, with
+    ``clip=True``; the engine itself issues none); every global collective hierarchical. ``psi_kept``: parameters gathered once
     per micro-step (the root block's), not twice."""
     t = traffic_of(_whole_model(strategy, psi, psi_trainable, psi_kept), n, m, grad_accum, param_bytes, grad_bytes, clip)
     out = {dim: t.bytes(dim=dim) for dim in ("intra", "inter", "global")}

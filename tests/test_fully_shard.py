@@ -1,0 +1,150 @@
+"""The FSDP2 drop-in, as torch's own ``test_fully_shard_*``: one FSDP2 training script run with
+torch's ``fully_shard`` and with ours (no strategy: FSDP2's layout on that mesh; then IIG and GGG),
+on 4 gloo ranks, a 2D mesh of the user's own (the HSDP names) and a 1D one. The script is an
+FSDP2 user's: each block then the root, torch's AdamW over ``model.parameters()`` with decay and
+no-decay groups, a LambdaLR schedule, ``set_requires_gradient_sync`` accumulation, torch's
+``clip_grad_norm_``, DCP's ``get_state_dict`` / ``set_state_dict`` resume. Losses, gradient norms
+and final parameters must equal FSDP2's."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_harness import run_world
+from workloads import TINY, batch, make_model
+
+STEPS, A, LR, MAX_NORM = 4, 2, 1e-2, 0.5
+
+
+def _fully_shard(impl: str):
+    if impl == "torch":
+        from torch.distributed.fsdp import fully_shard
+        return fully_shard
+    from paro_fsdp import fully_shard
+    return fully_shard
+
+
+def _build(impl: str, strategy: str | None, mesh_shape: tuple[int, ...]):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    names = ("replicate", "shard") if len(mesh_shape) == 2 else ("dp",)
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    shard = _fully_shard(impl)
+    kw = {"strategy": strategy} if strategy else {}
+    model = make_model()
+    for p in model.parameters():
+        p.requires_grad_(True)
+    for layer in model.layers:
+        shard(layer, mesh=mesh, **kw)
+    shard(model, mesh=mesh, **kw)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=LR)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 2))
+    return model, opt, sched
+
+
+def _train(model, opt, sched, steps: range) -> list[tuple[float, float]]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = []
+    for step in steps:
+        total = torch.zeros(())
+        for micro in range(A):
+            model.set_requires_gradient_sync(micro == A - 1)
+            loss = model(batch(rank, step, micro)).loss / A
+            loss.backward()
+            total += loss.detach()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        dist.all_reduce(total)
+        out.append(((total / world).item(), norm.full_tensor().item()))
+    return out
+
+
+def script(payload: dict[str, Any]) -> dict[str, Any]:
+    """The FSDP2 script: train, save with get_state_dict, train on; then a fresh model resumes
+    from the saved state (set_state_dict) and must retrace the same steps."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    impl, strategy, shape = payload["impl"], payload["strategy"], tuple(payload["mesh"])
+    model, opt, sched = _build(impl, strategy, shape)
+    losses = _train(model, opt, sched, range(0, STEPS // 2))
+    msd, osd = get_state_dict(model, opt)
+    saved = {k: v.full_tensor().clone() if hasattr(v, "full_tensor") else v for k, v in msd.items()}
+    saved_opt = _full(osd)
+    losses += _train(model, opt, sched, range(STEPS // 2, STEPS))
+    params = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    grads_kept = all(p.grad is None for p in model.parameters())  # zero_grad(set_to_none) cleared them
+
+    resumed, ropt, rsched = _build(impl, strategy, shape)
+    rmsd, rosd = get_state_dict(resumed, ropt)
+    set_state_dict(resumed, ropt, model_state_dict=_like(saved, rmsd), optim_state_dict=_like(saved_opt, rosd))
+    rsched.load_state_dict(sched.state_dict())
+    rsched.last_epoch = STEPS // 2 - 1
+    again = _train(resumed, ropt, rsched, range(STEPS // 2, STEPS))
+    return {"losses": losses, "params": params, "resumed": again, "grads_cleared": grads_kept,
+            "osd_keys": sorted(osd["state"])}
+
+
+def _full(tree: Any) -> Any:
+    if hasattr(tree, "full_tensor"):
+        return tree.full_tensor().clone()
+    if isinstance(tree, dict):
+        return {k: _full(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_full(v) for v in tree]
+    return tree.clone() if torch.is_tensor(tree) else tree
+
+
+def _like(full: Any, local: Any) -> Any:
+    """Whole tensors laid out as ``local``'s DTensors (what DCP's loader would hand back)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(local, DTensor):
+        return distribute_tensor(full, local.device_mesh, local.placements, src_data_rank=None)
+    if isinstance(local, dict):
+        return {k: _like(full[k], v) for k, v in local.items()}
+    if isinstance(local, list):
+        return [_like(f, v) for f, v in zip(full, local)]
+    return full
+
+
+def all_cases(payload: list[dict]) -> list[dict]:
+    return [script(p) for p in payload]
+
+
+CASES = [("torch", None, (2, 2)), ("paro", None, (2, 2)), ("paro", "IIG", (2, 2)), ("paro", "GGG", (2, 2)),
+         ("paro", "NIG", (2, 2)), ("torch", None, (4,)), ("paro", None, (4,))]
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[tuple, dict]:
+    results = run_world(4, all_cases, [{"impl": i, "strategy": s, "mesh": list(m)} for i, s, m in CASES])
+    return {case: out for case, out in zip(CASES, results[0])}
+
+
+@pytest.mark.parametrize("impl,strategy,mesh", [c for c in CASES if c[0] == "paro"],
+                         ids=[f"{s or 'default'}-{'x'.join(map(str, m))}" for i, s, m in CASES if i == "paro"])
+def test_same_script_same_numbers_as_fsdp2(runs, impl, strategy, mesh):
+    ref = runs[("torch", None, mesh)]
+    got = runs[(impl, strategy, mesh)]
+    for (loss, norm), (ref_loss, ref_norm) in zip(got["losses"], ref["losses"]):
+        assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
+        assert abs(norm - ref_norm) <= 1e-5 * abs(ref_norm), (norm, ref_norm)
+    for name, value in ref["params"].items():
+        torch.testing.assert_close(got["params"][name], value, rtol=1e-4, atol=1e-5)  # Adam amplifies 1e-7 gradient noise on tiny gradients
+    assert got["osd_keys"] == ref["osd_keys"]  # optimizer state keyed by FQN, as FSDP2's
+    assert got["grads_cleared"]
+
+
+@pytest.mark.parametrize("impl,strategy,mesh", CASES, ids=[f"{i}-{s or 'default'}-{'x'.join(map(str, m))}" for i, s, m in CASES])
+def test_get_state_dict_resume_retraces_the_steps(runs, impl, strategy, mesh):
+    got = runs[(impl, strategy, mesh)]
+    for (loss, norm), (ref_loss, ref_norm) in zip(got["resumed"], got["losses"][STEPS // 2:]):
+        assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss), (loss, ref_loss)
+        assert abs(norm - ref_norm) <= 1e-5 * abs(ref_norm), (norm, ref_norm)
