@@ -175,6 +175,7 @@ class ParoState:
         self.in_flight: list[tuple[ParoBlock, ParoParamGroup]] = []  # gradient reductions to the G level
         self.boundary = InFlight()  # last micro-step: reductions to the OS level (overlap.py)
         self.pushes = InFlight()  # after the step: master -> P level, waited at each pre-forward
+        self.compiled_push = None  # traced.compile_push: the pushes as one compiled graph
 
     @property
     def groups(self) -> list[ParoParamGroup]:
@@ -265,6 +266,9 @@ class ParoState:
             g.reshard()  # a gathered copy (the root in eval, a prefetch, kept after backward) is stale
         for g in changed:
             g.pushed_version = g.params_version()
+        if self.compiled_push is not None:
+            self.compiled_push(changed)
+            return
         deferred = [g for g in changed if push_dims(g)] if self._can_defer_push() else []
         drive([push_params(g) for g in changed if g not in deferred])  # local copies, or every push
         for g in deferred:  # root first: the order the next forward needs them

@@ -29,7 +29,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ._compat import isolate_compile_cache  # noqa: F401 - callers compiling the engine import it from here
-from .boundary import reduce_to_os, run, set_master_grads
+from .boundary import push_params, reduce_to_os, run, set_master_grads
 from .strategy import Level
 
 if TYPE_CHECKING:
@@ -175,3 +175,17 @@ def make_sinks_on_compile(groups: Iterable["ParoParamGroup"]) -> None:
     handler = torch._dynamo.callback.callback_handler
     if _make_awaited_sinks not in handler.start_callbacks:  # torch._dynamo.reset() clears them
         handler.register_start_callback(_make_awaited_sinks)
+
+
+def _push_each(groups: list["ParoParamGroup"]) -> None:
+    """What ``compile_push`` compiles: each group's push in turn, every collective waited as
+    issued (in the graph, the passes decide what overlaps)."""
+    for g in groups:
+        run(push_params(g))
+
+
+def compile_push(model: nn.Module, **compile_kwargs) -> None:
+    """Refresh the working copies after each optimizer step with one compiled graph
+    (``compile_kwargs`` go to ``torch.compile``), whose collectives the passes merge and
+    schedule, instead of the eager pushes (which then no longer wait for the next forward)."""
+    model._paro_state.compiled_push = torch.compile(_push_each, **compile_kwargs)

@@ -149,9 +149,10 @@ def test_last_micro_step_reduces_to_the_os_level_inside_backward(mesh, strategy)
     assert totals(record, "forward", "before") == _each("all_gather", strategy[0], blocks)
     # ... and, per block, the boundary's
     assert totals(record, "backward", "before") == _merged(expect, {k: v * blocks for k, v in BOUNDARY[strategy].items()})
-    # the graph's result reached the masters: the optimizer has nothing left to reduce
-    assert all(g.grads_ready for g in model._paro_state.groups if g.trainable)
-    assert all(m.grad is not None and m.grad.shape == m.shape for g in model._paro_state.groups for m in g.master)
+    # the graph's result reached the parameters' .grad: nothing is left at the G level
+    assert not any(g.has_grads for g in model._paro_state.groups if g.trainable)
+    assert all(p.grad is not None and p.grad.shape == p.shape and p.grad.placements == p.placements
+               for p in model.parameters() if p.requires_grad)
 
 
 # after the optimizer step the updated masters go to the P level (spec step 5); per group:
@@ -165,14 +166,14 @@ PUSH = {
 
 @pytest.mark.parametrize("strategy", _fast(PUSH, ("IIG", "NNG", "GGG")))
 def test_compiled_push_to_p_is_one_graph_bucketed_per_dimension(mesh, strategy):
-    from paro_fsdp import ParoOptimizer
+    from paro_fsdp.traced import compile_push
 
     _, model = compile_step(mesh, strategy, last=True)
     groups = [g for g in model._paro_state.groups if g.trainable]
-    opt = ParoOptimizer(model, torch.optim.SGD, lr=0.1)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     record = passes.ParoPasses(["bucketing"], meshes=[model.paro_mesh_groups()])
-    opt.compile(backend=passes.aot_backend(record))
-    for m in opt.inner.param_groups[0]["params"]:  # the fake world's reductions leave garbage
+    compile_push(model, backend=passes.aot_backend(record))
+    for m in opt.param_groups[0]["params"]:  # the fake world's reductions leave garbage
         m.grad = torch.ones_like(m)
     counters.clear()
     opt.step()
@@ -430,7 +431,7 @@ NUMERIC_CASES = (
     # G=N's boundary all-reduce; the nightly runs every strategy with the same settings (IGG's
     # per-micro-step global RS, NNG's global boundary RS and push AG among them)
     [("NNN", 2, {"passes": ALL}, "tiny")]
-    + [("IIG", 2, {"passes": [], "boundary_in_graph": False}, "tiny"),  # no passes; the optimizer's boundary
+    + [("IIG", 2, {"passes": []}, "tiny"),  # no passes
        ("GGG", 1, {"passes": ALL, "scope": "blocks"}, "tiny")]
 )
 # every strategy, all passes, accumulation with the boundary in the graph; AOTAutograd's graphs run

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from paro_fsdp import MixedPrecision, ParoOptimizer, init_paro_mesh, paro_shard
+from paro_fsdp import MixedPrecision, init_paro_mesh, paro_shard
 from paro_fsdp.models.llama import Llama, LlamaArgs
 
 TINY = LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_dim=48, max_seq_len=32)
@@ -63,11 +63,10 @@ def checkpoint_blocks(model: Llama) -> None:
             "__call__": lambda self, *a, **k: checkpoint(call, self, *a, use_reentrant=False, **k)})
 
 
-def compile_model(model, how: dict, opt: ParoOptimizer | None = None):
+def compile_model(model, how: dict):
     """``how``: {"scope": "model" | "blocks", "backend": "aot" | "inductor", "passes": [...],
     "options": {...}}. Returns the callable to train with and the passes' record. "aot" runs the
-    passes on AOTAutograd's graphs without inductor codegen (passes.aot_backend). ``opt``: its
-    push to the P level is compiled with the same backend."""
+    passes on AOTAutograd's graphs without inductor codegen (passes.aot_backend)."""
     import passes
     from paro_fsdp.traced import compile_block, isolate_compile_cache
 
@@ -81,8 +80,6 @@ def compile_model(model, how: dict, opt: ParoOptimizer | None = None):
             setattr(torch._inductor.config, key, value)
         torch._inductor.config.force_disable_caches = True  # a cache hit would skip the passes
         backend = "inductor"
-    if opt is not None:
-        opt.compile(backend=backend)
     if how.get("scope", "model") == "blocks":  # the trainer's way: the engine's hooks in each block's graph
         for block in model.layers:
             compile_block(block, backend=backend, fullgraph=True)
@@ -90,17 +87,26 @@ def compile_model(model, how: dict, opt: ParoOptimizer | None = None):
     return torch.compile(model, backend=backend), record
 
 
+def adamw(model) -> torch.optim.AdamW:
+    """The references' optimizer, the FSDP2 way: torch's AdamW over the model's parameters."""
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.1)
+
+
+def clip(model, max_norm: float) -> torch.Tensor:
+    """torch's ``clip_grad_norm_`` over the model's parameters; the global norm as a plain tensor."""
+    norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
 def train_paro(strategy, group_size: int, accum: int, mp: MixedPrecision | None = None, steps: int = STEPS,
                ac: str | None = None, args: LlamaArgs = TINY, chunk_bytes: int | None = None,
                compile: dict | None = None):
-    """``chunk_bytes``: PaRO-CC chunk size (the default leaves this tiny model's global
-    collectives in one chunk; a few hundred bytes cuts them into several). ``compile``: see
-    ``compile_model``, plus "boundary_in_graph" (default True: the last micro-step's backward
-    reduces to the OS level, ``set_is_last_backward``, and the push to P after the optimizer
-    step is compiled, ``ParoOptimizer.compile``); the record of the passes is left on
-    ``model.paro_passes_record``. Eager runs with A > 1 mark the last micro-step too (the trainer's
-    way), so an eager grid covers both boundaries: at the step (A = 1) and under the last
-    backward (overlap.py)."""
+    """The FSDP2 way: torch's AdamW over ``model.parameters()``, ``set_requires_gradient_sync``
+    on the last micro-step (the boundary's reductions under its backward; A = 1: every
+    backward), torch's ``clip_grad_norm_``. ``chunk_bytes``: PaRO-CC chunk size (the default
+    leaves this tiny model's global collectives in one chunk; a few hundred bytes cuts them into
+    several). ``compile``: see ``compile_model``; the record of the passes is left on
+    ``model.paro_passes_record``."""
     mesh = init_paro_mesh(group_size)
     if compile is not None:
         torch._dynamo.reset()  # before paro_shard: a reset drops the compile-start callback that makes its sinks
@@ -110,26 +116,24 @@ def train_paro(strategy, group_size: int, accum: int, mp: MixedPrecision | None 
     model = paro_shard(model, mesh, strategy, mp=mp)
     if chunk_bytes is not None:
         model._paro_state.cc.chunk_bytes = chunk_bytes
-    opt = ParoOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=0.1)
+    opt = adamw(model)
     call = model
     if compile is not None:
         # the block hooks swap module parameters (a side effect): under a checkpointed block,
         # dynamo must not replay it in the recomputation (the graph recomputes, not Python)
         torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = bool(ac)
-        in_graph = compile.get("boundary_in_graph", True)
-        call, model.paro_passes_record = compile_model(model, compile, opt if in_graph else None)
+        call, model.paro_passes_record = compile_model(model, compile)
     rank, world = dist.get_rank(), dist.get_world_size()
     losses = []
     model.comm_stats().reset()
     for step in range(steps):
         total = torch.zeros(())
         for a in range(accum):
-            if (compile is None and accum > 1) or (compile is not None and compile.get("boundary_in_graph", True)):
-                model.set_is_last_backward(a == accum - 1)
+            model.set_requires_gradient_sync(a == accum - 1)
             loss = call(batch(rank, step, a, args)).loss / accum
             loss.backward()
             total += loss.detach().float()
-        norm = opt.clip_grad_norm_(MAX_NORM)
+        norm = clip(model, MAX_NORM)
         opt.step()
         opt.zero_grad()
         dist.all_reduce(total)
@@ -144,7 +148,7 @@ def full_params(model) -> dict[str, torch.Tensor]:
 def sharded(mesh, strategy, model=None, **kw):
     """``make_model()`` (or ``model``) under ``paro_shard`` with the AdamW the references use."""
     model = paro_shard(model if model is not None else make_model(), mesh, strategy, **kw)
-    return model, ParoOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=0.1)
+    return model, adamw(model)
 
 
 def train_steps(model, opt, steps: int, *, loss_scale: float = 1.0, first_step: int = 0) -> list[tuple[float, float]]:
@@ -155,7 +159,7 @@ def train_steps(model, opt, steps: int, *, loss_scale: float = 1.0, first_step: 
     for step in range(first_step, first_step + steps):
         loss = model(batch(rank, step, 0)).loss
         (loss * loss_scale).backward()
-        norm = opt.clip_grad_norm_(MAX_NORM)
+        norm = clip(model, MAX_NORM)
         opt.step()
         opt.zero_grad()
         total = loss.detach().clone()
