@@ -15,11 +15,11 @@ def order_cases(payload: dict) -> dict:
     import torch
     import torch.distributed as dist
 
-    from paro_fsdp import ParoOptimizer, paro_shard
+    from paro_fsdp import paro_shard
     from paro_fsdp.collective_order import CollectiveOrderCheck, CollectiveOrderError
     from paro_fsdp.train.timeline import group_dims
     from paro_fsdp.mesh import init_paro_mesh
-    from workloads import batch, compile_model, make_model
+    from workloads import adamw, batch, clip, compile_model, make_model
 
     rank = dist.get_rank()
     mesh = init_paro_mesh(2)
@@ -28,7 +28,7 @@ def order_cases(payload: dict) -> dict:
     for name, strategy, plant, compile in payload["cases"]:
         torch._dynamo.reset()
         model = paro_shard(make_model(), mesh, strategy)
-        opt = ParoOptimizer(model, torch.optim.AdamW, lr=1e-3)
+        opt = adamw(model)
         call = compile_model(model, {"scope": "blocks"})[0] if compile else model
         if compile:  # the first step compiles; the check runs on the next, as the trainer does
             call(batch(rank, 0, 0)).loss.backward()
@@ -42,8 +42,8 @@ def order_cases(payload: dict) -> dict:
                 if plant == "extra" and rank == 3:  # one rank reduces something the others do not
                     torch.ops._c10d_functional.all_reduce(torch.ones(3), "sum", model.paro_mesh_groups().group_names["intra"])
                 if plant == "shape" and rank == 2:
-                    opt.groups[0].comm.all_gather(torch.ones(5), "intra")
-                opt.clip_grad_norm_(1.0)
+                    model._paro_state.comm.all_gather(torch.ones(5), "intra")
+                clip(model, 1.0)
                 opt.step()
             out[name] = ("ok", check.summary())
         except CollectiveOrderError as exc:
