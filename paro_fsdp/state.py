@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.autograd import Variable
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_map
 
 from .comm import MeshComm
@@ -304,11 +304,26 @@ def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: A
         state.refresh_params()
 
 
+def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """A step over parameters whose gradients are still at the G level (every backward since the
+    last step ran with ``set_requires_gradient_sync(False)``) would silently skip them: refuse."""
+    pending = [g for state in list(_watched) for g in state.groups if g.has_grads]
+    if not pending:
+        return
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for g in pending:
+        if any(id(p) in stepped and p.grad is None for p in g.sharded_params[: len(g.trainable)]):
+            raise RuntimeError(f"optimizer.step(): the gradients of {g.trainable[0].fqn} (and its block) were never reduced: "
+                               f"every backward since the last step ran with set_requires_gradient_sync(False); call "
+                               f"model.set_requires_gradient_sync(True) before the last micro-step's backward")
+
+
 def watch(state: ParoState) -> None:
     global _hook_handle
     _watched.add(state)
     if _hook_handle is None:
-        _hook_handle = register_optimizer_step_post_hook(_after_optimizer_step)
+        _hook_handle = (register_optimizer_step_pre_hook(_before_optimizer_step),
+                        register_optimizer_step_post_hook(_after_optimizer_step))
 
 
 def unwatch(state: ParoState) -> None:
