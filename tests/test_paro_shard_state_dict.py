@@ -1,9 +1,9 @@
-"""State dicts on 4 real gloo ranks (2 groups of 2): the optimizer saved with
-torch.distributed.checkpoint under one strategy loads under another, and model-only loads
-(another sharded model's state dict, whole plain tensors, DCP into the model's own state dict,
-names changed by load hooks as torchtitan's fused ``wqkv``) refresh the fp32 masters: without it
-the next optimizer step pushed the old masters back over the load. ``strict=False`` touches only
-the loaded tensors' masters."""
+"""State dicts on 4 real gloo ranks (2 groups of 2): model and optimizer saved with DCP's
+state-dict helpers under one strategy load under another, and model-only loads (another sharded
+model's state dict, whole plain tensors, DCP into the model's own state dict, names changed by
+load hooks as torchtitan's fused ``wqkv``) reach the parameters (the fp32 masters) and the
+working copies follow: the next steps train on from the loaded values. ``strict=False`` touches
+only the loaded tensors."""
 from __future__ import annotations
 
 from typing import Any
@@ -46,29 +46,30 @@ def _alias(name: str) -> str:
 
 
 def dcp_case(src: str, dst: str, folder: str) -> dict[str, Any]:
-    """Train under one strategy, save the optimizer with torch.distributed.checkpoint, load it
-    into a fresh model under another strategy; return both sides' whole tensors."""
+    """Train under one strategy, save model and optimizer with DCP's state-dict helpers
+    (``get_state_dict``, as for FSDP2), load them into a fresh model under another strategy
+    (``set_state_dict``); return both sides' whole tensors."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from paro_fsdp import ParoOptimizer, init_paro_mesh, paro_shard
+    from paro_fsdp import init_paro_mesh, paro_shard
+    from workloads import adamw
 
     model, opt, _ = train_paro(src, 2, 1)
-    # frozen weights are model state (P level); trainable ones come back from the fp32 master
-    dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=folder)
-    saved = opt.state_dict()
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=folder)
     fresh = paro_shard(make_model(seed=1), init_paro_mesh(2), dst)
-    opt2 = ParoOptimizer(fresh, torch.optim.AdamW, lr=LR, weight_decay=0.1)
-    sd = {"model": fresh.state_dict(), "optim": opt2.state_dict()}
+    opt2 = adamw(fresh)
+    msd2, osd2 = get_state_dict(fresh, opt2)
+    sd = {"model": msd2, "optim": osd2}
     dcp.load(sd, checkpoint_id=folder)
-    opt2.load_state_dict(sd["optim"])
-    loaded = opt2.state_dict()
-    whole = lambda d: {k: v.full_tensor() for k, v in d.items()}  # noqa: E731
+    set_state_dict(fresh, opt2, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    _, loaded = get_state_dict(fresh, opt2)
     return {
         "params": (full_params(model), full_params(fresh)),
-        "master": (whole(saved["master"]), whole(loaded["master"])),
-        "exp_avg_sq": ({k: v["exp_avg_sq"].full_tensor() for k, v in saved["state"].items()},
+        "exp_avg_sq": ({k: v["exp_avg_sq"].full_tensor() for k, v in osd["state"].items()},
                        {k: v["exp_avg_sq"].full_tensor() for k, v in loaded["state"].items()}),
-        "step": (saved["state"]["output.weight"]["step"], loaded["state"]["output.weight"]["step"]),
+        "step": (osd["state"]["output.weight"]["step"], loaded["state"]["output.weight"]["step"]),
     }
 
 
@@ -114,11 +115,11 @@ def partial_load(_: Any = None) -> dict[str, Any]:
     from paro_fsdp import init_paro_mesh
 
     model, opt = sharded(init_paro_mesh(2), "IIG")
-    before = {n: m.detach().clone() for n, m in zip(opt.fqn_of.values(), opt.fqn_of.keys())}
+    before = full_params(model)
     other = make_model(seed=1)
     name = "layers.1.feed_forward.w2.weight"
     model.load_state_dict({name: dict(other.named_parameters())[name].detach()}, strict=False)
-    out: dict[str, Any] = {"changed": {n: not torch.equal(m.detach(), before[n]) for m, n in opt.fqn_of.items()}}
+    out: dict[str, Any] = {"changed": {n: not torch.equal(v, before[n]) for n, v in full_params(model).items()}}
     try:
         model.load_state_dict(model.state_dict(), assign=True)
     except ValueError as e:
@@ -160,9 +161,9 @@ def reference_from(weights: dict[str, torch.Tensor], steps: int, first_step: int
 
 @pytest.mark.compat
 def test_optimizer_state_round_trips_through_dcp_across_strategies(got):
-    """Saved under IIG, loaded under NGI: master, Adam states, step and the P-level params agree."""
+    """Saved under IIG, loaded under NGI: the parameters (the fp32 masters), Adam states and step agree."""
     got = got["dcp"]
-    for key in ("params", "master", "exp_avg_sq"):
+    for key in ("params", "exp_avg_sq"):
         before, after = got[key]
         assert before.keys() == after.keys() and before
         for name in before:
