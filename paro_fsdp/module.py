@@ -25,6 +25,7 @@ from .overlap import boundary_bytes, push_bytes, push_dims
 from .param_group import ParoParamGroup
 from .state import ParoBlock, ParoState
 from .strategy import Level, Strategy
+from .traced import compile_block
 
 
 class ParoModule:
@@ -131,6 +132,19 @@ class ParoModule:
                                  f"fully_shard (or blocks of paro_shard)")
             out.append(block)
         return out
+
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """torch's ``nn.Module.compile``, made right for a sharded block: the block's hooks go
+        into its graph (``traced.compile_block``), so the gather is a graph node and
+        ``reshard_after_forward`` holds (backward re-gathers). torch's own compiles
+        ``_call_impl``, a frame dynamo skips: the gathered tensors became a graph input, kept from
+        forward to backward. The root (whose parameters stay gathered anyway) compiles as torch's."""
+        own = getattr(self, "_paro_block", None)
+        if own is None or own.is_root:
+            return super().compile(*args, **kwargs)
+        if args:
+            raise TypeError("compile() of a sharded block: pass torch.compile's options by keyword (backend=..., fullgraph=...)")
+        compile_block(self, **kwargs)
 
     # ---- PaRO's own -------------------------------------------------------------------------
     def comm_stats(self) -> CommStats:

@@ -20,12 +20,12 @@ import torch
 import passes
 from dist_harness import run_world
 from graph_runs import counting_backend
-from paro_fsdp import ParoOptimizer, init_paro_mesh, paro_shard
+from paro_fsdp import init_paro_mesh, paro_shard
 from paro_fsdp.models.llama import LlamaArgs
 from paro_fsdp.train.config import JobConfig
 from paro_fsdp.train.estimate import fake_mesh, release_fake_world
 from paro_fsdp.train.parallelize import apply_activation_checkpointing, apply_compile
-from workloads import LR, batch, close, make_model, reference, train_steps
+from workloads import adamw, batch, close, make_model, reference, train_steps
 
 ONE = LlamaArgs(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_dim=48, max_seq_len=32)
 SIZES = {"intra": 4, "inter": 2}
@@ -73,11 +73,12 @@ def _step(model) -> tuple[dict, dict, int]:
 _RUNS: dict = {}
 
 
-def per_block(mesh, strategy: str, reshard: bool = True, ac: bool = False) -> dict:
-    """The second step of a fresh one-block model compiled by ``apply_compile`` (scope ``blocks``):
-    the passes' record (no pass), how often each phase's graphs ran, the collectives the
-    eager root ran, the bytes saved for backward. Shared by the tests that read it."""
-    key = (strategy, reshard, ac)
+def per_block(mesh, strategy: str, reshard: bool = True, ac: bool = False, torch_compile: bool = False) -> dict:
+    """The second step of a fresh one-block model compiled by ``apply_compile`` (scope ``blocks``),
+    or by torch's own ``block.compile()`` (``torch_compile``): the passes' record (no pass), how
+    often each phase's graphs ran, the collectives the eager root ran, the bytes saved for
+    backward. Shared by the tests that read it."""
+    key = (strategy, reshard, ac, torch_compile)
     if key in _RUNS:
         return _RUNS[key]
     torch._dynamo.reset()
@@ -92,7 +93,11 @@ def per_block(mesh, strategy: str, reshard: bool = True, ac: bool = False) -> di
     # apply_compile sets a dynamo option and a cache folder for the process: both undone after
     with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=False), \
             mock.patch.dict(os.environ):
-        apply_compile(model, cfg)
+        if torch_compile:
+            for block in model.layers:
+                block.compile(backend=cfg.compile.backend)
+        else:
+            apply_compile(model, cfg)
         _step(model)  # compiles; the root, still eager, prefetched the block it did not know was traced
         runs.clear()
         fwd, bwd, saved = _step(model)
@@ -136,6 +141,18 @@ def test_per_block_compile_regathers_in_backward_as_eager(mesh, strategy, reshar
     assert _sum(graph_ring(run["record"], "backward"), run["bwd"]) == pytest.approx(bwd)
 
 
+@pytest.mark.parametrize("strategy", ["GGG", "IGG"])
+def test_torch_block_compile_keeps_the_strategy_memory(mesh, strategy):
+    """torch's own ``block.compile()``, FSDP2's and torchtitan's recipe: the backward graph
+    re-gathers as ``compile_block``'s does, and the bytes moved and saved are the same."""
+    ours, torchs = per_block(mesh, strategy), per_block(mesh, strategy, torch_compile=True)
+    gathers = {k: v for k, v in graph_ring(torchs["record"], "backward", "count").items() if k.startswith("all_gather")}
+    assert gathers == {f"all_gather/{d}": 1 for d in P_DIMS[strategy[0]]}
+    assert _sum(graph_ring(torchs["record"], "backward"), torchs["bwd"]) == \
+        pytest.approx(_sum(graph_ring(ours["record"], "backward"), ours["bwd"]))
+    assert torchs["saved"] == ours["saved"]
+
+
 def test_per_block_compile_saves_no_whole_parameters(mesh):
     """Resharded after forward, the block saves its P-level shard for backward, not its whole
     tensors: against the run that keeps them, at least the whole bytes less that shard less."""
@@ -165,7 +182,7 @@ def train_per_block(case: tuple[str, bool]) -> dict:
         apply_activation_checkpointing(model)
         cfg.activation_checkpoint.mode = "full"
     model = paro_shard(model, init_paro_mesh(2), strategy)
-    opt = ParoOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=0.1)
+    opt = adamw(model)
     record = passes.ParoPasses([], meshes=[model.paro_mesh_groups()])
     cfg.compile.backend = passes.aot_backend(record)
     apply_compile(model, cfg)
