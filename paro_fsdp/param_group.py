@@ -135,10 +135,10 @@ class ParoParamGroup:
                     local.copy_(t.local_slice(o, P, info.k))
             # fp32 master at the OS level: the module's parameters, which the user's optimizer updates.
             # Where P is the same level and dtype (fp32 P = OS) the P storage is the master: one copy.
-            self.shares_p = P == OS and mp.param_dtype == torch.float32 and len(self.trainable) == len(self.refs)
-            if self.shares_p:
-                self.master_flat = self.p_flat
-                self.master = list(self.p_locals)
+            self.shares_p = P == OS and mp.param_dtype == torch.float32
+            if self.shares_p:  # trainable tensors come first in P: the masters are its prefix
+                self.master_flat = self.p_flat if len(self.trainable) == len(self.refs) else None
+                self.master = self.p_locals[: len(self.trainable)]
             elif OS == Level.N:
                 self.master_flat = None
                 self.master = [o.to(device=device, dtype=torch.float32, copy=True) for o in originals[: len(self.trainable)]]

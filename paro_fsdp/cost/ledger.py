@@ -31,8 +31,10 @@ The method's table, row by row, and where each row is in the engine:
                             as one flat fp32 all-reduce, dim "global")
 
 Memory per rank: M = param_bytes Psi/d(P) + grad_bytes Psi'/d(G) + os_bytes Psi'/d(OS), d(N) = 1,
-d(I) = m, d(G) = n. Exact when n divides dim 0 of every tensor (no padding: LLaMA 7B/13B/65B on 64
-ranks); otherwise the engine's padded buffers make its numbers slightly larger.
+d(I) = m, d(G) = n. Where P and OS share level and P is fp32 the parameter is the master (one
+copy, as FSDP2's fp32 sharded parameter): OS then holds the optimizer's states only (os_bytes - 4).
+Exact when n divides dim 0 of every tensor (no padding: LLaMA 7B/13B/65B on 64 ranks); otherwise
+the engine's padded buffers make its numbers slightly larger.
 """
 from __future__ import annotations
 
@@ -169,7 +171,8 @@ def memory_of(buckets: Iterable[Bucket], n: int, m: int, param_bytes: int = 2, g
         s = b.strategy
         out["P"] += param_bytes * b.numel / s.p.divisor(n, m)
         out["G"] += grad_bytes * b.trainable / s.g.divisor(n, m)
-        out["OS"] += os_bytes * b.trainable / s.os.divisor(n, m)
+        shared = 4 if s.p == s.os and param_bytes == 4 else 0  # fp32 P = OS: the parameter is the master
+        out["OS"] += (os_bytes - shared) * b.trainable / s.os.divisor(n, m)
         out["master_grads"] += 4 * b.trainable / s.os.divisor(n, m)
     out["total"] = out["P"] + out["G"] + out["OS"]
     return out
