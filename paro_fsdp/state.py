@@ -153,6 +153,15 @@ class ParoBlock:
         self.release(g)
 
 
+def _inside_checkpoint(module: nn.Module) -> nn.Module:
+    """Where a block's hooks go: inside torch's ``checkpoint_wrapper`` (applied before sharding,
+    FSDP2's and torchtitan's order), so the recomputation in backward runs them again and meets
+    gathered parameters; on the wrapper they would run once, outside the checkpoint."""
+    while hasattr(module, "_checkpoint_wrapped_module"):
+        module = module._checkpoint_wrapped_module
+    return module
+
+
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     """Floating-point tensors of ``tree`` as ``dtype`` (FSDP2's ``cast_forward_inputs``); the
     rest (token ids, masks, caches) untouched."""
@@ -287,8 +296,9 @@ class ParoState:
 
     def install_hooks(self, blocks: list[ParoBlock] | None = None) -> None:
         for b in self.blocks if blocks is None else blocks:
-            b.module.register_forward_pre_hook(b.pre_forward, with_kwargs=True)
-            b.module.register_forward_hook(b.post_forward, with_kwargs=True)
+            target = _inside_checkpoint(b.module)
+            target.register_forward_pre_hook(b.pre_forward, with_kwargs=True)
+            target.register_forward_hook(b.post_forward, with_kwargs=True)
 
 
 # Every live model's state, refreshed after any torch optimizer's step: the user's optimizer is a

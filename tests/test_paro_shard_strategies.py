@@ -23,7 +23,7 @@ from workloads import ODD, STEPS, TINY, batch, full_params, make_model, referenc
 compat = pytest.mark.compat  # the 4-rank grid: make test-compat's 27 strategies
 
 CASES = [(s, 2, a) for s in ALL_STRATEGIES for a in (1, 3)]
-AC = [(s, 2, 3, "outer") for s in ("IIG", "GGG", "NIG", "ING")]
+AC = [(s, 2, 3, "outer") for s in ("IIG", "GGG", "NIG", "ING")] + [(s, 2, 3, "wrapper") for s in ("IIG", "GGG")]
 # every global (PaRO-CC) path of the engine: P=G gather (GGG, GNN), G=G reduce-scatter (GGG, NGN),
 # G=N -> OS=G reduce-scatter (NNG, ING), G=N -> OS=N all-reduce (NNN, GNN), G -> N all-gather
 # (NGN at the boundary, NNG for the params); cut into several chunks, on even and uneven shards

@@ -111,7 +111,10 @@ def train_paro(strategy, group_size: int, accum: int, mp: MixedPrecision | None 
     if compile is not None:
         torch._dynamo.reset()  # before paro_shard: a reset drops the compile-start callback that makes its sinks
     model = make_model(args=args)
-    if ac:
+    if ac == "wrapper":  # torch's checkpoint_wrapper around each block before sharding (FSDP2's order)
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+        apply_activation_checkpointing(model, check_fn=lambda m: m in set(model.layers))
+    elif ac:
         checkpoint_blocks(model)
     model = paro_shard(model, mesh, strategy, mp=mp)
     if chunk_bytes is not None:
@@ -142,7 +145,9 @@ def train_paro(strategy, group_size: int, accum: int, mp: MixedPrecision | None 
 
 
 def full_params(model) -> dict[str, torch.Tensor]:
-    return {n: p.full_tensor().detach().float() for n, p in model.named_parameters()}
+    """Whole parameters by name (torch's checkpoint_wrapper prefix dropped, as its state dict does)."""
+    return {n.replace("._checkpoint_wrapped_module", ""): p.full_tensor().detach().float()
+            for n, p in model.named_parameters()}
 
 
 def sharded(mesh, strategy, model=None, **kw):
