@@ -13,8 +13,11 @@
 Why this order: ``from_pretrained`` on every rank holds the model n times; built on the meta
 device, ``paro_shard`` materialises one tensor at a time and ``load_weights`` reads each rank's
 safetensors slices (through ``checkpoint_files.safe_load``: nothing that runs code) straight into
-the fp32 masters and frozen P, so no rank holds the whole model and the masters are exact. The
-export writes the same DTensors back, rank 0 joining them into files and the index.
+the parameters (FSDP2's contract: each trainable one is its fp32 master at the OS level, each
+frozen one its P-level copy), so no rank holds the whole model and the masters are exact; the
+engine refreshes its working copies from them at the next forward (their version counters
+moved). The export writes the same DTensors back, fp32 under bf16 mixed precision too, rank 0
+joining them into files and the index; ``config.json`` names the model's own class.
 """
 from __future__ import annotations
 
@@ -33,8 +36,8 @@ from torch.distributed.tensor import DTensor
 from paro_fsdp.checkpoint_files import first_line, safe_load
 
 __all__ = ["HFModelError", "read_config", "weight_files", "build_meta", "decoder_blocks", "add_lora", "lora_targets",
-           "init_for_load", "materialise_buffers", "stored_shapes", "check_weights", "load_weights", "save_model",
-           "save_adapter", "base_name", "count_trainable", "SHARD_BYTES"]
+           "init_for_load", "materialise_buffers", "stored_shapes", "check_weights", "parameters_state", "load_weights",
+           "architecture", "save_model", "save_adapter", "base_name", "count_trainable", "SHARD_BYTES"]
 
 SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size ("5GB")
 INDEX = "model.safetensors.index.json"
@@ -244,12 +247,21 @@ def check_weights(names: dict[str, tuple[int, ...]], path: str, key: Callable[[s
                                f"its config.json; valid: a folder whose safetensors match its config.json")
 
 
+def parameters_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters by name, detached, as ``model.state_dict()`` holds them (a tied
+    tensor once, under its first name): on a sharded model the fp32 masters at the OS level
+    (frozen: the P-level copy) as DTensors sharing the parameters' storage, so DCP writes each
+    rank's shards and loads in place."""
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
 def load_weights(model: nn.Module, path: str, key: Callable[[str], Optional[str]] = base_name) -> int:
-    """Each rank's slices of the safetensors into the masters (frozen: P); returns how many loaded. Collective."""
-    targets = {key(fqn): v for fqn, v in model.master_state_dict().items() if key(fqn) is not None}
+    """Each rank's slices of the safetensors into the parameters (the fp32 masters; frozen: P), in
+    place: the engine sees their versions move and refreshes its working copies at the next
+    forward. Returns how many tensors loaded. Collective."""
+    targets = {key(fqn): v for fqn, v in parameters_state(model).items() if key(fqn) is not None}
     check_weights({k: tuple(v.shape) for k, v in targets.items()}, path, key=lambda n: n)
     safe_load(targets, storage_reader=_reader(path))
-    model.push_masters()
     return len(targets)
 
 
@@ -295,16 +307,35 @@ def _publish(tmp: str, out_dir: str) -> str:
     return out_dir
 
 
+def architecture(model: nn.Module) -> Optional[str]:
+    """The transformers class of a (sharded, maybe peft-wrapped) model, as ``save_pretrained``
+    writes it into ``architectures`` (e.g. "LlamaForCausalLM"); None for a model that is not a
+    transformers ``PreTrainedModel`` (the trainer's own Llama: its config names it)."""
+    from transformers import PreTrainedModel
+
+    from paro_fsdp.module import ParoModule
+
+    base = _pretrained(model)
+    if not isinstance(base, PreTrainedModel):
+        return None
+    return next(c.__name__ for c in type(base).__mro__ if not issubclass(c, ParoModule))
+
+
 def save_model(model: nn.Module, out_dir: str, config: Any, *, dtype: torch.dtype = torch.float32,
                values: Optional[dict[str, DTensor]] = None, extra_files: Iterable[str] = (),
                max_shard_bytes: int = SHARD_BYTES) -> str:
-    """Write a folder ``from_pretrained`` loads: ``config`` and ``values`` (default: the masters) in ``dtype``,
-    ``extra_files`` copied in. Collective; returns ``out_dir``."""
-    values = model.master_state_dict() if values is None else values
+    """Write a folder ``from_pretrained`` loads: ``config`` (its ``architectures`` naming the
+    model's own class, as ``save_pretrained`` writes it) and ``values`` (default: the parameters,
+    the fp32 masters under bf16 too) in ``dtype``, ``extra_files`` copied in. Collective; returns
+    ``out_dir``."""
+    values = parameters_state(model) if values is None else values
+    arch = architecture(model)
     tmp = _prepare(out_dir)
     _write_safetensors(values, tmp, dtype, max_shard_bytes)
     if _rank() == 0:
         config.dtype = dtype
+        if arch is not None:
+            config.architectures = [arch]
         config.save_pretrained(tmp)
         for f in extra_files:
             shutil.copy(f, tmp)
@@ -315,7 +346,7 @@ def save_adapter(model: nn.Module, out_dir: str, *, dtype: torch.dtype = torch.f
     """Write the LoRA adapter as peft's ``save_pretrained`` does. Collective; returns ``out_dir``."""
     from peft import get_peft_model_state_dict
 
-    adapter = get_peft_model_state_dict(model, state_dict=model.master_state_dict(), save_embedding_layers=False)
+    adapter = get_peft_model_state_dict(model, state_dict=parameters_state(model), save_embedding_layers=False)
     tmp = _prepare(out_dir)
     _write_safetensors(adapter, tmp, dtype, SHARD_BYTES * 100)  # one file: peft reads no index
     if _rank() == 0:

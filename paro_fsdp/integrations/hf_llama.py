@@ -59,11 +59,13 @@ def rope_to_halves(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def hf_values(model: torch.nn.Module, args: LlamaArgs) -> dict[str, DTensor]:
-    """The ``paro_shard``-ed Llama's fp32 masters (``master_state_dict``) under Hugging Face
-    names and layouts, for ``integrations.hf.save_model``. Collective (``wq`` and ``wk`` are
-    gathered)."""
+    """The ``paro_shard``-ed Llama's parameters (the fp32 masters, under bf16 mixed precision
+    too) under Hugging Face names and layouts, for ``integrations.hf.save_model``. Collective
+    (``wq`` and ``wk`` are gathered)."""
+    from paro_fsdp.integrations.hf import parameters_state
+
     out: dict[str, DTensor] = {}
-    for name, value in model.master_state_dict().items():
+    for name, value in parameters_state(model).items():
         heads = {"wq": args.n_heads, "wk": args.n_kv_heads or args.n_heads}.get(name.rsplit(".", 2)[-2])
         if heads is not None:
             whole = rope_to_halves(value.full_tensor(), heads)
