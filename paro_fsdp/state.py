@@ -20,6 +20,7 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd import Variable
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -328,12 +329,31 @@ def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: 
                                f"model.set_requires_gradient_sync(True) before the last micro-step's backward")
 
 
+def land_all_pushes() -> None:
+    """Every watched model's pushes in flight, waited (before the process group goes)."""
+    for state in list(_watched):
+        state.pushes.finish()
+
+
+def _landing_pushes_first(destroy):
+    """``dist.destroy_process_group``, landing the last step's pushes first: they are collectives
+    in flight until the next forward, and a script's last step has none (torch warns of unwaited
+    collectives at exit; NCCL may hang)."""
+    def destroy_process_group(*args: Any, **kwargs: Any) -> None:
+        land_all_pushes()
+        return destroy(*args, **kwargs)
+
+    destroy_process_group.__wrapped__ = destroy
+    return destroy_process_group
+
+
 def watch(state: ParoState) -> None:
     global _hook_handle
     _watched.add(state)
     if _hook_handle is None:
         _hook_handle = (register_optimizer_step_pre_hook(_before_optimizer_step),
                         register_optimizer_step_post_hook(_after_optimizer_step))
+        dist.destroy_process_group = _landing_pushes_first(dist.destroy_process_group)
 
 
 def unwatch(state: ParoState) -> None:
