@@ -267,11 +267,11 @@ def test_placement_finds_every_buffer_on_the_mesh_device(cpu_mesh, strategy):
 def test_placement_reports_buffers_on_another_device(cpu_mesh):
     import torch
 
-    from paro_fsdp import ParoOptimizer, paro_shard
+    from paro_fsdp import paro_shard
     from paro_fsdp.models.llama import Llama
 
     model = paro_shard(Llama(memory.llama_args(**plan.B_SMALL)), cpu_mesh, "IIG")
-    opt = ParoOptimizer(model, torch.optim.AdamW, lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     seen = placement.buffer_devices(model, opt, "cuda")  # every buffer is on the CPU: all of them are wrong
     assert seen["count"] > 0 and len(seen["wrong"]) == seen["count"]
     assert any(".p_flat on cpu" in w for w in seen["wrong"]) and any(".master[0] on cpu" in w for w in seen["wrong"])

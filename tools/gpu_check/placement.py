@@ -63,8 +63,9 @@ def _tensors_of(value: Any) -> list[tuple[str, Any]]:
 
 
 def buffer_devices(model: Any, opt: Any, device_type: str) -> dict[str, Any]:
-    """Every tensor the sharded model, its engine groups and its optimizer hold, with the ones
-    not on ``device_type`` (DTensors are looked at through their local tensor)."""
+    """Every tensor the sharded model, its engine groups and its optimizer (a torch optimizer
+    over ``model.parameters()``) hold, with the ones not on ``device_type`` (DTensors are looked
+    at through their local tensor)."""
     from torch.distributed.tensor import DTensor
 
     wrong: list[str] = []
@@ -96,10 +97,11 @@ def buffer_devices(model: Any, opt: Any, device_type: str) -> dict[str, Any]:
             value = attrs.get(attr)
             if value is None or getattr(value, "tensor", value) is None:  # GradAccumulator: not allocated
                 missing.append(f"{g.name}.{attr}")
-        for m in g.master:
-            if m.grad is not None:
-                visit(f"{g.name}.master.grad", "master.grad", m.grad)
-    for i, state in enumerate(opt.inner.state.values()):
+        # the fp32 master gradients: the trainable parameters' .grad (the masters are their local tensors)
+        for i, p in enumerate(g.sharded_params[: len(g.trainable)]):
+            if p.grad is not None:
+                visit(f"{g.name}.sharded_params[{i}].grad", "master.grad", p.grad)
+    for i, state in enumerate(opt.state.values()):
         for k, v in state.items():
             if hasattr(v, "device"):
                 visit(f"optimizer state {i}.{k}", f"optimizer.{k}", v)
@@ -108,11 +110,12 @@ def buffer_devices(model: Any, opt: Any, device_type: str) -> dict[str, Any]:
 
 def placement_case(mesh: Any, device: str, strategy: str, args: Any = None) -> dict[str, Any]:
     """Shard a small Llama built on the meta device with ``strategy`` on ``mesh``, run forward,
-    backward, clip, step (the trainer's fused AdamW), and look at every buffer's device after
-    backward, after clipping and after the step."""
+    backward, clip, step (the trainer's fused AdamW over ``model.parameters()``, torch's
+    ``clip_grad_norm_``), and look at every buffer's device after backward, after clipping and
+    after the step."""
     import torch
 
-    from paro_fsdp import MixedPrecision, ParoOptimizer, paro_shard
+    from paro_fsdp import MixedPrecision, paro_shard
     from paro_fsdp.models.llama import Llama
 
     args = args or llama_args(**B_SMALL)
@@ -121,15 +124,15 @@ def placement_case(mesh: Any, device: str, strategy: str, args: Any = None) -> d
     model = paro_shard(model, mesh, strategy, mp=MixedPrecision(torch.bfloat16, torch.float32),
                        param_init_fn=init_fn(0, args.n_layers))
     model.init_buffers(torch.device(device))
-    opt = ParoOptimizer(model, torch.optim.AdamW, lr=1e-3, weight_decay=0.1, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
     tokens = torch.randint(0, args.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0)).to(device)
     out = model(tokens)
     wrong, counts, missing = [], [], set()
     if out.logits.device.type != device:
         wrong.append(f"logits on {out.logits.device}")
     out.loss.backward()
-    for when, fn in (("after backward", None), ("after clip", lambda: opt.clip_grad_norm_(1.0)),
-                     ("after step", opt.step)):
+    clip = lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # noqa: E731
+    for when, fn in (("after backward", None), ("after clip", clip), ("after step", opt.step)):
         if fn is not None:
             fn()
         seen = buffer_devices(model, opt, device)

@@ -4,8 +4,11 @@ broken (``--plant``, and part (d)'s self-test rows).
 * ``missing-wait``: the consumer does not wait for a collective. ``comm.Pending.wait`` returns its
   tensor as it is (on CPU without ``wait_tensor``, on CUDA without making the consumer's stream
   wait for the side stream's event), and ``streams.CommStreams.wait`` does nothing (on CUDA the
-  consumer's wait of every PaRO-CC result too). The stand-in then hands the consumer a poisoned
-  (NaN) buffer: on CPU always, on CUDA while its result stream still sleeps.
+  consumer's wait of every PaRO-CC result too); on CPU, where PaRO-CC waits each phase on the
+  host, its phases skip ``wait_tensor`` (``paro_cc._wait``). The stand-in then hands the consumer
+  a poisoned (NaN) buffer: on CPU always, on CUDA while its result stream still sleeps. (NNN and
+  GGG move everything through PaRO-CC; the clip's all-reduce, which once caught them on CPU, is
+  DTensor's now: torch's ``clip_grad_norm_`` over the parameters.)
 * ``issue-wait`` (CUDA only: CPU has no streams): ``streams.CommStreams.issue`` enters the side
   stream without making it wait for the compute stream first, so a collective reads its input
   (a gradient, the clipped masters) before the lagging compute stream has written it.
@@ -53,12 +56,14 @@ def planted(name: Optional[str], device: str) -> Iterator[None]:
     if name is None:
         yield
         return
-    from paro_fsdp import comm, streams
+    from paro_fsdp import comm, paro_cc, streams
 
     with contextlib.ExitStack() as stack:
         if name == "missing-wait":
             stack.enter_context(mock.patch.object(comm.Pending, "wait", _pending_without_wait))
             stack.enter_context(mock.patch.object(streams.CommStreams, "wait", staticmethod(lambda event: None)))
+            if device != "cuda":  # on CUDA the side streams' waits above are the consumer's
+                stack.enter_context(mock.patch.object(paro_cc, "_wait", lambda t: t))
         else:
             stack.enter_context(mock.patch.object(streams.CommStreams, "issue", _issue_without_wait))
         yield

@@ -72,7 +72,7 @@ def worker_c(emit: Emitter, device_type: str, layers: Optional[int], peak_tflops
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from paro_fsdp import MixedPrecision, ParoOptimizer, init_paro_mesh, paro_shard
+    from paro_fsdp import MixedPrecision, init_paro_mesh, paro_shard
     from paro_fsdp.models.llama import Llama
 
     device = _init_world(device_type)
@@ -97,24 +97,24 @@ def worker_c(emit: Emitter, device_type: str, layers: Optional[int], peak_tflops
         model = paro_shard(model, init_paro_mesh(1), C_STRATEGY, mp=MixedPrecision(torch.bfloat16, torch.bfloat16),
                            param_init_fn=init_fn(0, args.n_layers))
         model.init_buffers(device)
-        opt = ParoOptimizer(model, torch.optim.AdamW, lr=1e-4, weight_decay=0.1, fused=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
         if compiled:
             import passes
             from paro_fsdp.train.config import JobConfig
             from paro_fsdp.train.parallelize import apply_compile
+            from paro_fsdp.traced import compile_push
 
             cfg = JobConfig()
             cfg.compile.enable, cfg.compile.scope, cfg.job.dump_folder = True, "blocks", str(REPO / "outputs" / "gpu_check")
             passes.install_for(model, cfg.compile, cfg.job.dump_folder)
             apply_compile(model, cfg)
-            opt.compile()
+            compile_push(model)  # the refresh of the working copies after each step as one graph
 
         def step(i: int) -> torch.Tensor:
-            if compiled:
-                model.set_is_last_backward(True)  # one micro-step per step: its backward runs the boundary
+            model.set_requires_gradient_sync(True)  # one micro-step per step: its backward runs the boundary
             loss = model(data[i].to(device, non_blocking=True)).loss
             loss.backward()
-            opt.clip_grad_norm_(1.0)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad()
             return loss.detach()

@@ -169,7 +169,7 @@ def train_sharded(mesh: Any, strategy: str, device: torch.device, *, delay_cycle
     ``NonFiniteGuard`` that decides whether the optimizer steps, as in ``train.py``."""
     import torch.distributed as dist
 
-    from paro_fsdp import ParoOptimizer, paro_shard
+    from paro_fsdp import paro_shard
 
     exact_math()
     if compiled:
@@ -177,7 +177,7 @@ def train_sharded(mesh: Any, strategy: str, device: torch.device, *, delay_cycle
     model = paro_shard(make_model(), mesh, strategy)
     add_delays(model, delay_cycles)
     record = compile_first_block(model, device.type) if compiled else None
-    opt = ParoOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     rank = dist.get_rank()
     data = [[batch(rank, s, a).to(device) for a in range(ACCUM)] for s in range(STEPS)]
     losses, norms = [], []
@@ -186,19 +186,19 @@ def train_sharded(mesh: Any, strategy: str, device: torch.device, *, delay_cycle
             step_hook(step)
         total = torch.zeros((), device=device)
         for a in range(ACCUM):
-            if compiled:
-                model.set_is_last_backward(a == ACCUM - 1)
+            model.set_requires_gradient_sync(a == ACCUM - 1)  # the boundary's reductions under the last backward
             loss = model(data[step][a]).loss / ACCUM
             loss.backward()
             total += loss.detach()
         stall(device, stall_cycles)
-        norm = opt.clip_grad_norm_(MAX_NORM)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).full_tensor()
         stall(device, stall_cycles)
         if guard is None or guard.allows_step(step + 1, total, norm, opt):
             opt.step()
         opt.zero_grad()
         losses.append(total)
         norms.append(norm)
+    model.wait_for_params()  # the last step's pushes to P, which a next forward would have waited for
     if step_hook is not None:
         step_hook(STEPS)
     out = {"losses": [float(x) for x in losses], "norms": [float(x) for x in norms],
