@@ -14,7 +14,8 @@ from .mesh import MeshInfo, mesh_device
 from .mixed_precision import MixedPrecision
 from .module import mix_in
 from .paro_cc import ParoCC
-from .param_group import ParamRef, ParoParamGroup
+from .param import ParamRef
+from .param_group import ParoParamGroup
 from .state import ParoBlock, ParoState, unwatch, watch
 from .strategy import PolicyLike, Strategy, resolve_policy
 from .streams import streams_for

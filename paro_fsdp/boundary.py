@@ -16,13 +16,12 @@ from typing import Generator
 import torch
 from torch.distributed.tensor import DTensor
 
-from .comm import Pending
-from .paro_cc import HierPending
-from .param_group import ParoParamGroup
+from .comm import Work
+from .param_group import GradState, ParoParamGroup
 from .strategy import Level
 
 #: one group's sequence of collectives
-Steps = Generator[Pending | HierPending, None, None]
+Steps = Generator[Work, None, None]
 
 
 def run(steps: Steps) -> None:
@@ -50,7 +49,7 @@ def drive(sequences: list[Steps]) -> None:
 
 def finalize_grads(group: ParoParamGroup) -> Steps:
     """The accumulated gradient, reduced over all ranks at the OS level, into the parameters' ``.grad``."""
-    if not group.trainable or not group.has_grads:
+    if not group.trainable or group.grads is not GradState.AT_G:
         return
     acc = group.grad_acc.sum()
     out: list[torch.Tensor] = []
@@ -117,7 +116,7 @@ def set_master_grads(group: ParoParamGroup, reduced: torch.Tensor) -> None:
         else:
             param.grad._local_tensor.add_(grad)
     group.grad_acc.zero()
-    group.has_grads = False
+    group.grads = GradState.EMPTY
 
 
 def gather_up(group: ParoParamGroup, flat: torch.Tensor, level: Level, target: Level, out: list[torch.Tensor]) -> Steps:

@@ -6,7 +6,7 @@ run eagerly and appear in compiled graphs, each counted with ``collectives.ring_
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -29,12 +29,25 @@ class Pending:
     keep: Any = field(default=None, repr=False)
     streams: CommStreams | None = field(default=None, repr=False)
 
+    def advance(self) -> None:
+        """One phase only: nothing to put on the wire before ``wait()`` (see ``Work``)."""
+
     def wait(self) -> torch.Tensor:
         if self.event is not None:
             self.streams.wait(self.event)
             self.event = self.keep = None
             return self.tensor
         return _ops.wait_tensor(self.tensor) if self.issued else self.tensor
+
+
+class Work(Protocol):
+    """Work in flight, the one type the engine holds across hooks: an issued collective
+    (``Pending``) or PaRO-CC's phases (``paro_cc.HierPending``). ``advance()`` puts its next
+    phase on the wire without waiting; ``wait()`` finishes it and returns the result."""
+
+    def advance(self) -> None: ...
+
+    def wait(self) -> torch.Tensor: ...
 
 
 def on_side_stream(streams: CommStreams, kind: str, keep: Any, issue: Callable[[], torch.Tensor]) -> Pending:

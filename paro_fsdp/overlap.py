@@ -79,7 +79,7 @@ class InFlight:
     def advance(self) -> None:
         """Issue the next phase of every started multi-phase collective (``HierPending.advance``)."""
         for e in self.entries:
-            if e.started and hasattr(e.pending, "advance"):
+            if e.started and e.pending is not None:
                 e.pending.advance()
 
     def finish(self, group: ParoParamGroup | None = None) -> bool:

@@ -14,49 +14,20 @@ order is fixed up afterwards. The accumulation boundary's moves are in boundary.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .comm import MeshComm, Pending
-from .paro_cc import HierPending, ParoCC
+from .comm import MeshComm, Work
+from .paro_cc import ParoCC
 from .layout import FlatLayout, TensorLayout, placements, tensor_layout
 from .mesh import MeshInfo, mesh_device
 from .mixed_precision import MixedPrecision
+from .param import ParamRef, ParoParam
 from .strategy import Level, Strategy
 from .streams import active
-
-
-@dataclass
-class ParamRef:
-    """What the engine keeps of an original parameter: its name, shape and every (module,
-    attribute) that holds it. ``source`` is the original tensor only until its group has copied
-    its shards out; the group then drops it, so the unsharded model is freed (as FSDP2 frees it)."""
-
-    fqn: str
-    like: nn.Parameter  # a meta Parameter of the original's shape (no memory), see ``of``
-    stride: tuple[int, ...]
-    requires_grad: bool
-    owners: list[tuple[nn.Module, str]] = field(default_factory=list)
-    source: torch.Tensor | None = None
-
-    @classmethod
-    def of(cls, fqn: str, param: nn.Parameter, owners: list[tuple[nn.Module, str]]) -> "ParamRef":
-        # a meta Parameter, not ints: dynamo keeps Parameter sizes static, while ints on plain
-        # objects turned symbolic when per-block graphs recompiled for the next block
-        like = nn.Parameter(torch.empty(param.shape, device="meta"), requires_grad=False)
-        return cls(fqn, like, tuple(param.stride()), param.requires_grad, owners, param)
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.like.shape
-
-    @property
-    def numel(self) -> int:
-        return self.like.numel()
 
 
 class GradAccumulator:
@@ -91,6 +62,12 @@ class GradAccumulator:
             self.tensor.zero_()
 
 
+class GradState(enum.Enum):
+    """A group's gradients between optimizer steps."""
+    EMPTY = 0  # nothing since the last reduction to the OS level (the parameters' .grad hold it)
+    AT_G = 1  # summed at the G level over unsynced micro-steps, not yet reduced to the OS level
+
+
 class ShardState(enum.Enum):
     SHARDED = 0
     GATHERING = 1  # first collective issued (prefetch), not yet copied out
@@ -121,61 +98,62 @@ class ParoParamGroup:
                     originals[i] = torch.empty(o.shape, dtype=torch.float32, device=device)
                     param_init_fn(r.fqn, originals[i])
         P, OS = strategy.p, strategy.os
+        n_t = len(self.trainable)
         with torch.no_grad():
-            # P storage, and the DTensor parameters that view it
+            # P storage: the working copies view it
             if P == Level.N:
                 self.p_flat = None
-                self.p_locals = [o.to(device=device, dtype=mp.param_dtype, copy=True) for o in originals]
+                working = [o.to(device=device, dtype=mp.param_dtype, copy=True) for o in originals]
             else:
                 self.p_flat = self.p_layout.new(P, mp.param_dtype, device)
                 # its size differs per group: left dynamic, the next block's graph would recompile symbolic
                 torch._dynamo.mark_static(self.p_flat)
-                self.p_locals = [self.p_layout.local_view(self.p_flat, t, P) for t in layouts]
-                for local, t, o in zip(self.p_locals, layouts, originals):
+                working = [self.p_layout.local_view(self.p_flat, t, P) for t in layouts]
+                for local, t, o in zip(working, layouts, originals):
                     local.copy_(t.local_slice(o, P, info.k))
+            self.params = [ParoParam(r, t, w) for r, t, w in zip(self.refs, layouts, working)]
             # fp32 master at the OS level: the module's parameters, which the user's optimizer updates.
             # Where P is the same level and dtype (fp32 P = OS) the P storage is the master: one copy.
             self.shares_p = P == OS and mp.param_dtype == torch.float32
             if self.shares_p:  # trainable tensors come first in P: the masters are its prefix
-                self.master_flat = self.p_flat if len(self.trainable) == len(self.refs) else None
-                self.master = self.p_locals[: len(self.trainable)]
+                self.master_flat = self.p_flat if n_t == len(self.refs) else None
+                masters = working[:n_t]
             elif OS == Level.N:
                 self.master_flat = None
-                self.master = [o.to(device=device, dtype=torch.float32, copy=True) for o in originals[: len(self.trainable)]]
+                masters = [o.to(device=device, dtype=torch.float32, copy=True) for o in originals[:n_t]]
             else:
                 self.master_flat = self.t_layout.new(OS, torch.float32, device)
-                self.master = [self.t_layout.local_view(self.master_flat, t, OS) for t in self.t_layout.tensors]
-                for local, t, o in zip(self.master, self.t_layout.tensors, originals):
+                masters = [self.t_layout.local_view(self.master_flat, t, OS) for t in self.t_layout.tensors]
+                for local, t, o in zip(masters, self.t_layout.tensors, originals):
                     local.copy_(t.local_slice(o, OS, info.k))
+            for p, m in zip(self.params, masters):
+                p.master = m
 
         # the module's parameters: trainable ones are the fp32 masters at the OS level (FSDP2's
         # sharded parameters), frozen ones their only copy, at the P level
-        self.sharded_params = []
-        for i, (ref, t) in enumerate(zip(self.refs, layouts)):
-            local, level = (self.master[i], OS) if i < len(self.trainable) else (self.p_locals[i], P)
-            dt = DTensor.from_local(local, info.mesh, placements(level, info.m), run_check=False, shape=t.shape, stride=ref.stride)
-            new = nn.Parameter(dt, requires_grad=ref.requires_grad)
-            for module, attr in ref.owners:
-                module._parameters[attr] = new
-            self.sharded_params.append(new)
-            ref.source = None
+        for p in self.params:
+            local, level = (p.master, OS) if p.trainable else (p.working, P)
+            dt = DTensor.from_local(local, info.mesh, placements(level, info.m), run_check=False, shape=p.layout.shape,
+                                    stride=p.ref.stride)
+            p.param = nn.Parameter(dt, requires_grad=p.trainable)
+            p.register()
+            p.ref.source = None
         del originals
         self.pushed_version = self.params_version()
 
-        # whole tensors while unsharded: views of the P storage (P = N) or of padded buffers
-        if P == Level.N:
-            self.full_bufs = None
-            self.full_params = list(self.p_locals)
-        else:
-            self.full_bufs = [torch.empty(info.m * t.size_i, dtype=mp.param_dtype, device=device) for t in layouts]
-            self.full_params = [b[: r.numel].view(r.shape) for b, r in zip(self.full_bufs, self.refs)]
-            for b in self.full_bufs:
-                b.untyped_storage().resize_(0)
+        # whole tensors while unsharded: the working copies (P = N) or views of padded buffers
+        for p in self.params:
+            if P == Level.N:
+                p.whole = p.working
+            else:
+                p.whole_buf = torch.empty(info.m * p.layout.size_i, dtype=mp.param_dtype, device=device)
+                p.whole = p.whole_buf[: p.ref.numel].view(p.ref.shape)
+                p.whole_buf.untyped_storage().resize_(0)
         self.state = ShardState.UNSHARDED if P == Level.N else ShardState.SHARDED
-        self._pending: Pending | HierPending | None = None
+        self._pending: Work | None = None
         self.grad_acc = GradAccumulator(self.t_layout.numel(strategy.g), mp.acc_dtype, device)
-        self._pending_rs: Pending | HierPending | None = None
-        self.has_grads = False  # the accumulator holds gradients not yet reduced to the OS level
+        self._pending_rs: Work | None = None
+        self.grads = GradState.EMPTY
         # a backward reduces to the OS level (the parameters' .grad) when both are set: FSDP2's
         # set_requires_gradient_sync and set_is_last_backward, True by default (as FSDP2 reduces)
         self.requires_sync = True
@@ -191,14 +169,38 @@ class ParoParamGroup:
         return self.requires_sync and self.is_last
 
     def params_version(self) -> int:
-        """Grows with every in-place write of a trainable parameter (an optimizer step, a load):
-        the DTensor's own counter (ops on the DTensor) plus its local tensor's (writes into
-        ``to_local()``, as DCP's load)."""
-        return sum(p._version + p._local_tensor._version for p in self.sharded_params[: len(self.trainable)])
+        """Grows with every in-place write of a trainable parameter (an optimizer step, a load)."""
+        return sum(p.version() for p in self.params if p.trainable)
+
+    # ---- the tensors' parts, in bucket order (trainable first): views over ``params`` ----------
+    @property
+    def sharded_params(self) -> list[nn.Parameter]:
+        """The module's parameters."""
+        return [p.param for p in self.params]
+
+    @property
+    def master(self) -> list[torch.Tensor]:
+        """The trainable tensors' OS-level fp32 shards (their parameters' local tensors)."""
+        return [p.master for p in self.params if p.trainable]
+
+    @property
+    def p_locals(self) -> list[torch.Tensor]:
+        """The P-level working copies."""
+        return [p.working for p in self.params]
+
+    @property
+    def full_bufs(self) -> list[torch.Tensor] | None:
+        """The whole tensors' padded buffers (None for P = N: the working copies are whole)."""
+        return None if self.strategy.p == Level.N else [p.whole_buf for p in self.params]
+
+    @property
+    def full_params(self) -> list[torch.Tensor]:
+        """The whole tensors (valid while gathered)."""
+        return [p.whole for p in self.params]
 
     # ---- the micro-step's moves, one implementation for the eager hooks and traced.py ---------
     # Buffer order and padding are decided here once: FULL for the intra level, NESTED for the global one.
-    def gather_params(self, parts: bool = False) -> Pending | HierPending:
+    def gather_params(self, parts: bool = False) -> Work:
         """Issue the all-gather of the P-level shard: FULL (P = I, one intra all-gather) or
         NESTED (P = G, the global PaRO-CC all-gather, whose inter phase goes first; ``parts``:
         its chunks as they arrived, for ``copy_out``)."""
@@ -246,7 +248,7 @@ class ParoParamGroup:
                 layout.copy_in(full, t, grad.to(dt))
         return full
 
-    def reduce_grad_buffer(self, buf: torch.Tensor) -> Pending | HierPending | None:
+    def reduce_grad_buffer(self, buf: torch.Tensor) -> Work | None:
         """Issue the reduction of ``grad_buffer``'s result to this rank's G-level shard: the
         global PaRO-CC reduce-scatter (G = G), one intra reduce-scatter (G = I), none (G = N)."""
         G = self.strategy.g
@@ -271,10 +273,11 @@ class ParoParamGroup:
         self.issue_unshard()
         gathered = self._pending.wait()  # FULL (P=I) or NESTED chunks (P=G)
         self._pending = None
-        for b, t in zip(self.full_bufs, self.p_layout.tensors):
+        for p in self.params:
+            b = p.whole_buf
             b.untyped_storage().resize_(b.numel() * b.element_size())
             with torch.autograd._unsafe_preserve_version_counter(b):
-                self.copy_out(gathered, t, b)
+                self.copy_out(gathered, p.layout, b)
         streams = active(self.comm.streams)
         if streams is not None:  # the result's memory is reused only after these copies (streams.py)
             streams.copied_out(gathered)
@@ -287,8 +290,8 @@ class ParoParamGroup:
             self._pending.wait()
             self._pending = None
         else:
-            for b in self.full_bufs:
-                b.untyped_storage().resize_(0)
+            for p in self.params:
+                p.whole_buf.untyped_storage().resize_(0)
         self.state = ShardState.SHARDED
 
     # ---- gradients: each micro-step (eager) ------------------------------------------------
@@ -297,7 +300,7 @@ class ParoParamGroup:
         reduce-scatter stays in flight (overlapping the next block's backward) until
         ``finish_grad_reduction``."""
         acc = self.grad_acc.ensure()
-        self.has_grads = True
+        self.grads = GradState.AT_G
         if self.strategy.g == Level.N:  # nothing on the wire: add straight into the accumulator
             self.grad_buffer(grads, into=acc)
             return
@@ -305,7 +308,7 @@ class ParoParamGroup:
 
     def advance_grad_reduction(self) -> None:
         """Put the in-flight reduction's next phase on the wire (PaRO-CC: the inter phase)."""
-        if self._pending_rs is not None and hasattr(self._pending_rs, "advance"):
+        if self._pending_rs is not None:
             self._pending_rs.advance()
 
     def finish_grad_reduction(self) -> None:
@@ -319,7 +322,7 @@ class ParoParamGroup:
         """Drop the gradients not yet reduced to the OS level (the parameters' ``.grad`` are the
         user's optimizer's to clear)."""
         self.grad_acc.zero()
-        self.has_grads = False
+        self.grads = GradState.EMPTY
 
     # ---- accounting ------------------------------------------------------------------------
     def os_dtensor(self, t: TensorLayout, local: torch.Tensor) -> DTensor:

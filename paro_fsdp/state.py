@@ -15,6 +15,7 @@ block's pre-forward, and a prefetch of it, wait for its groups' pushes first.
 """
 from __future__ import annotations
 
+import enum
 import weakref
 from functools import partial
 from typing import Any
@@ -31,10 +32,17 @@ from .hooks import Unshard, register_post_backward, register_pre_backward
 from .boundary import drive, finalize_grads, push_params
 from .mesh import MeshInfo
 from .overlap import InFlight, boundary_bytes, forward_dims, has_boundary_traffic, push_bytes, push_dims
-from .param_group import ParoParamGroup
+from .param_group import GradState, ParoParamGroup
 from .paro_cc import ParoCC
 from .streams import active
 from .traced import unshard as traced_unshard
+
+
+class TrainingState(enum.Enum):
+    """Where the model is between steps (FSDP2 keeps one per module; the root's is enough here)."""
+    NEW = 0  # no forward yet: the blocks' order is unknown, so pushes are not deferred to it
+    IDLE = 1  # between calls: a forward has shown the order
+    BACKWARD = 2  # a backward is running: the end-of-backward callback is queued
 
 
 class ParoBlock:
@@ -97,7 +105,8 @@ class ParoBlock:
                 state.forward_order = []
             else:
                 state.forward_order.append(self)
-            state.seen_forward = True
+            if state.training_state is TrainingState.NEW:
+                state.training_state = TrainingState.IDLE
             if self.is_root and (streams := active(state.comm.streams)) is not None:
                 streams.params_written()  # the step's P writes are queued: later gathers start after them
             self.gather()
@@ -180,8 +189,7 @@ class ParoState:
     def __init__(self, info: MeshInfo, comm: MeshComm, cc: ParoCC, blocks: list[ParoBlock]) -> None:
         self.info, self.comm, self.cc, self.blocks = info, comm, cc, blocks
         self.forward_order: list[ParoBlock] = []
-        self.seen_forward = False
-        self._backward_queued = False
+        self.training_state = TrainingState.NEW
         self.in_flight: list[tuple[ParoBlock, ParoParamGroup]] = []  # gradient reductions to the G level
         self.boundary = InFlight()  # last micro-step: reductions to the OS level (overlap.py)
         self.pushes = InFlight()  # after the step: master -> P level, waited at each pre-forward
@@ -196,8 +204,8 @@ class ParoState:
         self.queue_end_backward()
 
     def queue_end_backward(self) -> None:
-        if not self._backward_queued:
-            self._backward_queued = True
+        if self.training_state is not TrainingState.BACKWARD:
+            self.training_state = TrainingState.BACKWARD
             Variable._execution_engine.queue_callback(self.end_backward)
 
     def next_block(self, block: ParoBlock, backward: bool) -> ParoBlock | None:
@@ -252,10 +260,10 @@ class ParoState:
     def end_backward(self) -> None:
         """As FSDP2's root post-backward: every reduction lands, so after ``backward()`` each
         parameter whose group reduced holds its gradient in ``.grad``."""
-        self._backward_queued = False
+        self.training_state = TrainingState.IDLE
         self.finish_grad_reductions()
         self.boundary.finish()  # the boundary's reductions started under backward (overlap.py)
-        drive([finalize_grads(g) for g in self.groups if g.last_backward and g.has_grads])
+        drive([finalize_grads(g) for g in self.groups if g.last_backward and g.grads is GradState.AT_G])
         for b in self.blocks:
             for g in b.groups:
                 b.release(g)
@@ -290,7 +298,7 @@ class ParoState:
         traced block reads P inside its graph), after a forward has shown the order, not while
         torch.profiler records (a collective it saw issued must not be waited after it stopped:
         gloo's wait crashed there), and no forward all-gather sharing a process group with a push."""
-        if not self.seen_forward or any(b.traced for b in self.blocks) or torch.autograd._profiler_enabled():
+        if self.training_state is TrainingState.NEW or any(b.traced for b in self.blocks) or torch.autograd._profiler_enabled():
             return False
         gathers = set().union(*(forward_dims(g) for g in self.groups))
         return not any(push_dims(g) & gathers for g in self.groups)
@@ -318,7 +326,7 @@ def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: A
 def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """A step over parameters whose gradients are still at the G level (every backward since the
     last step ran with ``set_requires_gradient_sync(False)``) would silently skip them: refuse."""
-    pending = [g for state in list(_watched) for g in state.groups if g.has_grads]
+    pending = [g for state in list(_watched) for g in state.groups if g.grads is GradState.AT_G]
     if not pending:
         return
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}

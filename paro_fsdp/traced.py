@@ -30,6 +30,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from ._compat import isolate_compile_cache  # noqa: F401 - callers compiling the engine import it from here
 from .boundary import push_params, reduce_to_os, run, set_master_grads
+from .param_group import GradState
 from .strategy import Level
 
 if TYPE_CHECKING:
@@ -145,7 +146,7 @@ def make_sinks(group: "ParoParamGroup") -> None:
     def hand_over(leaf: torch.Tensor) -> None:
         group.grad_acc.add(leaf.grad)
         leaf.grad = None
-        group.has_grads = True
+        group.grads = GradState.AT_G
 
     def hand_to_masters(leaf: torch.Tensor) -> None:
         set_master_grads(group, leaf.grad)

@@ -126,7 +126,6 @@ def rank_main(payload: dict) -> dict:
             case["second_backward_adds"] = all(torch.allclose(p.grad.to_local(), grads[0][n] + grads[1][n], rtol=1e-5, atol=1e-7)
                                                for n, p in model.named_parameters() if p.requires_grad)
             opt.zero_grad()
-            model.set_requires_gradient_sync(False)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
                 model(batch(rank, 7, 0)).loss.backward()
                 opt.step()

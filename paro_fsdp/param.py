@@ -1,0 +1,82 @@
+"""``ParoParam``: one sharded tensor, as FSDP2's ``FSDPParam``.
+
+Why one object per tensor: a tensor's name and owners, its layout at every level, the module's
+parameter (the optimizer's, at the OS level), the engine's P-level working copy and the whole
+tensor the block computes with belong together; the group (param_group.py) keeps the flat
+buffers they view, so each collective still moves a whole bucket at once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from .layout import TensorLayout
+
+
+@dataclass
+class ParamRef:
+    """What the engine keeps of an original parameter: its name, shape and every (module,
+    attribute) that holds it. ``source`` is the original tensor only until its group has copied
+    its shards out; the group then drops it, so the unsharded model is freed (as FSDP2 frees it)."""
+
+    fqn: str
+    like: nn.Parameter  # a meta Parameter of the original's shape (no memory), see ``of``
+    stride: tuple[int, ...]
+    requires_grad: bool
+    owners: list[tuple[nn.Module, str]] = field(default_factory=list)
+    source: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, fqn: str, param: nn.Parameter, owners: list[tuple[nn.Module, str]]) -> "ParamRef":
+        # a meta Parameter, not ints: dynamo keeps Parameter sizes static, while ints on plain
+        # objects turned symbolic when per-block graphs recompiled for the next block
+        like = nn.Parameter(torch.empty(param.shape, device="meta"), requires_grad=False)
+        return cls(fqn, like, tuple(param.stride()), param.requires_grad, owners, param)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.like.shape
+
+    @property
+    def numel(self) -> int:
+        return self.like.numel()
+
+
+@dataclass
+class ParoParam:
+    """One tensor of a group. ``param``: the module's parameter, an fp32 DTensor at the OS level
+    (trainable; what the user's optimizer updates) or the P-level one (frozen: its only copy);
+    ``working``: this rank's P-level shard in param dtype, a view of the group's P storage (the
+    master itself where fp32 P = OS); ``master``: this rank's OS-level fp32 shard (``param``'s
+    local tensor; None when frozen); ``whole`` / ``whole_buf``: the whole tensor while gathered
+    and its padded buffer (None for P = N, where ``whole`` is ``working``); ``grad_offset``:
+    where its rows start in the group's G-level accumulator (trainable only)."""
+
+    ref: ParamRef
+    layout: TensorLayout
+    working: torch.Tensor
+    master: torch.Tensor | None = None
+    param: nn.Parameter | None = None
+    whole: torch.Tensor | None = None
+    whole_buf: torch.Tensor | None = None
+
+    @property
+    def fqn(self) -> str:
+        return self.ref.fqn
+
+    @property
+    def trainable(self) -> bool:
+        return self.ref.requires_grad
+
+    def version(self) -> int:
+        """Grows with every in-place write of the parameter: the DTensor's own counter (ops on
+        the DTensor, an optimizer step, a load) plus its local tensor's (writes into
+        ``to_local()``, as DCP's load)."""
+        return self.param._version + self.param._local_tensor._version
+
+    def register(self) -> None:
+        """Put ``param`` on every module attribute that held the original."""
+        for module, attr in self.ref.owners:
+            module._parameters[attr] = self.param
