@@ -3,19 +3,22 @@
     python -m torchtitan.train --module paro_fsdp.integrations.torchtitan \\
         --config llama3_8b_paro --paro.strategy IIG --paro.group_size 8
 
-torchtitan keeps its model, data, loss, LR schedule, metrics, checkpointer and loop. What
-changes: ``parallelize_paro`` (its AC and per-block compile, with the engine's hooks inside each
-block's graph, then ``paro_shard`` on the blocks unwrapped from the AC wrapper, so recomputation
-re-gathers; gradients summed, as its loss is already divided by the global token count);
-parameters drawn inside ``paro_shard`` by its own per-parameter initialisers, seeded by name;
-``ParoOptimizersContainer`` (clips at ``step()``, its ``clip_grad_norm_`` sees no ``.grad``; a
-flat DTensor state dict that interchanges with FSDP2, plus each fp32 master so a bf16 resume
-does not drift); ``ParoTrainer`` (marks the last micro-batch, computes the chunked loss
-unchunked, reads checkpoints through ``safe_load``: torchtitan's ``dcp.load`` would unpickle a
-crafted folder on every rank).
+torchtitan keeps its model, data, loss, LR schedule, metrics, checkpointer and loop, and, as the
+sharded model keeps FSDP2's contract (docs/fsdp2.md), its own optimizers container (param groups
+by regex included) over ``model.parameters()`` (the fp32 masters, DTensors at each tensor's OS
+level), its own ``clip_grad_norm_`` over their ``.grad`` and its own checkpoint states (the model's
+state dict holds the fp32 masters, the optimizer's is FQN-keyed DTensors: checkpoints interchange
+with FSDP2's, a bf16 resume included). What changes: ``parallelize_paro`` (its AC and per-block
+compile, with the engine's hooks inside each block's graph, then ``paro_shard`` on the blocks
+unwrapped from the AC wrapper, so recomputation re-gathers; gradients summed, as its loss is
+already divided by the global token count); parameters drawn inside ``paro_shard`` by its own
+per-parameter initialisers, seeded by name; ``ParoTrainer`` (reduces the gradients on the last
+micro-batch only, ``set_requires_gradient_sync``; computes the chunked loss unchunked; reads
+checkpoints through ``safe_load``: torchtitan's ``dcp.load`` would unpickle a crafted folder on
+every rank).
 
-Not supported (a clear error at start-up): tensor, pipeline, context and expert parallelism,
-HSDP replicate degrees (PaRO's group size replaces them), and regex optimizer param groups.
+Not supported (a clear error at start-up): tensor, pipeline, context and expert parallelism, and
+HSDP replicate degrees (PaRO's group size replaces them).
 """
 from __future__ import annotations
 
@@ -28,19 +31,16 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
-from torch.optim import Optimizer
 
 from torchtitan.components.checkpointer.utils import canonical_fqn
-from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
-from paro_fsdp import MixedPrecision, ParoOptimizer, init_paro_mesh, paro_shard
-from paro_fsdp.checkpoint_files import SafeReader, safe_load
+from paro_fsdp import MixedPrecision, init_paro_mesh, paro_shard
+from paro_fsdp.checkpoint_files import safe_load
 
-__all__ = ["ParoConfig", "ParoOptimizersContainer", "ParoTrainer", "parallelize_paro", "safe_dcp_load",
+__all__ = ["ParoConfig", "ParoTrainer", "parallelize_paro", "safe_dcp_load", "mark_written_after_step",
            "llama3_debug_paro", "llama3_8b_paro", "llama3_70b_paro", "to_paro"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -69,10 +69,10 @@ class ParoConfig:
 
 # ---- the model ------------------------------------------------------------------------------
 class _TitanParoModel:
-    """Mixed into the sharded model's class: torchtitan calls ``to_empty`` and ``init_weights``
-    after its parallelize function. The parameters were materialised inside ``paro_shard``,
-    and re-allocating or re-drawing them would detach them from the engine's storage (and
-    leave the fp32 masters stale), so only buffers are allocated and initialised."""
+    """Mixed into the sharded model's class (which keeps its name): torchtitan calls
+    ``to_empty`` and ``init_weights`` after its parallelize function. The parameters (the fp32
+    masters) were materialised inside ``paro_shard``, and re-allocating them would detach them
+    from the engine's storage, so only buffers are allocated and initialised."""
 
     def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> nn.Module:
         for module in self.modules():
@@ -170,7 +170,8 @@ def parallelize_paro(model: nn.Module, *, parallel_dims: Any, training: Any, par
     model.set_gradient_divide_factor(1.0)  # torchtitan's loss is already divided by the global token count
     logger.info(startup_line(model, paro, mp, len(blocks)))
     cls = model.__class__
-    model.__class__ = type(cls.__name__, (_TitanParoModel, cls), {})
+    model.__class__ = type(cls.__name__, (_TitanParoModel, cls),
+                           {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
     return model
 
 
@@ -182,7 +183,7 @@ def startup_line(model: nn.Module, paro: ParoConfig, mp: MixedPrecision, n_block
     short = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
     return (f"PaRO {'/'.join(strategies)}{policy}, groups of {info.m} ({info.g} groups, {info.n} ranks): "
             f"{n_blocks} blocks + root, P {short[mp.param_dtype]}, gradients {short[mp.grad_dtype]} (summed in "
-            f"{short[mp.acc_dtype]}), fp32 masters and optimizer state at the OS level, reshard_after_forward "
+            f"{short[mp.acc_dtype]}), parameters = fp32 masters and optimizer state at the OS level, reshard_after_forward "
             f"{paro.reshard_after_forward} (FSDP2 instead: --paro.no-enable)")
 
 
@@ -196,130 +197,20 @@ def check_supported(parallelism: Any) -> None:
                              f"set it to 1 or run FSDP2 with --paro.enable false")
 
 
-def check_param_groups(groups: list[Any]) -> None:
-    """One catch-all optimizer group: the masters are flat per block and strategy."""
-    if len(groups) != 1 or groups[0].pattern not in (".*", "", "^.*$"):
-        raise ValueError(
-            f"optimizer.param_groups: {len(groups)} group(s) ({[g.pattern for g in groups]}); PaRO takes one "
-            f"catch-all group (pattern '.*'). Regex param groups are not supported with PaRO: put per-tensor "
-            f"strategies in paro.policy, or run FSDP2 with --paro.enable false")
+# ---- the optimizers ----------------------------------------------------------------------------
+def mark_written_after_step(optimizer: torch.optim.Optimizer) -> None:
+    """After each ``step()``, bump the version counters of the parameters it updated.
 
+    Why: the engine sees an update of the parameters by their version counters (docs/fsdp2.md),
+    and torch 2.13's multi-tensor AdamW paths write them in place without bumping any: fused
+    (``_fused_adamw_``, torchtitan's default ``implementation``), plain tensors and DTensors
+    alike, and foreach on DTensors; the working copies would stay stale (the next step's loss off
+    by 1e-3). The optimizer's own post-hooks run before torch's global ones, where the engine
+    looks, so the refresh starts as the step ends."""
+    def bump(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        torch.autograd.graph.increment_version([p for g in opt.param_groups for p in g["params"] if p.grad is not None])
 
-# ---- the optimizer --------------------------------------------------------------------------
-class ParoOptimizersContainer(OptimizersContainer):
-    """torchtitan's optimizers container around one ``ParoOptimizer``. ``optimizers`` holds
-    the inner torch optimizer (over the fp32 master shards), which torchtitan's LR schedulers
-    wrap; ``step()`` finishes the gradient reduction, clips by the global norm (kept in
-    ``grad_norm`` for the log) and updates. A model that is not PaRO-sharded (``paro.enable =
-    false``) gets torchtitan's own container unchanged."""
-
-    @dataclass(kw_only=True, slots=True)
-    class Config(OptimizersContainer.Config):
-        max_norm: float = 1.0
-        """Clipping norm; ``ParoTrainer`` copies ``training.max_norm`` here."""
-
-    def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
-        self.paro: ParoOptimizer | None = None
-        self.grad_norm = torch.zeros(())
-        if not any(hasattr(m, "_paro_state") for m in model_parts):
-            OptimizersContainer.__init__(self, config, model_parts=model_parts)
-            return
-        if len(model_parts) != 1:
-            raise ValueError("PaRO runs one model part (no pipeline parallelism)")
-        check_param_groups(config.param_groups)
-        group = config.param_groups[0]
-        factory = self._resolve_optimizer_factory(group.optimizer_name)
-        if factory not in (torch.optim.Adam, torch.optim.AdamW):
-            raise ValueError(f"optimizer {group.optimizer_name!r} is not supported with PaRO (Adam, AdamW)")
-        kwargs = {**self._build_impl_kwargs(config), **group.optimizer_kwargs}
-        self.model_parts = model_parts
-        self.max_norm = float(config.max_norm)
-        self.paro = ParoOptimizer(model_parts[0], factory, **kwargs)
-        self.optimizers = [self.paro.inner]
-        Optimizer.__init__(self, list(self.paro.fqn_of), {})
-
-    def step(self, closure: Callable[[], float] | None = None) -> None:
-        if self.paro is None:
-            return OptimizersContainer.step(self, closure)
-        assert closure is None, "OptimizersContainer does not support closures"
-        self.grad_norm = self.paro.clip_grad_norm_(self.max_norm)
-        self.paro.step()
-        return None
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        if self.paro is None:
-            return OptimizersContainer.zero_grad(self, set_to_none)
-        self.paro.zero_grad(set_to_none)
-
-    def _names(self) -> list[tuple[str, torch.Tensor]]:
-        return [(canonical_fqn(self.paro.fqn_of[m]), m) for pg in self.paro.inner.param_groups for m in pg["params"]]
-
-    def state_dict(self) -> dict[str, Any]:
-        """torchtitan's flat format (``state.{fqn}.{name}``, ``param_groups.{fqn}.{key}``), the
-        per-parameter states as DTensors at the OS level, so DCP reshards them to any mesh and
-        any strategy, FSDP2's included."""
-        if self.paro is None:
-            return OptimizersContainer.state_dict(self)
-        p = self.paro
-        p._ensure_state()
-        layout_of = {id(m): (g, t) for g in p.groups for t, m in zip(g.t_layout.tensors, g.master)}
-        flat: dict[str, Any] = {}
-        for fqn, m in self._names():
-            g, t = layout_of[id(m)]
-            for key, value in p.inner.state[m].items():
-                if torch.is_tensor(value) and value.dim() and value.shape == m.shape:
-                    value = g.os_dtensor(t, value)
-                flat[f"state.{fqn}.{key}"] = value
-            flat[f"state.{fqn}.{MASTER}"] = g.os_dtensor(t, m.detach())  # a view: DCP loads the master in place
-        for pg in p.inner.param_groups:
-            for m in pg["params"]:
-                fqn = canonical_fqn(p.fqn_of[m])
-                for key, value in pg.items():
-                    if key not in ("params", "param_names"):
-                        flat[f"param_groups.{fqn}.{key}"] = value
-        return flat
-
-    @torch.no_grad()
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if self.paro is None:
-            return OptimizersContainer.load_state_dict(self, state_dict)
-        p = self.paro
-        p._ensure_state()
-        for fqn, m in self._names():
-            state = p.inner.state[m]
-            for key, old in [(MASTER, m)] + [(k, state[k]) for k in list(state)]:
-                value = state_dict.get(f"state.{fqn}.{key}")
-                value = value.to_local() if isinstance(value, DTensor) else value
-                if value is None or (torch.is_tensor(old) and old.data_ptr() == value.data_ptr()):
-                    continue  # not saved, or DCP loaded it in place
-                if torch.is_tensor(old):
-                    old.copy_(value)
-                else:
-                    state[key] = value
-        for pg in p.inner.param_groups:
-            fqn = canonical_fqn(p.fqn_of[pg["params"][0]])
-            for key in list(pg):
-                if key not in ("params", "param_names") and f"param_groups.{fqn}.{key}" in state_dict:
-                    pg[key] = state_dict[f"param_groups.{fqn}.{key}"]
-
-
-MASTER = "master_fp32"  # the container's key for a parameter's fp32 master (``state.{fqn}.master_fp32``)
-
-
-class _SavedKeysOnly:
-    """The optimizers container as DCP's Stateful, asking only for the fp32 masters the
-    checkpoint holds: one FSDP2 wrote has none (the masters then come from the model's weights,
-    ``ParoModule.load_state_dict``), and DCP refuses a key the checkpoint lacks."""
-
-    def __init__(self, inner: Any, saved: set[str], prefix: str) -> None:
-        self.inner, self.saved, self.prefix = inner, saved, prefix
-
-    def state_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in self.inner.state_dict().items()
-                if not k.endswith(f".{MASTER}") or f"{self.prefix}.{k}" in self.saved}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.inner.load_state_dict(state_dict)
+    optimizer.register_step_post_hook(bump)
 
 
 # ---- the trainer ----------------------------------------------------------------------------
@@ -338,12 +229,6 @@ def safe_dcp_load(checkpointer: Any, state_dict: dict[str, Any], checkpoint_id: 
         safe_load(hf_state_dict, storage_reader=adapter.get_hf_storage_reader(checkpoint_id, from_quantized))
         checkpointer.states[MODEL].load_state_dict(adapter.from_hf(hf_state_dict))
     else:
-        from torchtitan.components.checkpointer.base import OPTIMIZER
-
-        container = state_dict.get(OPTIMIZER)
-        if isinstance(container, ParoOptimizersContainer) and container.paro is not None:
-            saved = set(SafeReader(checkpoint_id).read_metadata().state_dict_metadata)
-            state_dict = {**state_dict, OPTIMIZER: _SavedKeysOnly(container, saved, OPTIMIZER)}
         safe_load(state_dict, checkpoint_id)
         if MODEL in checkpointer.states:  # torchtitan flattens the model's states into state_dict
             checkpointer.states[MODEL].load_state_dict(state_dict)
@@ -351,9 +236,11 @@ def safe_dcp_load(checkpointer: Any, state_dict: dict[str, Any], checkpoint_id: 
 
 class ParoTrainer(Trainer):
     """torchtitan's ``Trainer`` with a ``paro`` config section. With ``paro.enable`` it swaps
-    in ``parallelize_paro`` and ``ParoOptimizersContainer``, marks the last micro-batch of each
-    step, and logs the norm the container clipped by; without, it is torchtitan's trainer.
-    Either way its checkpoints are read with ``safe_dcp_load`` (no code runs from a folder)."""
+    in ``parallelize_paro`` and reduces the gradients on the last micro-batch of each step only
+    (``set_requires_gradient_sync``: the others keep them at the G level); the optimizers
+    container, clipping, LR schedule and checkpoint states are torchtitan's own. Without, it is
+    torchtitan's trainer. Either way its checkpoints are read with ``safe_dcp_load`` (no code
+    runs from a folder)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
@@ -362,7 +249,6 @@ class ParoTrainer(Trainer):
         def __post_init__(self) -> None:
             if self.paro.enable:  # first: torchtitan's own checks would name other keys (CUDA graphs with PP)
                 check_supported(self.parallelism)
-                check_param_groups(self.optimizer.param_groups)
             Trainer.Config.__post_init__(self)
 
     def __init__(self, config: Config) -> None:
@@ -371,11 +257,6 @@ class ParoTrainer(Trainer):
             spec = config.model_spec
             config.model_spec = dataclasses.replace(spec, parallelize_fn=partial(parallelize_paro, paro=config.paro),
                                                     pipelining_fn=None)
-            opt = config.optimizer
-            if not isinstance(opt, ParoOptimizersContainer.Config):
-                opt = ParoOptimizersContainer.Config(**{f.name: getattr(opt, f.name) for f in dataclasses.fields(opt)})
-            opt.max_norm = float(config.training.max_norm)
-            config.optimizer = opt
             from torchtitan.components.loss import ChunkedLossWrapper
 
             if isinstance(config.loss, ChunkedLossWrapper.Config):
@@ -385,14 +266,8 @@ class ParoTrainer(Trainer):
         super().__init__(config)
         self._read_checkpoints_safely()
         if config.paro.enable:
-            self.titan_log = self.metrics_processor.log
-
-            def log_paro_norm(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
-                # torchtitan's own clip saw no .grad (the masters hold the gradients): log ours
-                return self.titan_log(step, global_avg_loss, global_max_loss, float(self.optimizers.grad_norm),
-                                      extra_metrics=extra_metrics)
-
-            self.metrics_processor.log = log_paro_norm
+            for optimizer in self.optimizers.optimizers:
+                mark_written_after_step(optimizer)
 
     def _read_checkpoints_safely(self) -> None:
         """Route the checkpointer's loads (resume, ``initial_load_path``, HF) through
@@ -406,9 +281,12 @@ class ParoTrainer(Trainer):
 
     def forward_backward_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.config.paro.enable:
+            # FSDP2 reduces every micro-batch; PaRO keeps the gradients at the G level until the
+            # last one, whose backward reduces them into the parameters' .grad for torchtitan's
+            # clip_grad_norm_ and optimizers
             self._micro += 1
             for m in self.model_parts:
-                m.set_is_last_backward(self._micro == self.gradient_accumulation_steps)
+                m.set_requires_gradient_sync(self._micro == self.gradient_accumulation_steps)
         return super().forward_backward_step(*args, **kwargs)
 
 
