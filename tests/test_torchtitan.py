@@ -1,8 +1,11 @@
 """PaRO inside torchtitan 0.3's real Trainer (issue 12) on CPU: a single-rank torchtitan FSDP2
 run is the reference (the 4 ranks' batches side by side); PaRO on a 2x2 gloo world must agree
-with it and across strategies to 1e-5, under activation checkpointing and gradient
-accumulation, resume exactly, continue after model-only loads, and interchange checkpoints
-with FSDP2 both ways. Shims for CPU live in tests/harness/titan_shims.py.
+with it and across strategies to 1e-5, under activation checkpointing, gradient accumulation
+and regex optimizer param groups, resume exactly, continue after model-only loads, and
+interchange checkpoints with FSDP2 both ways. The optimizers container, the gradient clipping
+and the checkpoint states are torchtitan's own on both sides (FSDP2's contract: the parameters
+are the fp32 masters, holding their gradients after the last micro-batch's backward). Shims for
+CPU live in tests/harness/titan_shims.py.
 
 Every run starts from one seed checkpoint (torchtitan's ``create_seed_checkpoint``, written by a
 single-rank FSDP2 trainer) loaded model-only through ``checkpoint.initial_load_path``, so the
@@ -44,9 +47,9 @@ B, T = 2, 32
 def config(*, paro: bool = True, strategy: str = "IIG", group_size: int = 2, steps: int = 4, accum: int = 1,
            emulate_world: int = 0, ac: str | None = None, compile: bool = False, folder: str | None = None,
            seed_from: str | None = None, save_every: int = 0, resume: bool = False, model_only_from: str | None = None,
-           dtype: str = "float32"):
+           dtype: str = "float32", groups: bool = False):
     """A ``ParoTrainer.Config``: local batch ``B`` per rank (``B * emulate_world`` in a
-    single-process reference), ``accum`` micro-batches per step."""
+    single-process reference), ``accum`` micro-batches per step; ``groups``: ``param_groups``."""
     import titan_shims  # noqa: F401  (before torchtitan's modules)
     import torch.distributed as dist
     from titan_shims import SynthLoader, SynthTokenizer, sdpa_model_spec
@@ -81,7 +84,24 @@ def config(*, paro: bool = True, strategy: str = "IIG", group_size: int = 2, ste
     if seed_from or model_only_from:
         ck.initial_load_path = seed_from or model_only_from
         ck.initial_load_model_only = True
+    if groups:
+        cfg.optimizer.param_groups = param_groups(cfg.optimizer.param_groups[0])
     return to_paro(cfg, enable=paro, strategy=strategy, group_size=group_size)
+
+
+def param_groups(catch_all):
+    """torchtitan's regex param groups: the norms without weight decay at twice the learning
+    rate, the embedding and output with other betas, then the catch-all as configured."""
+    import dataclasses
+
+    from torchtitan.components.optimizer import ParamGroupConfig
+
+    kw = dict(catch_all.optimizer_kwargs)
+    return [ParamGroupConfig(pattern=r"norm", optimizer_name="AdamW",
+                             optimizer_kwargs={**kw, "weight_decay": 0.0, "lr": 2 * kw["lr"]}),
+            ParamGroupConfig(pattern=r"^(tok_embeddings|output)\.", optimizer_name="AdamW",
+                             optimizer_kwargs={**kw, "betas": (0.8, 0.9)}),
+            dataclasses.replace(catch_all, pattern=".*")]
 
 
 def train(cfg) -> dict[str, Any]:
@@ -109,15 +129,13 @@ def train(cfg) -> dict[str, Any]:
     finally:
         logger.removeHandler(lines)
         logger.setLevel(level)
-    owner = trainer if hasattr(trainer, "titan_log") else trainer.metrics_processor  # PaRO logs its own norm
-    attr = "titan_log" if owner is trainer else "log"
-    log, rows = getattr(owner, attr), []
+    log, rows = trainer.metrics_processor.log, []  # the norm torchtitan's own clip_grad_norm_ returned
 
     def record(step, loss, max_loss, grad_norm, extra_metrics=None):
         rows.append((int(step), float(loss), float(grad_norm)))
         return log(step, loss, max_loss, grad_norm, extra_metrics=extra_metrics)
 
-    setattr(owner, attr, record)
+    trainer.metrics_processor.log = record
     try:
         trainer.train()
         model = trainer.model_parts[0]
@@ -163,7 +181,8 @@ def _drop_step(folder: str, step: int) -> None:
 def single(payload: dict) -> dict[str, Any]:
     """One rank: torchtitan FSDP2 runs that draw the 4 ranks' batches side by side (the
     single-process reference). Cases, in order: ``ref`` (the seed checkpoint, then 4 steps
-    from it, saving steps 2 and 4: the interchange and model-only cases read them), ``ref_ga2``
+    from it, saving steps 2 and 4: the interchange and model-only cases read them),
+    ``ref_groups`` (regex optimizer param groups), ``ref_ga2``
     (2 micro-batches), ``ref_model_only`` (ref's step-4 weights loaded model-only),
     ``from_paro`` (FSDP2 resumes from a PaRO run's step-2 checkpoint, ``payload["paro_root"]``)."""
     root, out = payload["root"], {}
@@ -173,6 +192,9 @@ def single(payload: dict) -> dict[str, Any]:
             seed = seed_checkpoint(os.path.join(root, "seed"))
             out[case] = train(config(paro=False, emulate_world=4, seed_from=seed, folder=os.path.join(root, "ref"),
                                      save_every=2))
+        elif case == "ref_groups":
+            out[case] = train(config(paro=False, emulate_world=4, seed_from=seed, groups=True,
+                                     folder=os.path.join(root, case)))
         elif case == "ref_ga2":
             out[case] = train(config(paro=False, emulate_world=4, accum=2, seed_from=seed,
                                      folder=os.path.join(root, case)))
@@ -204,6 +226,7 @@ def world(payload: dict) -> dict[str, Any]:
     4), a ``VARIANTS`` name, ``resume`` (IIG's step 4 dropped: resumes from step 2), ``bf16`` and
     ``resume_bf16`` (the same in bf16),
     ``from_fsdp`` (the FSDP2 reference's step-2 checkpoint resumed on four ranks),
+    ``groups`` (IIG with regex optimizer param groups),
     ``model_only`` (the reference's step-4 weights loaded model-only, GGG)."""
     root, out = payload["root"], {}
     seed = os.path.join(root, "seed", "checkpoint", "step-0")
@@ -221,6 +244,8 @@ def world(payload: dict) -> dict[str, Any]:
             folder = os.path.join(root, "paro_bf16")
             _drop_step(folder, 4)
             out[case] = train(config(strategy="IIG", folder=folder, resume=True, dtype="bfloat16"))
+        elif case == "groups":
+            out[case] = train(config(strategy="IIG", seed_from=seed, groups=True, folder=os.path.join(root, case)))
         elif case == "from_fsdp":
             folder = os.path.join(root, case)
             _copy_step(os.path.join(root, "ref"), folder, 2)
@@ -244,13 +269,13 @@ def root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ref(root):
-    return run_world(1, single, {"root": root, "cases": ["ref"]})[0]
+    return run_world(1, single, {"root": root, "cases": ["ref", "ref_groups"]})[0]
 
 
 @pytest.fixture(scope="module")
 def got(root, ref):
     return run_world(4, world, {"root": root, "cases": FAST_STRATEGIES + ["resume", "from_fsdp", "bf16",
-                                                                                        "resume_bf16"]})[0]
+                                                                                        "resume_bf16", "groups"]})[0]
 
 
 @pytest.fixture(scope="module")
@@ -306,9 +331,9 @@ def test_resume_is_exact(got):
 
 
 def test_bf16_resume_is_exact(got):
-    """In bf16 (torchtitan's default) the model's state dict holds P in bf16; the container
-    saves the fp32 masters beside the moments, so the resumed run repeats the uninterrupted
-    one exactly, as FSDP2's (before: 2.1e-3 off at step 4 of 8, masters rebuilt from bf16)."""
+    """In bf16 (torchtitan's default) the model's state dict holds the fp32 masters, as FSDP2's
+    holds its fp32 sharded parameters, so the resumed run repeats the uninterrupted one exactly
+    (before the masters were saved: 2.1e-3 off at step 4 of 8, masters rebuilt from bf16)."""
     import torch
 
     full, resumed = got["bf16"], got["resume_bf16"]
@@ -382,21 +407,30 @@ def test_model_only_load_continues(got_more, ref_more):
     same_weights(got_more["model_only"]["weights"], ref_more["ref_model_only"]["weights"])
 
 
+def test_regex_param_groups_match_single_process(got, ref):
+    """torchtitan's own optimizers container over the parameters (the fp32 masters) takes its
+    regex param groups as under FSDP2: three groups (norms without weight decay at twice the
+    learning rate, embedding and output with other betas, the rest), the same losses, norms
+    and weights as the FSDP2 reference with those groups; and they differ from the one-group
+    run (the groups took effect)."""
+    import torch
+
+    same(got["groups"]["rows"], ref["ref_groups"]["rows"])
+    same_weights(got["groups"]["weights"], ref["ref_groups"]["weights"])
+    norm = next(n for n in ref["ref"]["weights"] if "norm" in n)
+    assert not torch.allclose(ref["ref_groups"]["weights"][norm], ref["ref"]["weights"][norm], rtol=0, atol=TOL)
+
+
 @pytest.mark.parametrize("what", ["tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree",
-                                  "expert_parallel_degree", "param_groups"])
+                                  "expert_parallel_degree"])
 def test_unsupported_configs_stop_with_a_clear_error(what):
     import titan_shims  # noqa: F401
-    from torchtitan.components.optimizer import ParamGroupConfig
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
     from paro_fsdp.integrations.torchtitan import to_paro
 
     cfg = llama3_debugmodel()
-    if what == "param_groups":
-        cfg.optimizer.param_groups = [ParamGroupConfig(pattern=r"\.bias$", optimizer_name="AdamW"),
-                                      ParamGroupConfig(pattern=".*", optimizer_name="AdamW")]
-    else:
-        setattr(cfg.parallelism, what, 2)
+    setattr(cfg.parallelism, what, 2)
     if what == "pipeline_parallel_degree":  # else torchtitan's own check (CUDA graphs) stops FSDP2 first
         cfg.training.disable_cuda_graphs = True
     with pytest.raises(ValueError, match=what):

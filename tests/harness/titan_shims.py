@@ -1,7 +1,7 @@
 """Test-only shims that let torchtitan 0.3's real Trainer run on CPU gloo ranks (never in the
 package): the CPU device instead of a forced cuda, triton's import stubbed, the
-``torch.distributed.set_timeout`` torch 2.13 lacks, an exact (float64) gradient norm for the
-reference, SDPA attention (flex has no CPU backward),
+``torch.distributed.set_timeout`` torch 2.13 lacks, an exact (float64) gradient norm (both
+sides), SDPA attention (flex has no CPU backward),
 and a generated tokenizer and data set (the wheel ships none).
 
 ``install()`` must run before anything imports torchtitan."""
@@ -31,10 +31,11 @@ def install() -> None:
 
         stub.__getattr__ = missing
         sys.modules[name] = stub
-    # the reference's gradient norm (torchtitan's clip_grad_norm_ calls get_total_norm): torch's
-    # CPU float32 norm kernels accumulate in float32, off by ~1.5e-4 relative on the debug
-    # model's 0.5M-element output layer, more than the 1e-5 the tests compare to; in float64
-    # the reference's norm is the exact norm of its gradients (PaRO's engine does the same on CPU)
+    # the gradient norm (torchtitan's clip_grad_norm_ calls get_total_norm, over the
+    # reference's parameters and over PaRO's DTensor ones alike): torch's CPU float32 norm kernels
+    # accumulate in float32, off by ~1.5e-4 relative on the debug model's 0.5M-element output
+    # layer, more than the 1e-5 the tests compare to; in float64 each side's norm is the exact
+    # norm of its gradients, whatever the shards
     if not getattr(torch.nn.utils.get_total_norm, "_paro_wide", False):
         narrow = torch.nn.utils.get_total_norm
 
