@@ -42,10 +42,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from paro_fsdp import ParoOptimizer, init_paro_mesh
+from paro_fsdp import init_paro_mesh
 from paro_fsdp.collective_order import CollectiveOrderCheck, CollectiveOrderError
 from paro_fsdp.mesh import device_type_for_backend, local_cuda_index
-from paro_fsdp.train.checkpoint import CheckpointError, CheckpointManager, SchedulerState, TrainState, load_model_weights
+from paro_fsdp.train.checkpoint import (CheckpointError, CheckpointManager, ModelState, OptimizerState, SchedulerState, TrainState,
+                                        load_model_weights)
 from paro_fsdp.train.config import ConfigError, JobConfig, grad_accum_steps, group_size, tokenizer_spec
 from paro_fsdp.train.config_parse import help_text, parse_args, validate
 from paro_fsdp.train.data import build_dataloader, describe
@@ -53,6 +54,7 @@ from paro_fsdp.train.faults import (GracefulStop, NonFiniteGuard, TrainingStoppe
                                     nonfinite_masters, restart_store, resume_command, set_collective_timeout, stuck_line)
 from paro_fsdp.train.lr import build_lr_scheduler
 from paro_fsdp.train.metrics import NO_PROFILER, CommMeter, MetricsLogger, StepTimer, build_profiler, flops_per_token
+from paro_fsdp.train.optimizer import build_optimizer, clip_grad_norm_
 from paro_fsdp.train.parallelize import DTYPES, apply_compile, build_model, check_policy, model_args, parallelize
 from paro_fsdp.train.timeline import TimelineWriter, gloo_threads, group_dims
 from paro_fsdp.train.tokenizer import build_tokenizer
@@ -137,15 +139,15 @@ class Trainer:
             self.compiled = passes.install_for(self.model, cfg.compile, cfg.job.dump_folder)
             apply_compile(self.model, cfg)
 
-        # ---- optimizer on the fp32 master shards, lr schedule ----------------------------------
-        o = cfg.optimizer
-        optim_cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[o.name]
-        impl = {"for-loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}[o.implementation]
-        self.optimizer = ParoOptimizer(self.model, optim_cls, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                                       weight_decay=o.weight_decay, **impl)
-        if cfg.compile.enable and cfg.compile.push_graph:  # the push of updated parameters to P as a graph
-            self.optimizer.compile(backend=cfg.compile.backend)
-        self.lr_scheduler = build_lr_scheduler(self.optimizer.inner, cfg.lr_scheduler, t.steps)
+        # ---- optimizer over the parameters (the fp32 masters at their OS level), lr schedule -----
+        # FSDP2's contract: torch's optimizer over model.parameters(); after its step() the engine
+        # refreshes its P-level working copies by itself (torch's optimizer step hook)
+        self.optimizer = build_optimizer(self.model, cfg.optimizer)
+        if cfg.compile.enable and cfg.compile.push_graph:  # that refresh of the working copies as a graph
+            from paro_fsdp.traced import compile_push
+
+            compile_push(self.model, backend=cfg.compile.backend)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
 
         # ---- the last configuration checks, then (job.fresh) the previous run's outputs go ------
         if cfg.metrics.enable_tensorboard and importlib.util.find_spec("tensorboard") is None:
@@ -164,7 +166,8 @@ class Trainer:
         c = cfg.checkpoint
         self.checkpointer = CheckpointManager(
             os.path.join(cfg.job.dump_folder, c.folder), c.interval, c.keep_latest_k, c.enable,
-            states={"optimizer": self.optimizer, "lr_scheduler": SchedulerState(self.lr_scheduler),
+            states={"model": ModelState(self.model), "optimizer": OptimizerState(self.model, self.optimizer),
+                    "lr_scheduler": SchedulerState(self.lr_scheduler),
                     "dataloader": self.data, "train_state": self.state},
             verify=c.verify,
         )
@@ -331,9 +334,10 @@ class Trainer:
         ``profiler`` (``build_profiler``'s) pauses its trace over a traced step's middle micro-steps."""
         total = torch.zeros((), device=self.device)
         for micro in range(self.grad_accum):
-            # the last backward also reduces to the OS level: eager, under the blocks still computing
-            # (overlap.py); compiled, in its graphs
-            self.model.set_is_last_backward(micro == self.grad_accum - 1)
+            # only the last backward reduces to the OS level (into the parameters' .grad): eager, under
+            # the blocks still computing (overlap.py); compiled, in its graphs. The others keep the
+            # gradients at the G level: no inter-group traffic per micro-step
+            self.model.set_requires_gradient_sync(micro == self.grad_accum - 1)
             profiler.micro_step(micro, self.grad_accum)  # a traced step: its first and last micro-steps only
             batch = next(self.data)
             if self.device.type == "cuda":  # a copy from pageable memory may block the host
@@ -343,7 +347,7 @@ class Trainer:
             loss.backward()
             total += loss.detach().float()
         max_norm = self.cfg.training.max_norm if self.cfg.training.max_norm > 0 else float("inf")
-        grad_norm = self.optimizer.clip_grad_norm_(max_norm).detach()
+        grad_norm = self.clip_grad_norm_(max_norm).detach()
         # the loss sum and this rank's stop vote (SIGTERM / SIGINT noted) in one all-reduce: every
         # rank reads the same vote count at the same step (a host scalar: no copy, no sync)
         packed = torch.zeros(3, device=self.device)  # loss sum, ranks that got SIGTERM, ranks that got SIGINT
@@ -355,12 +359,17 @@ class Trainer:
         dist.all_reduce(packed)
         loss = packed[0] / self.world_size
         stop_votes = packed[1:] if self.stop_request is not None else None
-        if self.guard.allows_step(self.state.step, loss, grad_norm, self.optimizer, stop_votes):  # global: all ranks agree
+        if self.guard.allows_step(self.state.step, loss, grad_norm, self.model, stop_votes):  # global: all ranks agree
             self.optimizer.step()
         else:
             _log(self.guard.last)
         self.optimizer.zero_grad()
         return loss, grad_norm
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """torch's ``clip_grad_norm_`` over the trainable parameters' ``.grad`` (the global norm
+        before clipping, a 0-dim tensor on the device; ``inf``: measured, not clipped)."""
+        return clip_grad_norm_(self.model, max_norm)
 
     def _read_window(self, pending: list[tuple[int, torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
         """Losses and grad norms of the steps since the last read, copied to the host in one
@@ -419,7 +428,7 @@ class Trainer:
                     self._log_compiled_schedule(step)
                 profiler.step()  # before the save: a traced step's timeline never shows a checkpoint's collectives
                 if self.checkpointer.should_save(step, steps) or (stop and self.checkpointer.enabled):
-                    bad = nonfinite_masters(self.optimizer)
+                    bad = nonfinite_masters(self.model)
                     if bad:  # never reachable by a skipped step; an overflow in the update itself
                         raise TrainingStopped(f"step {step}: the fp32 master of {bad} is non-finite, so step-{step} is not "
                                               f"saved; {self.checkpointer.latest_hint()}; lower optimizer.lr")

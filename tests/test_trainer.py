@@ -51,13 +51,16 @@ def _run(argv: list[str]) -> tuple[Any, dict[int, float]]:
 
 
 def _full_state(trainer) -> dict[str, Any]:
-    """Full fp32 master weights and Adam moments (gathered from whatever layout), and whether
-    every module parameter is back to its sharded DTensor."""
+    """Full fp32 master weights (the parameters) and Adam moments (gathered from whatever layout,
+    keyed by parameter name through DCP's get_state_dict), and whether every module parameter is
+    back to its sharded DTensor."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.tensor import DTensor
 
-    sd = trainer.optimizer.state_dict()
-    master = {k: v.full_tensor().clone() for k, v in sd["master"].items()}
-    moments = {k: {n: t.full_tensor().clone() for n, t in v.items() if isinstance(t, DTensor)} for k, v in sd["state"].items()}
+    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
+    master = {k: v.full_tensor().clone() for k, v in model_sd.items() if isinstance(v, DTensor)}
+    moments = {k: {n: t.full_tensor().clone() for n, t in v.items() if isinstance(t, DTensor)}
+               for k, v in optim_sd["state"].items()}
     sharded = all(isinstance(p, DTensor) for p in trainer.model.parameters())
     return {"master": master, "moments": moments, "sharded": sharded, "step": trainer.state.step}
 
@@ -66,7 +69,7 @@ def _count_inter_before_clip(trainer) -> list[tuple[int, int]]:
     """Per step, the inter-group reductions issued before ``clip_grad_norm_`` (since the last
     ``zero_grad``) and from there to this step's ``zero_grad``: all of them come first when the
     boundary runs under the last backward."""
-    stats, opt = trainer.model.comm_stats, trainer.optimizer
+    stats = trainer.model.comm_stats
     counts: list[tuple[int, int]] = []
     marks = [0, 0]
 
@@ -74,7 +77,7 @@ def _count_inter_before_clip(trainer) -> list[tuple[int, int]]:
         s = stats()
         return int(s.count("reduce_scatter", "inter") + s.count("all_reduce", "inter"))
 
-    clip, zero = opt.clip_grad_norm_, opt.zero_grad
+    clip, zero = trainer.clip_grad_norm_, trainer.optimizer.zero_grad
 
     def clip_counted(*a, **k):
         marks[1] = inter()
@@ -86,7 +89,7 @@ def _count_inter_before_clip(trainer) -> list[tuple[int, int]]:
         counts.append((marks[1] - marks[0], now - marks[1]))
         marks[0] = now
 
-    opt.clip_grad_norm_, opt.zero_grad = clip_counted, zero_counted
+    trainer.clip_grad_norm_, trainer.optimizer.zero_grad = clip_counted, zero_counted
     return counts
 
 
@@ -273,8 +276,8 @@ def test_compiled_trainer_matches_eager_with_the_boundary_in_graphs(first):
 def test_compiled_whole_model_and_push_graph_run_nothing_across_groups_eagerly(first, more):
     got, want = more["compiled/IIG/model"], first["family/IIG"]
     assert got["losses"] == pytest.approx(want["losses"], rel=1e-5)
-    # the whole model's boundary and the push are graph nodes (set_is_last_backward,
-    # optimizer.compile), so no inter traffic runs eagerly
+    # the whole model's boundary and the push are graph nodes (set_requires_gradient_sync on the
+    # last micro-step, traced.compile_push), so no inter traffic runs eagerly
     assert any(k.endswith("/inter") for k in want["comm"])
     assert not any(k.endswith("/inter") and v["bytes"] for k, v in got["comm"].items())
 

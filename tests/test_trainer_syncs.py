@@ -55,7 +55,7 @@ def _count_syncs(monkeypatch, trainer_ref: list) -> dict[int, list[str]]:
         # not fused) and reads them with .item() every step: no sync
         if tensor is None or not trainer_ref:
             return False
-        return any(tensor is state.get("step") for state in trainer_ref[0].optimizer.inner.state.values())
+        return any(tensor is state.get("step") for state in trainer_ref[0].optimizer.state.values())
 
     def record(name: str, tensor=None) -> None:
         if host_only(tensor):

@@ -1,9 +1,12 @@
 """Checkpoints with torch.distributed.checkpoint (DCP): atomic saves, pruning, resume.
 
-A ``step-<N>`` folder holds the optimizer (fp32 masters, which *are* the weights, and Adam
-states, as DTensors by parameter name), the lr scheduler's step, the data position and the
-step with RNG states. Why DTensors: DCP reads whatever pieces the *loading* run's placements
-need, so IIG on 4 ranks loads under GGG on 2, and back.
+A ``step-<N>`` folder holds the model (``model.<fqn>``: its parameters, which are the fp32
+masters, DTensors at each tensor's OS level), the torch optimizer's state keyed by parameter name
+(``optimizer.state.<fqn>.exp_avg``, ``optimizer.param_groups.<fqn>.lr``, ...), both through DCP's
+``get_state_dict`` / ``set_state_dict`` as FSDP2's, the lr scheduler's step, the data position and
+the step with RNG states. Why DTensors by name: DCP reads whatever pieces the *loading* run's
+placements need, so IIG on 4 ranks loads under GGG on 2, and back, and the folder interchanges with
+FSDP2's (torchtitan's) model checkpoints.
 
 Why atomic: DCP writes ``step-<N>.tmp``, renamed into place once every rank finished, so a
 crash mid-save never leaves a checkpoint that loads wrongly (pruning renames first too). Why
@@ -23,6 +26,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 from torch.optim.lr_scheduler import LambdaLR
 
 from torch.distributed.checkpoint.api import CheckpointException
@@ -31,6 +36,41 @@ from ..checkpoint_files import (MANIFEST, CheckpointError, SafeReader, disk_fail
                                verify, write_manifest)
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+MODEL_SCOPE = "model."  # this trainer's checkpoints: the model's parameters under model.<fqn>
+LEGACY_SCOPE = "optimizer.master."  # before the FSDP2 contract: the fp32 masters under the ParoOptimizer's state
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)  # optimizer.state.<fqn>.<key>: any param grouping loads
+
+
+class ModelState:
+    """The model as a DCP Stateful: its parameters by FQN (DCP's ``get_model_state_dict``). For a
+    sharded model they are the fp32 masters, DTensors at each tensor's OS level (frozen ones at
+    their P level); buffers (RoPE tables) are rebuilt by the model, not saved. Loading writes
+    into the parameters in place; the engine refreshes its working copies at the next forward."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        buffers = {name for name, _ in self.model.named_buffers(remove_duplicate=False)}
+        return {k: v for k, v in get_model_state_dict(self.model).items() if k not in buffers}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # not strict: the buffers are not in it; every parameter is (shape_problem checked that)
+        set_model_state_dict(self.model, state, options=StateDictOptions(strict=False))
+
+
+class OptimizerState:
+    """The torch optimizer over the model's parameters as a DCP Stateful: its state keyed by
+    parameter name and flattened (DCP's ``get_optimizer_state_dict``), as torchtitan's."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_optimizer_state_dict(self.model, self.optimizer, options=_FLAT)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, state, options=_FLAT)
 
 
 class SchedulerState:
@@ -156,7 +196,17 @@ class CheckpointManager:
             f"load an earlier one with --checkpoint.load_step {max(earlier)}" if earlier else f"move {path} away to start from step 0")
         misfit_fix = (f"; use the model options of the run that wrote it ({_MODEL_KEYS}), or set job.dump_folder to another "
                       f"folder to train this model from step 0 (an earlier step of that run has the same shapes)")
-        _checked_load(path, lambda metadata: (self.states, "optimizer.master."), self.verify, f"checkpoint {path}",
+
+        def target(metadata):
+            if "model" in self.states and _is_legacy(metadata):
+                raise CheckpointError(
+                    f"checkpoint {path} was written before the trainer's optimizer became torch's over the model's "
+                    f"parameters (its weights are under {LEGACY_SCOPE}*, this trainer's under {MODEL_SCOPE}*): it cannot "
+                    f"be resumed; start from its weights with --checkpoint.initial_load_path {path} (optimizer, lr "
+                    f"schedule and data from step 0) and set job.dump_folder to another folder")
+            return self.states, MODEL_SCOPE
+
+        _checked_load(path, target, self.verify, f"checkpoint {path}",
                       damage_fix=damage_fix, misfit_fix=misfit_fix, unverified_fix=unverified_fix, warn=None)
         return step
 
@@ -206,27 +256,46 @@ _MODEL_KEYS = "model.flavor, model.tokenizer, model.vocab_size"  # what decides 
 
 def load_model_weights(model: torch.nn.Module, path: str, verify_files: bool = True,
                        warn: Optional[Callable[[str], None]] = None) -> str:
-    """Load model weights (parameter names, or this trainer's ``optimizer.master.<name>``) into a ``paro_shard``
-    model; returns which. A folder without a manifest loads after one ``warn`` line. Collective."""
+    """Load model weights into a ``paro_shard`` model (its parameters: the fp32 masters) from this
+    trainer's ``step-N`` folder (``model.<fqn>``), one written before the FSDP2 contract
+    (``optimizer.master.<fqn>``), or a DCP folder keyed by parameter names (torchtitan's model-only
+    checkpoints, ``dcp.save(model.state_dict())``); returns which. A folder without a manifest
+    loads after one ``warn`` line. Collective."""
     if not os.path.isfile(os.path.join(path, ".metadata")):
         raise CheckpointError(f"checkpoint.initial_load_path = {path!r} is not a DCP checkpoint folder (no .metadata); "
                               f"valid: a folder written by torch.distributed.checkpoint, e.g. a step-N folder")
-    params = {id(p) for p in model.parameters()}  # buffers such as RoPE tables are rebuilt, not loaded
-    names = {k for k, v in model.state_dict(keep_vars=True).items() if id(v) in params}
-    weights = {k: v for k, v in model.state_dict().items() if k in names}
-    own = [False]
+    weights = ModelState(model).state_dict()  # parameters only: buffers such as RoPE tables are rebuilt
+    own = [""]
 
-    def target(metadata):  # this trainer's checkpoint (masters) or parameter-name keys
-        own[0] = any(k.startswith("optimizer.master.") for k in metadata.state_dict_metadata)
-        return ({"optimizer": {"master": weights}}, "optimizer.master.") if own[0] else (weights, "")
+    def target(metadata):
+        if _is_own(metadata):  # this trainer's checkpoint: model.<fqn>
+            own[0] = "the fp32 masters of a paro-fsdp checkpoint"
+            return {"model": weights}, MODEL_SCOPE
+        if _is_legacy(metadata):  # an earlier paro-fsdp's: the trainable masters under optimizer.master.<fqn>
+            own[0] = f"the fp32 masters of an earlier paro-fsdp checkpoint ({LEGACY_SCOPE}*)"
+            trainable = {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+            return {"optimizer": {"master": {k: v for k, v in weights.items() if k in trainable}}}, LEGACY_SCOPE
+        return weights, ""  # parameter-name keys
 
     _checked_load(path, target, verify_files, f"checkpoint.initial_load_path {path}",
                   damage_fix="; point checkpoint.initial_load_path at an intact checkpoint folder, or leave it empty",
                   misfit_fix=f"; point it at a checkpoint of this model, or use the model options of the run that wrote it "
                              f"({_MODEL_KEYS})",
                   unverified_fix=None, warn=warn or (lambda line: warnings.warn(line, stacklevel=3)))
-    model.load_state_dict(weights, strict=False)
-    return "the fp32 masters of a paro-fsdp checkpoint" if own[0] else "model weights"
+    ModelState(model).load_state_dict(weights)
+    return own[0] or "model weights"
+
+
+def _is_own(metadata: Any) -> bool:
+    """A checkpoint this trainer wrote (its train state beside the model), not a model-only folder
+    whose own names start with ``model.`` (a Hugging Face model's do)."""
+    keys = metadata.state_dict_metadata
+    return "train_state.step" in keys and any(k.startswith(MODEL_SCOPE) for k in keys)
+
+
+def _is_legacy(metadata: Any) -> bool:
+    keys = metadata.state_dict_metadata
+    return any(k.startswith(LEGACY_SCOPE) for k in keys) and not any(k.startswith(MODEL_SCOPE) for k in keys)
 
 
 def _checked_load(path: str, target: Callable[[Any], tuple[Any, str]], verify_files: bool, what: str, *, damage_fix: str,
@@ -248,7 +317,10 @@ def _checked_load(path: str, target: Callable[[Any], tuple[Any, str]], verify_fi
     except CheckpointError as exc:
         raise CheckpointError(f"{what} is refused: {exc}{damage_fix}") from None
     state, scope = target(metadata)
-    problem = shape_problem(metadata, state, scope)
+    # only the states under ``scope`` have their shapes compared: asking every Stateful for its state
+    # would initialise a fresh optimizer's (a step), which the load does anyway
+    top = scope.split(".")[0]
+    problem = shape_problem(metadata, {top: state[top]} if top and top in state else {} if top else state, scope)
     if problem:
         raise CheckpointError(f"{what} does not fit this model: {problem}{misfit_fix}")
     try:

@@ -326,10 +326,11 @@ class NonFiniteGuard:
 
     stop_votes = (0, 0)  # after allows_step: how many ranks got (SIGTERM, SIGINT) by this step (GracefulStop)
 
-    def allows_step(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, optimizer,
+    def allows_step(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, model,
                     stop_votes: Optional[torch.Tensor] = None) -> bool:
         """True when the step is finite, else False (line in ``self.last``) or TrainingStopped. Every rank calls it;
-        ``stop_votes`` lands in ``self.stop_votes``, read with the same device-to-host copy."""
+        ``stop_votes`` lands in ``self.stop_votes``, read with the same device-to-host copy. ``model``: whose
+        parameters' ``.grad`` a non-finite step names the first bad one of (or the torch optimizer over them)."""
         finite = torch.isfinite(torch.stack([loss.float(), grad_norm.float()])).all()
         self.stop_votes = (0, 0)
         if stop_votes is None:
@@ -344,7 +345,7 @@ class NonFiniteGuard:
             return True
         self.consecutive += 1
         self.skipped.append(step)
-        name = _first_flagged(optimizer, lambda m: m.grad)  # None: a NaN loss with finite gradients
+        name = _first_flagged(model, lambda p: p.grad)  # None: a NaN loss with finite gradients
         where = f"; first non-finite gradient: {name}" if name else ""
         what = f"step {step}: non-finite loss {float(loss):g} / grad norm {float(grad_norm):g}{where}"
         if self.mode == "stop":
@@ -359,21 +360,41 @@ class NonFiniteGuard:
         return False
 
 
-def nonfinite_masters(optimizer) -> Optional[str]:
-    """First fp32 master with a NaN/inf on any rank (None: none); checked before every save, so none is saved."""
-    return _first_flagged(optimizer, lambda m: m)
+def nonfinite_masters(model) -> Optional[str]:
+    """First trainable parameter (an fp32 master) with a NaN/inf on any rank (None: none); checked
+    before every save, so none is saved. ``model``: as ``_trainable``'s ``source``."""
+    return _first_flagged(model, lambda p: p)
+
+
+def _trainable(source) -> list[tuple[str, torch.Tensor]]:
+    """(name, parameter) of every trainable parameter, in model order. ``source``: the model (FQNs),
+    the deprecated ``ParoOptimizer`` (its model's), or a torch optimizer (named by place: it holds
+    no names)."""
+    if isinstance(source, torch.nn.Module):
+        return [(n, p) for n, p in source.named_parameters() if p.requires_grad]
+    if isinstance(getattr(source, "model", None), torch.nn.Module):
+        return _trainable(source.model)
+    return [(f"param_groups[{i}]['params'][{j}]", p) for i, g in enumerate(source.param_groups)
+            for j, p in enumerate(g["params"]) if p.requires_grad]
+
+
+def _local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return t.to_local() if t is not None and hasattr(t, "to_local") else t  # a DTensor: this rank's shard
 
 
 @torch.no_grad()
-def _first_flagged(optimizer, tensor_of) -> Optional[str]:
-    """One all-reduce (max) of a non-finite flag per master parameter, in model order."""
-    masters = [m for g in optimizer.groups for m in g.master]
-    flags = torch.zeros(len(masters), dtype=torch.int32, device=masters[0].device)
-    for i, m in enumerate(masters):
-        t = tensor_of(m)
+def _first_flagged(source, tensor_of) -> Optional[str]:
+    """One all-reduce (max) of a non-finite flag per trainable parameter (``tensor_of``: the
+    parameter or its ``.grad``, each rank checking its shard), in model order."""
+    params = _trainable(source)
+    if not params:
+        return None
+    flags = torch.zeros(len(params), dtype=torch.int32, device=_local(params[0][1]).device)
+    for i, (_, p) in enumerate(params):
+        t = _local(tensor_of(p))
         if t is not None and t.numel():
             flags[i] = (~torch.isfinite(t)).any().to(torch.int32)
     if dist.is_initialized():
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     bad = flags.nonzero()
-    return optimizer.fqn_of[masters[int(bad[0])]] if len(bad) else None
+    return params[int(bad[0])][0] if len(bad) else None

@@ -1,0 +1,69 @@
+"""The trainer's optimizer: torch's, built over the sharded model's parameters (FSDP2's contract).
+
+Why over ``model.parameters()``: after ``paro_shard`` each trainable parameter *is* its fp32
+master, a DTensor at its strategy's OS level, and a syncing backward leaves its gradient (reduced
+there) in ``.grad``. So any torch optimizer, torch's ``clip_grad_norm_`` and torch's lr
+schedulers work on them unchanged, and the engine refreshes its P-level working copies by itself
+after ``optimizer.step()`` (docs/fsdp2.md).
+
+Why two param groups: as Hugging Face's Trainer and nanoGPT, weight decay applies to the weight
+matrices and embeddings only (``ndim >= 2``); norms' gains and biases (``ndim < 2``) are not
+decayed. With ``weight_decay = 0`` (or no such parameter) there is one group.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .config import Optimizer as OptimizerConfig
+
+OPTIMIZERS = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}
+IMPLEMENTATIONS = {"for-loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """The trainable parameters (frozen ones, e.g. a LoRA base, have no optimizer state), in model
+    order: one group decayed (``ndim >= 2``), one not (``ndim < 2``), empty groups left out."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not trainable:
+        raise ValueError("the model has no trainable parameters (every parameter has requires_grad = False)")
+    if weight_decay == 0:
+        return [{"params": trainable}]
+    decay = [p for p in trainable if p.ndim >= 2]
+    no_decay = [p for p in trainable if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(model: nn.Module, o: OptimizerConfig) -> torch.optim.Optimizer:
+    """``[optimizer]``'s torch optimizer over the sharded model's trainable parameters."""
+    optimizer = OPTIMIZERS[o.name](param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                   weight_decay=o.weight_decay, **IMPLEMENTATIONS[o.implementation])
+    mark_written_after_step(optimizer)
+    return optimizer
+
+
+def mark_written_after_step(optimizer: torch.optim.Optimizer) -> None:
+    """After each ``step()``, bump the version counters of the parameters it updated.
+
+    Why: the engine sees an update by the parameters' version counters (docs/fsdp2.md), and in
+    torch 2.13 two of the three implementations write the DTensor parameters in place without
+    bumping them: ``foreach`` (the ``_foreach_*_`` ops dispatched through DTensor; torch's default
+    on CUDA) and ``fused`` (``_fused_adam(w)_``, plain tensors too); only the for-loop one does.
+    The working copies would then stay stale: the loss stalls. The optimizer's own post-hooks run
+    before torch's global ones, where the engine looks; an extra bump costs nothing."""
+    def bump(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        torch.autograd.graph.increment_version([p for g in opt.param_groups for p in g["params"] if p.grad is not None])
+
+    optimizer.register_step_post_hook(bump)
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """torch's ``clip_grad_norm_`` over the trainable parameters' ``.grad`` (DTensors at the OS
+    level: DTensor's own reductions count each element once); the global norm before clipping as a
+    plain 0-dim tensor on the device. ``max_norm = inf`` only measures it."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
