@@ -3,8 +3,11 @@ on a fake world: ``estimate(...)`` (``train.py --estimate``, ``python -m tools.e
 
 Why: ``cost.ledger`` says what each strategy *should* cost; this measures what the engine
 *does*, at any world size, without hardware: one real optimizer step per strategy through
-``paro_shard`` + ``ParoOptimizer`` on torch's fake process group under ``FakeTensorMode`` (shapes
-only), beside the ledger's formulas. Needs a process without a real process group.
+``paro_shard`` + torch's AdamW over the parameters (FSDP2's contract) on torch's fake process group
+under ``FakeTensorMode`` (shapes only), beside the ledger's formulas. The gradient norm is torch's
+``clip_grad_norm_`` on the DTensor parameters: its all-reduces are DTensor's, not the engine's, so
+neither the measured bytes nor the formulas (``clip=False``) count them. Needs a process without a
+real process group.
 """
 from __future__ import annotations
 
@@ -20,8 +23,8 @@ from ..cost.ledger import formula_bytes, formula_memory
 from ..mesh import init_paro_mesh
 from ..mixed_precision import MixedPrecision
 from ..models.llama import Llama, LlamaArgs, flavor
-from ..optim import ParoOptimizer
 from ..strategy import ALL_STRATEGIES, Strategy
+from .optimizer import mark_written_after_step
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 GiB, GB = 2**30, 1e9
@@ -91,13 +94,16 @@ def _measure(args: LlamaArgs, pattern: Sequence[bool], root_trainable: bool, mes
             else:
                 p.requires_grad_(root_trainable)
         model = paro_shard(model, mesh, strategy, mp=mp, flat_below_bytes=flat_below_bytes)
-        opt = ParoOptimizer(model, torch.optim.AdamW, lr=1e-4, weight_decay=0.1, fused=True)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.1, fused=True)
+        mark_written_after_step(opt)  # fused kernels bump no version counter: the engine would not push (optimizer.py)
         stats = model.comm_stats()
         stats.reset()
-        for _ in range(grad_accum):
+        for micro in range(grad_accum):
+            model.set_requires_gradient_sync(micro == grad_accum - 1)  # the trainer's: the boundary once per step
             tokens = torch.randint(0, args.vocab_size, (micro_batch, seq_len + 1))
             (model(tokens).loss / grad_accum).backward()
-        opt.clip_grad_norm_(max_norm)
+        torch.nn.utils.clip_grad_norm_(trainable, max_norm)
         opt.step()
         model.wait_for_params()  # the step's pushes (they would land in the next forward)
         memory = model.memory_report(opt)
