@@ -63,13 +63,14 @@ class Peft:
 @dataclass
 class Optimizer:
     name: Literal["AdamW", "Adam"] = "AdamW"
-    """Optimizer run on the fp32 master shards"""
+    """torch optimizer over the model's parameters (the fp32 masters, sharded at their OS level)"""
     lr: float = 8e-4
     """Peak learning rate"""
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
     weight_decay: float = 0.1
+    """On matrices and embeddings (ndim >= 2); norms' gains and biases are not decayed"""
     implementation: Literal["for-loop", "foreach", "fused"] = "foreach"
     """torch.optim implementation"""
 
@@ -158,8 +159,8 @@ class Compile:
     passes: list[str] = field(default_factory=lambda: list(GRAPH_PASSES))
     """Graph passes to run, any of: bucketing, reorder ([] for none; inductor only)"""
     push_graph: bool = False
-    """Also compile the optimizer's push of the updated parameters to P (off: it saves a few
-    launches per step for about a block's compile time; docs/benchmarks.md)"""
+    """Also compile the push of the updated parameters to P after each optimizer step (traced.compile_push;
+    off: it saves a few launches per step for about a block's compile time; docs/benchmarks.md)"""
     max_prefetch_mb: float = -1
     """reorder pass: bound on gathered parameters in flight, MiB (-1: no bound, 0: no prefetch)"""
     dump_schedule: bool = False
