@@ -136,6 +136,14 @@ class ParoBlock:
         if self.is_root:
             self.model_state.begin_backward()
         self.gather(backward=True)
+        # the whole tensors go back on the modules, differentiable, as FSDP2 keeps its unsharded
+        # parameters registered through backward: a recomputation the hooks do not see (transformers'
+        # gradient checkpointing checkpoints ``forward``, not ``__call__``) reads them from the
+        # modules. Non-reentrant, its gradients reach the forward's Unshard and this one stays
+        # unused; reentrant, its inner backward reaches this one.
+        with torch.enable_grad():
+            for i, g in enumerate(self.groups):
+                self._swap(g, Unshard.apply(g.full_params, partial(self.post_backward, i), *g.sharded_params))
 
     def release(self, group: ParoParamGroup) -> None:
         """After the group's backward: the parameters back, the whole tensors freed (kept under
