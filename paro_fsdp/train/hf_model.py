@@ -66,7 +66,7 @@ def load(model: nn.Module, cfg: JobConfig, device: torch.device) -> None:
 
 def architecture(model: nn.Module) -> str:
     """The transformers class of the (sharded, maybe LoRA-wrapped) model, e.g. LlamaForCausalLM."""
-    from paro_fsdp.api import ParoModule
+    from paro_fsdp import ParoModule
 
     base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
     return next(c.__name__ for c in type(base).__mro__ if not issubclass(c, ParoModule))
