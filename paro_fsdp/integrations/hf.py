@@ -257,11 +257,15 @@ def parameters_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def load_weights(model: nn.Module, path: str, key: Callable[[str], Optional[str]] = base_name) -> int:
     """Each rank's slices of the safetensors into the parameters (the fp32 masters; frozen: P), in
-    place: the engine sees their versions move and refreshes its working copies at the next
-    forward. Returns how many tensors loaded. Collective."""
-    targets = {key(fqn): v for fqn, v in parameters_state(model).items() if key(fqn) is not None}
+    place; the engine refreshes its working copies from them at the next forward (nothing to
+    call). Returns how many tensors loaded. Collective."""
+    params = {fqn: p for fqn, p in model.named_parameters() if key(fqn) is not None}
+    targets = {key(fqn): p.detach() for fqn, p in params.items()}
     check_weights({k: tuple(v.shape) for k, v in targets.items()}, path, key=lambda n: n)
     safe_load(targets, storage_reader=_reader(path))
+    # DCP writes each DTensor's local shard (``to_local()`` of a detached DTensor), which moves
+    # no version counter of the parameter, and the engine finds writes by those counters
+    torch.autograd.graph.increment_version(list(params.values()))
     return len(targets)
 
 
