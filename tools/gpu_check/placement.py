@@ -62,6 +62,21 @@ def _tensors_of(value: Any) -> list[tuple[str, Any]]:
     return []
 
 
+def _group_attrs(group: Any) -> dict[str, Any]:
+    """A group's attributes and the views its class exposes as properties (``p_locals``,
+    ``master``, ``full_bufs``, ... over its ``ParoParam``s); a view that cannot be read now is
+    left out."""
+    attrs = dict(vars(group))
+    for klass in type(group).__mro__:
+        for name, value in vars(klass).items():
+            if isinstance(value, property) and name not in attrs:
+                try:
+                    attrs[name] = getattr(group, name)
+                except Exception:  # noqa: BLE001 - a view valid only in some state
+                    continue
+    return attrs
+
+
 def buffer_devices(model: Any, opt: Any, device_type: str) -> dict[str, Any]:
     """Every tensor the sharded model, its engine groups and its optimizer (a torch optimizer
     over ``model.parameters()``) hold, with the ones not on ``device_type`` (DTensors are looked
@@ -70,10 +85,12 @@ def buffer_devices(model: Any, opt: Any, device_type: str) -> dict[str, Any]:
 
     wrong: list[str] = []
     seen: dict[str, int] = {}
+    visited: set[int] = set()
     count = 0
 
     def visit(label: str, kind: str, t: Any) -> None:
         nonlocal count
+        visited.add(id(t))
         if isinstance(t, DTensor):
             t = t._local_tensor
         count += 1
@@ -87,10 +104,16 @@ def buffer_devices(model: Any, opt: Any, device_type: str) -> dict[str, Any]:
         visit(f"buffer {name}", "buffers", b)
     missing = []
     for g in model._paro_state.groups:
-        attrs = vars(g)
+        attrs = _group_attrs(g)
         for attr, value in attrs.items():
             for suffix, t in _tensors_of(value):
                 visit(f"{g.name}.{attr}{suffix}", attr, t)
+        # per tensor (param.ParoParam): whatever the views above did not reach
+        for i, pp in enumerate(getattr(g, "params", None) or []):
+            for attr, value in (vars(pp).items() if hasattr(pp, "__dict__") else ()):
+                for suffix, t in _tensors_of(value):
+                    if id(t) not in visited:
+                        visit(f"{g.name}.params[{i}].{attr}{suffix}", f"params.{attr}", t)
         for attr in _required_internals(g.strategy):
             if attr == "grad_acc" and not g.trainable:
                 continue
@@ -116,6 +139,7 @@ def placement_case(mesh: Any, device: str, strategy: str, args: Any = None) -> d
     import torch
 
     from paro_fsdp import MixedPrecision, paro_shard
+    from tools.optimizer import adamw
     from paro_fsdp.models.llama import Llama
 
     args = args or llama_args(**B_SMALL)
@@ -124,7 +148,7 @@ def placement_case(mesh: Any, device: str, strategy: str, args: Any = None) -> d
     model = paro_shard(model, mesh, strategy, mp=MixedPrecision(torch.bfloat16, torch.float32),
                        param_init_fn=init_fn(0, args.n_layers))
     model.init_buffers(torch.device(device))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    opt = adamw(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
     tokens = torch.randint(0, args.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0)).to(device)
     out = model(tokens)
     wrong, counts, missing = [], [], set()
