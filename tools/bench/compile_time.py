@@ -47,7 +47,7 @@ class Config:
     strategy: str
     variants: tuple[str, ...]
     breakdown: bool = False  # print rank 0's compile time per phase (dynamo's compile_times)
-    push_graph: bool = True  # compile the optimizer's push to P (opt.compile())
+    push_graph: bool = True  # compile the push to P after each optimizer step (traced.compile_push)
 
 
 def _tokens(cfg: Config, rank: int, step: int) -> torch.Tensor:
@@ -71,22 +71,22 @@ def _build(cfg: Config, variant: str):
         return model, lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM), opt
 
     import passes
-    from paro_fsdp import ParoOptimizer, init_paro_mesh, paro_shard
+    from paro_fsdp import init_paro_mesh, paro_shard
+    from tools.optimizer import adamw
+    from paro_fsdp.traced import compile_block, compile_push
 
     model = paro_shard(model, init_paro_mesh(GROUP), cfg.strategy)
-    opt = ParoOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WD, foreach=True)
+    opt = adamw(model.parameters(), lr=LR, weight_decay=WD, foreach=True)
     passes.install(passes.ORDER, meshes=[model.paro_mesh_groups()])
     if variant == "paro-model":
         model.compile()
     else:  # as apply_compile: compile_block keeps the engine's hooks in each block's graph
-        from paro_fsdp.traced import compile_block
-
         for layer in model.layers:
             compile_block(layer, fullgraph=True)
     if cfg.push_graph:
-        opt.compile()
-    model.set_is_last_backward(True)  # A = 1: every micro-step is the last one
-    return model, lambda: opt.clip_grad_norm_(MAX_NORM), opt
+        compile_push(model)
+    model.set_requires_gradient_sync(True)  # A = 1: every micro-step is the last one
+    return model, lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM), opt
 
 
 def _counters() -> dict[str, int]:
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--breakdown", action="store_true", help="print rank 0's compile time per phase")
-    ap.add_argument("--no-push-graph", action="store_true", help="PaRO: leave the optimizer's push to P eager")
+    ap.add_argument("--no-push-graph", action="store_true", help="PaRO: leave the push to P after each optimizer step eager")
     ap.add_argument("--cold-only", action="store_true")
     ns = ap.parse_args(argv)
     variants = tuple(v for v in ns.variants.split(",") if v)

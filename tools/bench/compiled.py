@@ -12,7 +12,9 @@ collectives are in the graph, ordered by passes/.
 
 Every compiled variant compiles the whole model (``torch.compile(model)``, inductor) so that the
 reorder pass sees every block in one graph; PaRO's also runs the accumulation boundary in graphs
-(``set_is_last_backward`` on the last micro-step, ``ParoOptimizer.compile()`` for the push to P).
+(``set_requires_gradient_sync`` on the last micro-step, ``traced.compile_push`` for the push to P).
+Every PaRO variant trains the FSDP2 way: torch's AdamW over ``model.parameters()``, torch's
+``clip_grad_norm_``, ``set_requires_gradient_sync(a == A - 1)`` before each micro-step.
 The model, data and optimizer are those of ``tools.bench.vs_fsdp2`` (``workload.py``). Each
 variant's first step compiles it ("cold", with an empty inductor cache in a temporary folder, all
 four ranks compiling at once on the shared cores; with A > 1 the last micro-step's graphs compile
@@ -41,9 +43,10 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
 import passes
-from paro_fsdp import ParoOptimizer, init_paro_mesh, paro_shard
+from paro_fsdp import init_paro_mesh, paro_shard
 from paro_fsdp.models.llama import LlamaArgs
-from paro_fsdp.traced import isolate_compile_cache
+from paro_fsdp.traced import compile_push, isolate_compile_cache
+from tools.optimizer import adamw
 
 from .workload import (GROUP, LR, MAX_NORM, WD, WORLD, add_model_args, batch_for, make_model, model_args_from,
                        reduce_max, reduce_mean)
@@ -99,16 +102,16 @@ def _train_step(cfg: Config, call, clip, opt, rank: int, before_micro=None):
 def paro_variant(cfg: Config, strategy: str, mode: str) -> Variant:
     rank = dist.get_rank()
     model = paro_shard(make_model(cfg.args), init_paro_mesh(GROUP), strategy)
-    opt = ParoOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WD, foreach=True)
-    call, before = model, None
+    opt = adamw(model.parameters(), lr=LR, weight_decay=WD, foreach=True)
+    call = model
     if mode != "eager":  # the whole boundary in graphs: the last backward's reduction, the push to P
         call = torch.compile(model)
-        opt.compile()
-        before = lambda a: model.set_is_last_backward(a == cfg.accum - 1)  # noqa: E731
+        compile_push(model)
+    before = lambda a: model.set_requires_gradient_sync(a == cfg.accum - 1)  # noqa: E731
+    clip = lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)  # noqa: E731
     prepare = {"eager": lambda: None, "compiled": passes.uninstall,
                "compiled+passes": lambda: passes.install(passes.ORDER, meshes=[model.paro_mesh_groups()])}[mode]
-    return Variant(f"PaRO {strategy} {mode}", prepare,
-                   _train_step(cfg, call, lambda: opt.clip_grad_norm_(MAX_NORM), opt, rank, before), mode != "eager")
+    return Variant(f"PaRO {strategy} {mode}", prepare, _train_step(cfg, call, clip, opt, rank, before), mode != "eager")
 
 
 def fsdp2_variant(cfg: Config, kind: str, mode: str) -> Variant:

@@ -7,10 +7,12 @@ variants on the emulator" says what the columns mean).
     sudo .venv/bin/python -m tools.bench --compiled --compile-cache /tmp/c  # twice: warm first steps
 
 Why: compiling must pay for itself on the link it is meant for (issue 14). Per strategy
-(``--variants``): ``eager``; ``compiled`` (``torch.compile(model)``, ``set_is_last_backward`` on
-the last micro-step, ``ParoOptimizer.compile()``; no graph pass: the traced path emits PaRO-CC's
-phases itself); ``bucketing`` / ``reorder`` (that pass alone); ``all`` (``passes.ORDER``). Per
-FSDP2 baseline (``--baselines``): eager and per-block compile (its graphs hold no collectives).
+(``--variants``): ``eager``; ``compiled`` (``torch.compile(model)``, ``traced.compile_push`` for
+the push to P; no graph pass: the traced path emits PaRO-CC's phases itself); ``bucketing`` /
+``reorder`` (that pass alone); ``all`` (``passes.ORDER``). Per FSDP2 baseline (``--baselines``):
+eager and per-block compile (its graphs hold no collectives). Every PaRO variant trains the FSDP2
+way: torch's AdamW over ``model.parameters()``, torch's ``clip_grad_norm_``,
+``set_requires_gradient_sync`` on the last micro-step.
 
 Protocol: ``torch._dynamo.reset()`` once, before any model is sharded (never after: PaRO's
 gradient sinks are made by a compile-start callback that reset drops); every model built; each
@@ -188,7 +190,9 @@ def _train_step(call, opt, clip, batch, before_micro=None) -> Callable[[int, int
 
 def build_variants(args: argparse.Namespace, margs, mesh, fsdp_mesh: Callable[[str], Any], batch) -> list[Variant]:
     import passes
-    from paro_fsdp import ParoOptimizer, paro_shard
+    from paro_fsdp import paro_shard
+    from paro_fsdp.traced import compile_push
+    from tools.optimizer import adamw
     from torch.distributed.fsdp import fully_shard
 
     modes = [m for m in MODES if m in args.variants.split(",")]
@@ -196,8 +200,8 @@ def build_variants(args: argparse.Namespace, margs, mesh, fsdp_mesh: Callable[[s
     for s in filter(None, args.strategies.split(",")):
         for mode in modes:
             model = paro_shard(make_model(margs), mesh, s)
-            opt = ParoOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WD, foreach=True)
-            call, before, record = model, None, None
+            opt = adamw(model.parameters(), lr=LR, weight_decay=WD, foreach=True)
+            call, record = model, None
             if mode != "eager":
                 names = passes.ORDER if PASSES_OF[mode] is None else PASSES_OF[mode]
                 record = passes.ParoPasses(names, meshes=[model.paro_mesh_groups()])
@@ -207,11 +211,11 @@ def build_variants(args: argparse.Namespace, margs, mesh, fsdp_mesh: Callable[[s
                 kw = (dict(backend=passes.aot_backend(record)) if args.backend == "aot" else
                       dict(backend="inductor", options=record.inductor_options()))
                 call = torch.compile(model, **kw)
-                opt.compile(**kw)
-                before = lambda a, accum, model=model: model.set_is_last_backward(a == accum - 1)  # noqa: E731
-            out.append(Variant("paro", s, mode, _train_step(call, opt, lambda opt=opt: opt.clip_grad_norm_(MAX_NORM),
-                                                            batch, before),
-                               record))
+                compile_push(model, **kw)  # the push to P after each optimizer step: one graph, same backend
+            # every mode: the boundary under the last micro-step's backward (gradients stay at G before it)
+            before = lambda a, accum, model=model: model.set_requires_gradient_sync(a == accum - 1)  # noqa: E731
+            clip = lambda model=model: torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)  # noqa: E731
+            out.append(Variant("paro", s, mode, _train_step(call, opt, clip, batch, before), record))
     fsdp2_modes = (["eager"] if "eager" in modes else []) + (["compiled"] if set(modes) - {"eager"} else [])
     for kind in filter(None, args.baselines.split(",")):
         for mode in fsdp2_modes:

@@ -77,10 +77,12 @@ def instrument_paro(timer: SectionTimer) -> None:
     profile follows the engine as it is edited; constructors and accounting are skipped)."""
     import inspect
 
-    from paro_fsdp import comm, layout, optim, param_group, state
+    from paro_fsdp import comm, layout, param_group, state
 
+    # the optimizer is torch's (over model.parameters()); the engine's refresh of the working
+    # copies after its step is ParoState.refresh_params
     classes = [param_group.ParoParamGroup, state.ParoBlock, state.ParoState, layout.FlatLayout,
-               comm.MeshComm, comm.Pending, optim.ParoOptimizer]
+               comm.MeshComm, comm.Pending]
     skip = {"memory_bytes", "_count", "install_hooks", "state_dict", "load_state_dict", "_ensure_state",
             "_dtensor", "numel", "local_view"}
     for owner in classes:

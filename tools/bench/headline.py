@@ -29,8 +29,9 @@ no gradient and no optimizer state in every configuration. Every model lives at 
 them (order flipped every round) so machine noise hits all alike; a step's time is the slowest
 rank's: ``--steps-per-round`` steps back to back from a barrier until what they left in flight
 has landed (PaRO: the last step's push, which training hides under the next forward), over K;
-the table shows the median. PaRO steps call ``set_is_last_backward`` on the last micro-step, as
-the trainer does.
+the table shows the median. PaRO steps train the FSDP2 way, as the trainer does: torch's AdamW
+over the trainable parameters, ``set_requires_gradient_sync`` on the last micro-step only (the
+boundary under its backward), torch's ``clip_grad_norm_``.
 
 Columns:
   tok/s      tokens per second over all ranks (n x A x micro-batch x seq / step time)

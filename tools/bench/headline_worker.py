@@ -41,7 +41,8 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from paro_fsdp import MixedPrecision, ParoOptimizer, init_paro_mesh, paro_shard
+    from paro_fsdp import MixedPrecision, init_paro_mesh, paro_shard
+    from tools.optimizer import adamw
     from paro_fsdp.cost.model import model_spec
     from paro_fsdp.models.llama import Llama, LlamaArgs
 
@@ -100,16 +101,16 @@ def worker(args: argparse.Namespace) -> None:
     def paro(strategy: str) -> Runner:
         mp = MixedPrecision(param_dtype=torch.bfloat16) if bf16 else None
         model = paro_shard(make_model(), mesh, strategy, mp=mp)
-        opt = ParoOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WD, foreach=True)
+        opt = adamw(trainable(model), lr=LR, weight_decay=WD, foreach=True)  # the fp32 masters
 
         def step(i: int, accum: int):
             total = 0.0
             for a in range(accum):
-                model.set_is_last_backward(a == accum - 1)  # the trainer's idiom: the boundary under the last backward
+                model.set_requires_gradient_sync(a == accum - 1)  # the boundary under the last backward
                 loss = model(batch(i, a)).loss / accum
                 loss.backward()
                 total += loss.item()
-            opt.clip_grad_norm_(MAX_NORM)
+            torch.nn.utils.clip_grad_norm_(trainable(model), MAX_NORM)
             opt.step()
             opt.zero_grad()
             return total

@@ -21,10 +21,12 @@ Pairs compared (mesh 2 groups x 2 ranks):
 both wrapped per transformer block plus the root, reshard_after_forward=True, fp32, eager.
 
 One step = A micro-steps of forward+backward (loss / A), clip_grad_norm_(1.0), optimizer step,
-zero_grad. For HSDP with A > 1, FSDP2 gets its documented accumulation idiom
-(``set_requires_all_reduce(False)`` except on the last micro-step), which is what PaRO III does
-by construction (inter all-reduce once per step); ZeRO-3 reduce-scatters every micro-step in
-both engines.
+zero_grad; both engines with torch's AdamW over ``model.parameters()`` and torch's
+``clip_grad_norm_``. For HSDP with A > 1, FSDP2 gets its documented accumulation idiom
+(``set_requires_all_reduce(False)`` except on the last micro-step), and PaRO its own
+(``set_requires_gradient_sync(False)`` except on the last micro-step: gradients stay at the G
+level, so III all-reduces across groups once per step); ZeRO-3 reduce-scatters every micro-step
+in both engines.
 
 Timing: every model (all pairs, both A) lives at once and the rounds interleave them, with the
 PaRO/FSDP2 order flipped every round, so machine noise hits both sides alike. Each timed step
@@ -51,8 +53,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from paro_fsdp import ParoOptimizer, init_paro_mesh, paro_shard
+from paro_fsdp import init_paro_mesh, paro_shard
 from paro_fsdp.models.llama import LlamaArgs
+from tools.optimizer import adamw
 
 from .engine_profile import profile_runners
 from .workload import (GROUP, LR, MAX_NORM, WD, WORLD, add_model_args, batch_for, make_model, model_args_from,
@@ -94,15 +97,16 @@ class Runner:
 def paro_runner(cfg: BenchConfig, strategy: str, accum: int) -> Runner:
     rank = dist.get_rank()
     model = paro_shard(make_model(cfg.args), init_paro_mesh(GROUP), strategy)
-    opt = ParoOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WD, foreach=True)
+    opt = adamw(model.parameters(), lr=LR, weight_decay=WD, foreach=True)
 
     def step(i: int) -> torch.Tensor:
         total = torch.zeros(())
         for a in range(accum):
+            model.set_requires_gradient_sync(a == accum - 1)  # the boundary under the last backward
             loss = model(batch_for(cfg, rank, i, a)).loss / accum
             loss.backward()
             total += loss.detach()
-        opt.clip_grad_norm_(MAX_NORM)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         opt.step()
         opt.zero_grad()
         return total
