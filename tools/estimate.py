@@ -8,8 +8,9 @@ Why this exists: the ledger (``paro_fsdp.cost.ledger``) says what each strategy 
 this tool measures what the engine *does*. In one process it starts torch's fake process group
 (``world`` simulated ranks, this process is rank 0) and, under ``FakeTensorMode`` (tensors carry
 shapes only, so a 7B model costs no memory and no FLOPs), for each strategy it builds the Llama
-model, ``paro_shard``s it on the (world/group, group) ("inter", "intra") mesh, wraps AdamW in
-``ParoOptimizer`` and runs one real optimizer step of A micro-steps (forward, backward,
+model, ``paro_shard``s it on the (world/group, group) ("inter", "intra") mesh, builds torch's
+AdamW over its trainable parameters (FSDP2's contract) and runs one real optimizer step of A
+micro-steps (forward, backward with ``set_requires_gradient_sync`` on the last one, torch's
 ``clip_grad_norm_``, ``step``) through the engine. ``model.comm_stats()`` then holds the
 collectives the engine actually issued and ``model.memory_report(opt)`` the model states it
 holds; both are printed next to the spec's formulas (``paro_fsdp.cost.ledger``) with their ratio.
@@ -81,8 +82,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"layers run: {r0.get('layers_run', '-')}")
     print("per rank: model-state memory after the step (memory_report); bytes sent per optimizer step (comm_stats, ring cost)")
     print(format_table(rows))
-    print(f"(plus one clip-norm all-reduce of an fp32 scalar over all ranks: {r0.get('global_bytes', 0):.3f} bytes, "
-          f"formula {r0.get('formula_global_bytes', 0):.3f})")
+    print(f"(flat collectives over all ranks: {r0.get('global_bytes', 0):.3f} bytes, formula "
+          f"{r0.get('formula_global_bytes', 0):.3f}; the clip's norm all-reduce is DTensor's, counted by neither)")
     print(f"{len(rows)} strategies in {time.perf_counter() - wall:.1f} s wall, {time.process_time() - cpu:.1f} s CPU")
     return 0
 
