@@ -148,3 +148,30 @@ def test_get_state_dict_resume_retraces_the_steps(runs, impl, strategy, mesh):
     for (loss, norm), (ref_loss, ref_norm) in zip(got["resumed"], got["losses"][STEPS // 2:]):
         assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss), (loss, ref_loss)
         assert abs(norm - ref_norm) <= 1e-5 * abs(ref_norm), (norm, ref_norm)
+
+
+def optimizer_paths(_: Any = None) -> dict[str, list[float]]:
+    """torch's AdamW through each of its implementations: the for-loop (CPU's default), foreach
+    (the GPU default; its ops through DTensor move no version counter) and fused."""
+    from paro_fsdp import init_paro_mesh, paro_shard
+
+    out = {}
+    for name, kw in (("for-loop", {"foreach": False}), ("foreach", {"foreach": True}), ("fused", {"fused": True})):
+        model = paro_shard(make_model(), init_paro_mesh(2), "IIG")
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, **kw)
+        losses = []
+        for step in range(3):
+            loss = model(batch(dist.get_rank(), step, 0)).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        out[name] = losses
+    return out
+
+
+def test_every_torch_optimizer_implementation_refreshes_the_working_copies():
+    got = run_world(4, optimizer_paths)[0]
+    assert got["for-loop"][0] > got["for-loop"][-1]
+    for name in ("foreach", "fused"):
+        torch.testing.assert_close(torch.tensor(got[name]), torch.tensor(got["for-loop"]), rtol=1e-5, atol=0, msg=name)
