@@ -188,6 +188,25 @@ def test_initial_load_path_without_a_manifest_loads_with_one_warning(tmp_path):
     assert warned == []  # checkpoint.verify false: asked not to check
 
 
+def test_an_earlier_trainers_checkpoint_loads_as_weights_and_is_refused_for_resume(tmp_path):
+    """A ``step-N`` folder written before the trainer's optimizer became torch's holds the fp32
+    masters under ``optimizer.master.<fqn>``: ``initial_load_path`` loads them as weights; a resume
+    (whose states now hold ``model.<fqn>``) is refused in one line naming that fix."""
+    model = torch.nn.Linear(3, 2)
+    old = {"optimizer": {"master": {k: torch.full_like(v, 5.0) for k, v in model.state_dict().items()}},
+           "train_state": {"step": 2}}
+    CheckpointManager(str(tmp_path / "checkpoint"), 1, 0, True, old).save(2)
+    folder = str(tmp_path / "checkpoint" / "step-2")
+    what = load_model_weights(model, folder)
+    assert what.startswith("the fp32 masters of an earlier paro-fsdp checkpoint") and torch.equal(
+        model.weight.detach(), torch.full((2, 3), 5.0))
+    states = {"model": {k: torch.zeros_like(v) for k, v in model.state_dict().items()}, "train_state": {"step": 0}}
+    with pytest.raises(CheckpointError) as raised:
+        CheckpointManager(str(tmp_path / "checkpoint"), 1, 0, True, states).load()
+    msg = _one_line(raised.value)
+    assert "optimizer.master.*" in msg and f"--checkpoint.initial_load_path {folder}" in msg, msg
+
+
 def test_safe_load_refuses_a_reader_that_unpickles(sound):
     from torch.distributed.checkpoint import FileSystemReader
 
