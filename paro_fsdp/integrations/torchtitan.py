@@ -40,7 +40,7 @@ from torchtitan.trainer import Trainer
 from paro_fsdp import MixedPrecision, init_paro_mesh, paro_shard
 from paro_fsdp.checkpoint_files import safe_load
 
-__all__ = ["ParoConfig", "ParoTrainer", "parallelize_paro", "safe_dcp_load", "mark_written_after_step",
+__all__ = ["ParoConfig", "ParoTrainer", "parallelize_paro", "safe_dcp_load",
            "llama3_debug_paro", "llama3_8b_paro", "llama3_70b_paro", "to_paro"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -197,22 +197,6 @@ def check_supported(parallelism: Any) -> None:
                              f"set it to 1 or run FSDP2 with --paro.enable false")
 
 
-# ---- the optimizers ----------------------------------------------------------------------------
-def mark_written_after_step(optimizer: torch.optim.Optimizer) -> None:
-    """After each ``step()``, bump the version counters of the parameters it updated.
-
-    Why: the engine sees an update of the parameters by their version counters (docs/fsdp2.md),
-    and torch 2.13's multi-tensor AdamW paths write them in place without bumping any: fused
-    (``_fused_adamw_``, torchtitan's default ``implementation``), plain tensors and DTensors
-    alike, and foreach on DTensors; the working copies would stay stale (the next step's loss off
-    by 1e-3). The optimizer's own post-hooks run before torch's global ones, where the engine
-    looks, so the refresh starts as the step ends."""
-    def bump(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        torch.autograd.graph.increment_version([p for g in opt.param_groups for p in g["params"] if p.grad is not None])
-
-    optimizer.register_step_post_hook(bump)
-
-
 # ---- the trainer ----------------------------------------------------------------------------
 def safe_dcp_load(checkpointer: Any, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool,
                   from_quantized: bool) -> None:
@@ -265,9 +249,6 @@ class ParoTrainer(Trainer):
                 config.loss = config.loss.loss_fn
         super().__init__(config)
         self._read_checkpoints_safely()
-        if config.paro.enable:
-            for optimizer in self.optimizers.optimizers:
-                mark_written_after_step(optimizer)
 
     def _read_checkpoints_safely(self) -> None:
         """Route the checkpointer's loads (resume, ``initial_load_path``, HF) through
