@@ -97,7 +97,7 @@ def reduce_to_os(group: ParoParamGroup, acc: torch.Tensor, out: list[torch.Tenso
 def set_master_grads(group: ParoParamGroup, reduced: torch.Tensor) -> None:
     """``reduced`` (from ``reduce_to_os``) / n (or / ``grad_divide_factor``) into the parameters'
     ``.grad`` (fp32 DTensors at the OS level), added to what an earlier reducing backward left
-    there, as FSDP2 accumulates its sharded gradients; the accumulator starts again from zero."""
+    there, as FSDP2 accumulates its sharded gradients; the accumulator is freed."""
     layout, OS, dt = group.t_layout, group.strategy.os, group.mp.grad_dtype
     scale = 1.0 / (group.info.n if group.grad_divide_factor is None else group.grad_divide_factor)
     if OS == Level.N:
@@ -115,7 +115,7 @@ def set_master_grads(group: ParoParamGroup, reduced: torch.Tensor) -> None:
                                             shape=param.shape, stride=param.stride())
         else:
             param.grad._local_tensor.add_(grad)
-    group.grad_acc.zero()
+    group.grad_acc.free()
     group.grads = GradState.EMPTY
 
 

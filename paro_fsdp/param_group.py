@@ -61,6 +61,11 @@ class GradAccumulator:
         if self.tensor is not None:
             self.tensor.zero_()
 
+    def free(self) -> None:
+        """Let the buffer go once its sum reached the OS level: between steps the gradients live in
+        the parameters' ``.grad`` only, as FSDP2's (the next backward allocates again)."""
+        self.tensor = None
+
 
 class GradState(enum.Enum):
     """A group's gradients between optimizer steps."""
