@@ -132,15 +132,18 @@ def buffer_devices(model: Any, opt: Any, device_type: str) -> dict[str, Any]:
 
 
 def placement_case(mesh: Any, device: str, strategy: str, args: Any = None) -> dict[str, Any]:
-    """Shard a small Llama built on the meta device with ``strategy`` on ``mesh``, run forward,
-    backward, clip, step (the trainer's fused AdamW over ``model.parameters()``, torch's
-    ``clip_grad_norm_``), and look at every buffer's device after backward, after clipping and
-    after the step."""
+    """Shard a small Llama built on the meta device with ``strategy`` on ``mesh``, train one step
+    of two micro-steps (the first with ``set_requires_gradient_sync(False)``: its gradients stay in
+    the G-level accumulator; the second reduces them to the parameters' ``.grad``), clip, step (the
+    trainer's fused AdamW over ``model.parameters()``, torch's ``clip_grad_norm_``), and look at
+    every buffer's device after each backward, after clipping and after the step. The engine's
+    internals must all be there after the first backward, and after the step all but the
+    accumulator (which the boundary may free)."""
     import torch
 
     from paro_fsdp import MixedPrecision, paro_shard
-    from tools.optimizer import adamw
     from paro_fsdp.models.llama import Llama
+    from tools.optimizer import adamw
 
     args = args or llama_args(**B_SMALL)
     with torch.device("meta"):
@@ -150,22 +153,32 @@ def placement_case(mesh: Any, device: str, strategy: str, args: Any = None) -> d
     model.init_buffers(torch.device(device))
     opt = adamw(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
     tokens = torch.randint(0, args.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0)).to(device)
-    out = model(tokens)
-    wrong, counts, missing = [], [], set()
-    if out.logits.device.type != device:
-        wrong.append(f"logits on {out.logits.device}")
-    out.loss.backward()
+    wrong, counts, missing, kinds = [], [], set(), {}
+
+    def micro_step(sync: bool) -> None:
+        model.set_requires_gradient_sync(sync)
+        out = model(tokens)
+        if out.logits.device.type != device:
+            wrong.append(f"logits on {out.logits.device}")
+        (out.loss / 2).backward()
+
     clip = lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # noqa: E731
-    for when, fn in (("after backward", None), ("after clip", clip), ("after step", opt.step)):
-        if fn is not None:
-            fn()
+    for when, fn in (("after an unsynced backward", lambda: micro_step(False)),
+                     ("after the last backward", lambda: micro_step(True)), ("after clip", clip),
+                     ("after step", opt.step)):
+        fn()
         seen = buffer_devices(model, opt, device)
         wrong += [f"{w} ({when})" for w in seen["wrong"]]
-        missing |= set(seen["missing"]) if when == "after step" else set()
+        if when == "after an unsynced backward":
+            missing |= set(seen["missing"])
+        elif when == "after step":
+            missing |= {m for m in seen["missing"] if not m.endswith(".grad_acc")}
         counts.append(seen["count"])
+        for kind, n in seen["kinds"].items():
+            kinds[kind] = max(kinds.get(kind, 0), n)
     opt.zero_grad()
     return {"strategy": strategy, "tensors_checked": sum(counts), "wrong": wrong, "missing": sorted(missing),
-            "kinds": seen["kinds"]}
+            "kinds": kinds}
 
 
 def worker_b(emit: Emitter, device: str) -> None:
