@@ -110,15 +110,21 @@ def all_runs(payload: list[dict]) -> list[dict]:
     return [finetune(p) for p in payload]
 
 
-CASES = [("torch", None, "llama", False), ("paro", None, "llama", False), ("paro", "IIG", "llama", False),
-         ("paro", "IIG", "llama", True), ("torch", None, "qwen2", False), ("paro", "IIG", "qwen2", False)]
+CASES = [("torch", None, "llama", False), ("paro", None, "llama", False), ("paro", "IIG", "llama", False)]
+# the slow set: reentrant checkpointing, and Qwen2
+SLOW_CASES = [("paro", "IIG", "llama", True), ("torch", None, "qwen2", False), ("paro", "IIG", "qwen2", False)]
+
+
+def _world(cases: list[tuple], folder: str) -> dict[tuple, dict]:
+    payload = [{"impl": i, "strategy": s, "kind": k, "reentrant": r, "folder": folder} for i, s, k, r in cases]
+    return dict(zip(cases, run_world(4, all_runs, payload)[0]))
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[tuple, dict]:
+def runs(tmp_path_factory, request) -> dict[tuple, dict]:
     folder = str(tmp_path_factory.mktemp("hf_fsdp2"))
-    payload = [{"impl": i, "strategy": s, "kind": k, "reentrant": r, "folder": folder} for i, s, k, r in CASES]
-    return dict(zip(CASES, run_world(4, all_runs, payload)[0]))
+    slow = request.config.getoption("-m") != "not slow"
+    return _world(CASES + (SLOW_CASES if slow else []), folder)
 
 
 def _close(got: list, ref: list, tol: float = 1e-5) -> None:
@@ -128,8 +134,12 @@ def _close(got: list, ref: list, tol: float = 1e-5) -> None:
         assert abs(norm - ref_norm) <= tol * abs(ref_norm), (norm, ref_norm)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c[0] == "paro"], ids=lambda c: f"{c[1] or 'default'}-{c[2]}"
-                         f"{'-reentrant' if c[3] else ''}")
+def _id(c: tuple) -> str:
+    return f"{c[1] or 'default'}-{c[2]}{'-reentrant' if c[3] else ''}"
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] == "paro"] +
+                         [pytest.param(c, marks=pytest.mark.slow) for c in SLOW_CASES if c[0] == "paro"], ids=_id)
 def test_the_script_with_its_import_changed_matches_fsdp2(runs, case):
     ref = runs[("torch", None, case[2], False)]
     got = runs[case]
