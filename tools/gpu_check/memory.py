@@ -186,6 +186,10 @@ def memory_case(mesh: Any, device: str, strategy: str, args: Any, batch: int, se
 
         with meter.phase("step1"):
             step(tokens[0])
+        # the G accumulators still allocated between steps (the engine frees each once its sum
+        # reached the parameters' .grad): memory_report's G counts them whole
+        g_held = sum(t.numel() * t.element_size() for g in model._paro_state.groups
+                     if (t := g.grad_acc.tensor) is not None)
         with meter.phase("step2"):
             step(tokens[1])
         report = {k: int(v) for k, v in model.memory_report(opt).items()}
@@ -197,4 +201,4 @@ def memory_case(mesh: Any, device: str, strategy: str, args: Any, batch: int, se
         torch.cuda.empty_cache()
     return {"strategy": strategy, "report": report, "resident": ph["step2"]["start"], "peak": ph["step2"]["peak"],
             "peak_step1": ph["step1"]["peak"], "build_peak": ph["build"]["peak"], "reserved": ph["step2"].get("reserved"),
-            **exp, **within}
+            "g_held": float(g_held), "resident_states": float(report["P"] + report["OS"] + g_held), **exp, **within}
