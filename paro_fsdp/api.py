@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .comm import MeshComm
 from .mesh import MeshInfo, mesh_device
 from .mixed_precision import MixedPrecision
-from .module import mix_in
+from .module import mix_in, track_state_dict_writes
 from .paro_cc import ParoCC
 from .param import ParamRef
 from .param_group import ParoParamGroup
@@ -138,6 +138,7 @@ def build(model: nn.Module, mesh: DeviceMesh, strategies: dict[str, Strategy], b
     _adopt(model, state, adopted)
     _move_buffers(model, mesh_device(info))
     state.install_hooks(new_blocks)
+    track_state_dict_writes(g for b in new_blocks for g in b.groups)
     for block in state.blocks:
         owner = model if block.is_root else block.module
         owner._paro_state, owner._paro_block = state, block

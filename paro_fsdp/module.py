@@ -218,6 +218,32 @@ class ParoModule:
         return self._paro_state.info.groups
 
 
+def track_state_dict_writes(groups: Iterable[ParoParamGroup]) -> None:
+    """``state_dict()`` values that share the parameters' version counters: ``nn.Module`` saves
+    ``param.detach()``, and a DTensor's detach gives its local tensor a counter of its own, so a
+    load written into them in place (``dcp.load(model.state_dict())``) went unseen and the working
+    copies stayed stale. A DTensor over the parameter's own local tensor (detached: plain tensors
+    share the counter) is seen by ``refresh_params``."""
+    owned: dict[int, list[tuple[str, nn.Parameter]]] = {}
+    modules: dict[int, nn.Module] = {}
+    for g in groups:
+        for p in g.params:
+            if p.trainable:
+                for module, attr in p.ref.owners:
+                    owned.setdefault(id(module), []).append((attr, p.param))
+                    modules[id(module)] = module
+
+    def hook(module, sd, prefix, local_metadata) -> None:
+        for attr, param in owned.get(id(module), ()):
+            value = sd.get(prefix + attr)
+            if isinstance(value, DTensor) and value is not param:  # keep_vars=True hands the parameter itself
+                sd[prefix + attr] = DTensor.from_local(param._local_tensor.detach(), param.device_mesh, param.placements,
+                                                       run_check=False, shape=param.shape, stride=param.stride())
+
+    for key, module in modules.items():
+        module.register_state_dict_post_hook(hook)
+
+
 def _local_like(param: DTensor, whole: torch.Tensor) -> DTensor:
     """A whole tensor as this rank's shard of ``param`` (its mesh and placements), so
     nn.Module's in-place copy into the DTensor parameter works; no communication."""

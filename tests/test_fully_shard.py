@@ -47,17 +47,20 @@ def _build(impl: str, strategy: str | None, mesh_shape: tuple[int, ...]):
     return model, opt, sched
 
 
-def _train(model, opt, sched, steps: range) -> list[tuple[float, float]]:
+def _train(model, opt, sched, steps: range, loss_of=None, accum: int = A, max_norm: float = MAX_NORM) -> list[tuple[float, float]]:
+    """The FSDP2 way: the last micro-step syncs, torch's clip over the parameters, the user's
+    optimizer and schedule. ``loss_of(model, rank, step, micro)``: default, the tiny Llama's."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    loss_of = loss_of or (lambda m, r, s, a: m(batch(r, s, a)).loss)
     out = []
     for step in steps:
         total = torch.zeros(())
-        for micro in range(A):
-            model.set_requires_gradient_sync(micro == A - 1)
-            loss = model(batch(rank, step, micro)).loss / A
+        for micro in range(accum):
+            model.set_requires_gradient_sync(micro == accum - 1)
+            loss = loss_of(model, rank, step, micro) / accum
             loss.backward()
             total += loss.detach()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         opt.step()
         sched.step()
         opt.zero_grad()

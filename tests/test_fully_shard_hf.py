@@ -50,24 +50,15 @@ def _setup(impl: str, strategy: str | None, kind: str, reentrant: bool):
     return model, opt, sched
 
 
+def _hf_loss(model, rank: int, step: int, micro: int) -> torch.Tensor:
+    x = _batch(rank, step, micro)
+    return model(input_ids=x, labels=x).loss
+
+
 def _steps(model, opt, sched, steps: range) -> list[tuple[float, float]]:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    out = []
-    for step in steps:
-        total = torch.zeros(())
-        for micro in range(A):
-            model.set_requires_gradient_sync(micro == A - 1)
-            x = _batch(rank, step, micro)
-            loss = model(input_ids=x, labels=x).loss / A
-            loss.backward()
-            total += loss.detach()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        dist.all_reduce(total)
-        out.append(((total / world).item(), norm.full_tensor().item()))
-    return out
+    from test_fully_shard import _train
+
+    return _train(model, opt, sched, steps, loss_of=_hf_loss, accum=A, max_norm=MAX_NORM)
 
 
 def finetune(payload: dict[str, Any]) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from workloads import LR, MAX_NORM, batch, close, full_params, make_model, shard
 
 WORLD = 4
 LOAD = ["IIG", "GGG", "NGI"]
-HOW = ["dtensor", "plain", "dcp", "renamed", "renamed_plain"]
+HOW = ["dtensor", "plain", "dcp", "dcp_in_place", "renamed", "renamed_plain"]
 
 
 def rename_w2(model: nn.Module) -> nn.Module:
@@ -100,6 +100,9 @@ def model_only_loads(folder: str) -> dict[str, Any]:
                 model.load_state_dict(trained.state_dict())
             elif how == "plain":  # an unsharded checkpoint: whole plain tensors
                 model.load_state_dict({k: v.clone() for k, v in weights.items()})
+            elif how == "dcp_in_place":  # DCP writes into the state dict's tensors, nothing called after
+                dcp.save(trained.state_dict(), checkpoint_id=f"{folder}/{s}-in-place")
+                dcp.load(model.state_dict(), checkpoint_id=f"{folder}/{s}-in-place")
             else:  # DCP into the model's own state dict, then load_state_dict (torchtitan's path)
                 dcp.save(trained.state_dict(), checkpoint_id=f"{folder}/{s}")
                 sd = model.state_dict()
