@@ -44,7 +44,6 @@ def _rank_main(payload: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     from paro_fsdp import MixedPrecision, init_paro_mesh, paro_shard
-    from tools.optimizer import adamw
     from paro_fsdp.cost.calibrate import calibrate_in_process
     from paro_fsdp.models.llama import Llama
 
@@ -61,7 +60,7 @@ def _rank_main(payload: dict[str, Any]) -> dict[str, Any]:
     for name in payload["strategies"]:
         torch.manual_seed(0)
         model = paro_shard(Llama(CHECK), mesh, name, mp=MixedPrecision(torch.float32))
-        runs[name] = (model, adamw(model.parameters(), lr=1e-4, weight_decay=0.1, foreach=True))
+        runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, foreach=True))
     times: dict[str, list[float]] = {name: [] for name in runs}
     # round-robin (one step of each strategy per round), so a busy spell of the shared machine
     # hits every strategy alike; the first round is a warm-up

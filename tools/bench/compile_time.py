@@ -72,11 +72,10 @@ def _build(cfg: Config, variant: str):
 
     import passes
     from paro_fsdp import init_paro_mesh, paro_shard
-    from tools.optimizer import adamw
     from paro_fsdp.traced import compile_block, compile_push
 
     model = paro_shard(model, init_paro_mesh(GROUP), cfg.strategy)
-    opt = adamw(model.parameters(), lr=LR, weight_decay=WD, foreach=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, foreach=True)
     passes.install(passes.ORDER, meshes=[model.paro_mesh_groups()])
     if variant == "paro-model":
         model.compile()

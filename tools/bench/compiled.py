@@ -46,7 +46,6 @@ import passes
 from paro_fsdp import init_paro_mesh, paro_shard
 from paro_fsdp.models.llama import LlamaArgs
 from paro_fsdp.traced import compile_push, isolate_compile_cache
-from tools.optimizer import adamw
 
 from .workload import (GROUP, LR, MAX_NORM, WD, WORLD, add_model_args, batch_for, make_model, model_args_from,
                        reduce_max, reduce_mean)
@@ -102,7 +101,7 @@ def _train_step(cfg: Config, call, clip, opt, rank: int, before_micro=None):
 def paro_variant(cfg: Config, strategy: str, mode: str) -> Variant:
     rank = dist.get_rank()
     model = paro_shard(make_model(cfg.args), init_paro_mesh(GROUP), strategy)
-    opt = adamw(model.parameters(), lr=LR, weight_decay=WD, foreach=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, foreach=True)
     call = model
     if mode != "eager":  # the whole boundary in graphs: the last backward's reduction, the push to P
         call = torch.compile(model)

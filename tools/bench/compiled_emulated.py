@@ -192,7 +192,6 @@ def build_variants(args: argparse.Namespace, margs, mesh, fsdp_mesh: Callable[[s
     import passes
     from paro_fsdp import paro_shard
     from paro_fsdp.traced import compile_push
-    from tools.optimizer import adamw
     from torch.distributed.fsdp import fully_shard
 
     modes = [m for m in MODES if m in args.variants.split(",")]
@@ -200,7 +199,7 @@ def build_variants(args: argparse.Namespace, margs, mesh, fsdp_mesh: Callable[[s
     for s in filter(None, args.strategies.split(",")):
         for mode in modes:
             model = paro_shard(make_model(margs), mesh, s)
-            opt = adamw(model.parameters(), lr=LR, weight_decay=WD, foreach=True)
+            opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, foreach=True)
             call, record = model, None
             if mode != "eager":
                 names = passes.ORDER if PASSES_OF[mode] is None else PASSES_OF[mode]

@@ -42,7 +42,6 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.tensor import DTensor
 
     from paro_fsdp import MixedPrecision, init_paro_mesh, paro_shard
-    from tools.optimizer import adamw
     from paro_fsdp.cost.model import model_spec
     from paro_fsdp.models.llama import Llama, LlamaArgs
 
@@ -101,7 +100,7 @@ def worker(args: argparse.Namespace) -> None:
     def paro(strategy: str) -> Runner:
         mp = MixedPrecision(param_dtype=torch.bfloat16) if bf16 else None
         model = paro_shard(make_model(), mesh, strategy, mp=mp)
-        opt = adamw(trainable(model), lr=LR, weight_decay=WD, foreach=True)  # the fp32 masters
+        opt = torch.optim.AdamW(trainable(model), lr=LR, weight_decay=WD, foreach=True)  # the fp32 masters
 
         def step(i: int, accum: int):
             total = 0.0

@@ -55,7 +55,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from paro_fsdp import init_paro_mesh, paro_shard
 from paro_fsdp.models.llama import LlamaArgs
-from tools.optimizer import adamw
 
 from .engine_profile import profile_runners
 from .workload import (GROUP, LR, MAX_NORM, WD, WORLD, add_model_args, batch_for, make_model, model_args_from,
@@ -97,7 +96,7 @@ class Runner:
 def paro_runner(cfg: BenchConfig, strategy: str, accum: int) -> Runner:
     rank = dist.get_rank()
     model = paro_shard(make_model(cfg.args), init_paro_mesh(GROUP), strategy)
-    opt = adamw(model.parameters(), lr=LR, weight_decay=WD, foreach=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, foreach=True)
 
     def step(i: int) -> torch.Tensor:
         total = torch.zeros(())

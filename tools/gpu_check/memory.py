@@ -165,7 +165,6 @@ def memory_case(mesh: Any, device: str, strategy: str, args: Any, batch: int, se
     import torch
 
     from paro_fsdp import MixedPrecision, paro_shard
-    from tools.optimizer import adamw
     from paro_fsdp.models.llama import Llama
 
     tokens = [torch.randint(0, args.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(i)) for i in range(2)]
@@ -176,7 +175,7 @@ def memory_case(mesh: Any, device: str, strategy: str, args: Any, batch: int, se
             model = paro_shard(model, mesh, strategy, mp=MixedPrecision(torch.bfloat16, torch.bfloat16),
                                param_init_fn=init_fn(0, args.n_layers))
             model.init_buffers(torch.device(device))
-            opt = adamw(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
 
         def step(x: torch.Tensor) -> None:
             model(x.to(device)).loss.backward()

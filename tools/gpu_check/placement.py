@@ -143,7 +143,6 @@ def placement_case(mesh: Any, device: str, strategy: str, args: Any = None) -> d
 
     from paro_fsdp import MixedPrecision, paro_shard
     from paro_fsdp.models.llama import Llama
-    from tools.optimizer import adamw
 
     args = args or llama_args(**B_SMALL)
     with torch.device("meta"):
@@ -151,7 +150,7 @@ def placement_case(mesh: Any, device: str, strategy: str, args: Any = None) -> d
     model = paro_shard(model, mesh, strategy, mp=MixedPrecision(torch.bfloat16, torch.float32),
                        param_init_fn=init_fn(0, args.n_layers))
     model.init_buffers(torch.device(device))
-    opt = adamw(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
     tokens = torch.randint(0, args.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0)).to(device)
     wrong, counts, missing, kinds = [], [], set(), {}
 

@@ -73,7 +73,6 @@ def worker_c(emit: Emitter, device_type: str, layers: Optional[int], peak_tflops
     from torch.distributed.device_mesh import init_device_mesh
 
     from paro_fsdp import MixedPrecision, init_paro_mesh, paro_shard
-    from tools.optimizer import adamw
     from paro_fsdp.models.llama import Llama
 
     device = _init_world(device_type)
@@ -98,7 +97,7 @@ def worker_c(emit: Emitter, device_type: str, layers: Optional[int], peak_tflops
         model = paro_shard(model, init_paro_mesh(1), C_STRATEGY, mp=MixedPrecision(torch.bfloat16, torch.bfloat16),
                            param_init_fn=init_fn(0, args.n_layers))
         model.init_buffers(device)
-        opt = adamw(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
         if compiled:
             import passes
             from paro_fsdp.train.config import JobConfig

@@ -170,7 +170,6 @@ def train_sharded(mesh: Any, strategy: str, device: torch.device, *, delay_cycle
     import torch.distributed as dist
 
     from paro_fsdp import paro_shard
-    from tools.optimizer import adamw
 
     exact_math()
     if compiled:
@@ -178,7 +177,7 @@ def train_sharded(mesh: Any, strategy: str, device: torch.device, *, delay_cycle
     model = paro_shard(make_model(), mesh, strategy)
     add_delays(model, delay_cycles)
     record = compile_first_block(model, device.type) if compiled else None
-    opt = adamw(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)  # foreach on CUDA
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     rank = dist.get_rank()
     data = [[batch(rank, s, a).to(device) for a in range(ACCUM)] for s in range(STEPS)]
     losses, norms = [], []
