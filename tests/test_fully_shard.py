@@ -217,3 +217,23 @@ def held_bytes(_: Any = None) -> dict[str, int]:
 def test_fp32_ggg_holds_zero3_bytes():
     got = run_world(4, held_bytes)[0]
     assert got["paro"] <= got["torch"] * 1.02, got  # padding of the flat shards aside
+
+
+@pytest.mark.parametrize("kwargs,fix", [
+    ({"shard_placement_fn": lambda p: None}, "strategy="),
+    ({"reshard_after_forward": 2}, "pass True or False"),
+    ({"offload_policy": __import__("torch.distributed.fsdp", fromlist=["CPUOffloadPolicy"]).CPUOffloadPolicy()}, "offload"),
+    ({"ignored_params": {torch.nn.Parameter(torch.zeros(1))}}, "requires_grad=False"),
+    ({"mp_policy": __import__("torch.distributed.fsdp", fromlist=["MixedPrecisionPolicy"]).MixedPrecisionPolicy(
+        param_dtype=torch.float16)}, "torch.bfloat16"),
+])
+def test_fsdp2_options_paro_cannot_honour_fail_in_one_line(kwargs, fix):
+    """Nothing is silently ignored: each refusal is one line naming what to do instead, before
+    anything is sharded."""
+    from paro_fsdp import fully_shard
+
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises((ValueError, NotImplementedError)) as err:
+        fully_shard(model, **kwargs)
+    assert fix in str(err.value) and "\n" not in str(err.value)
+    assert type(model.weight) is torch.nn.Parameter  # untouched
