@@ -237,3 +237,76 @@ def test_fsdp2_options_paro_cannot_honour_fail_in_one_line(kwargs, fix):
         fully_shard(model, **kwargs)
     assert fix in str(err.value) and "\n" not in str(err.value)
     assert type(model.weight) is torch.nn.Parameter  # untouched
+
+
+def module_methods(_: Any = None) -> dict[str, Any]:
+    """FSDP2's module methods on blocks sharded by ``fully_shard`` (IIG on 2 x 2): what each
+    changes in the engine's state and collectives, and that training is unchanged."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from paro_fsdp import fully_shard
+
+    def build():
+        torch.manual_seed(0)
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        model = make_model()
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh, strategy="IIG")
+        return fully_shard(model, mesh=mesh, strategy="IIG")
+
+    def gathers(model) -> int:
+        return model.comm_stats().count("all_gather", "intra")
+
+    def state_of(block) -> str:
+        return block._paro_block.groups[0].state.name
+
+    rank, out = dist.get_rank(), {}
+    x = batch(rank, 0, 0)
+    model = build()
+    base = model(x).loss.item()
+    model.comm_stats().reset()
+    model(x).loss.backward()
+    out["gathers_default"] = gathers(model)
+
+    model = build()
+    model.layers[0].set_reshard_after_forward(False)
+    loss = model(x).loss
+    out["kept_after_forward"] = state_of(model.layers[0])
+    model.comm_stats().reset()
+    loss.backward()
+    out["gathers_in_backward_kept"] = gathers(model)
+
+    model.set_reshard_after_backward(False)
+    model.set_requires_gradient_sync(False)
+    model(x).loss.backward()
+    out["kept_after_backward"] = [state_of(b) for b in model.layers]
+    model.comm_stats().reset()
+    out["loss_kept"] = model(x).loss.item()
+    out["gathers_forward_after_kept"] = gathers(model)
+
+    model = build()
+    model.layers[1].unshard()
+    out["unshard"] = state_of(model.layers[1])
+    model.layers[1].reshard()
+    out["reshard"] = state_of(model.layers[1])
+
+    model = build()
+    model.layers[0].set_modules_to_forward_prefetch([])  # no prefetch of layers.1 from layers.0
+    seen = []
+    model.layers[1].register_forward_pre_hook(lambda *_: seen.append(state_of(model.layers[1])), prepend=True)
+    out["loss_no_prefetch"] = model(x).loss.item()
+    out["layer1_at_its_forward"] = seen
+    out["base"] = base
+    return out
+
+
+def test_fsdp2_module_methods_do_what_they_say():
+    got = run_world(4, module_methods)[0]
+    # the root stays gathered (from the forward before); each layer gathers in forward and again in backward
+    assert got["gathers_default"] == 2 + 2 and got["gathers_in_backward_kept"] == 1  # layers.0 kept: only layers.1
+    assert got["kept_after_forward"] == "UNSHARDED"
+    assert got["kept_after_backward"] == ["UNSHARDED", "UNSHARDED"]
+    assert got["gathers_forward_after_kept"] == 0 and got["loss_kept"] == pytest.approx(got["base"], rel=1e-6)
+    assert (got["unshard"], got["reshard"]) == ("UNSHARDED", "SHARDED")
+    assert got["layer1_at_its_forward"] == ["SHARDED"]  # nothing prefetched it
+    assert got["loss_no_prefetch"] == pytest.approx(got["base"], rel=1e-6)
