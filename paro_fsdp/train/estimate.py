@@ -24,7 +24,6 @@ from ..mesh import init_paro_mesh
 from ..mixed_precision import MixedPrecision
 from ..models.llama import Llama, LlamaArgs, flavor
 from ..strategy import ALL_STRATEGIES, Strategy
-from .optimizer import mark_written_after_step
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 GiB, GB = 2**30, 1e9
@@ -96,7 +95,6 @@ def _measure(args: LlamaArgs, pattern: Sequence[bool], root_trainable: bool, mes
         model = paro_shard(model, mesh, strategy, mp=mp, flat_below_bytes=flat_below_bytes)
         trainable = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.1, fused=True)
-        mark_written_after_step(opt)  # fused kernels bump no version counter: the engine would not push (optimizer.py)
         stats = model.comm_stats()
         stats.reset()
         for micro in range(grad_accum):

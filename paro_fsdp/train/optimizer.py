@@ -39,25 +39,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 
 def build_optimizer(model: nn.Module, o: OptimizerConfig) -> torch.optim.Optimizer:
     """``[optimizer]``'s torch optimizer over the sharded model's trainable parameters."""
-    optimizer = OPTIMIZERS[o.name](param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                                   weight_decay=o.weight_decay, **IMPLEMENTATIONS[o.implementation])
-    mark_written_after_step(optimizer)
-    return optimizer
-
-
-def mark_written_after_step(optimizer: torch.optim.Optimizer) -> None:
-    """After each ``step()``, bump the version counters of the parameters it updated.
-
-    Why: the engine sees an update by the parameters' version counters (docs/fsdp2.md), and in
-    torch 2.13 two of the three implementations write the DTensor parameters in place without
-    bumping them: ``foreach`` (the ``_foreach_*_`` ops dispatched through DTensor; torch's default
-    on CUDA) and ``fused`` (``_fused_adam(w)_``, plain tensors too); only the for-loop one does.
-    The working copies would then stay stale: the loss stalls. The optimizer's own post-hooks run
-    before torch's global ones, where the engine looks; an extra bump costs nothing."""
-    def bump(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        torch.autograd.graph.increment_version([p for g in opt.param_groups for p in g["params"] if p.grad is not None])
-
-    optimizer.register_step_post_hook(bump)
+    return OPTIMIZERS[o.name](param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                              weight_decay=o.weight_decay, **IMPLEMENTATIONS[o.implementation])
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
