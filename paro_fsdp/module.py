@@ -154,8 +154,10 @@ class ParoModule:
         return self._paro_state.comm.stats
 
     def memory_report(self, optimizer: Any = None) -> dict[str, int]:
-        """Bytes this rank holds: ``P``, ``G`` (the accumulator), ``OS`` (the fp32 parameters, with
-        the optimizer's states when given) and their ``total``; what the boundary adds for a
+        """Bytes this rank holds: ``P``, ``G`` (the accumulator: held while gradients accumulate
+        unsynced and during a syncing backward, freed once their sum is in ``.grad``), ``OS`` (the
+        fp32 parameters, with the optimizer's states when given) and their ``total``, the peak of
+        the three; what the boundary adds for a
         while: ``master_grads`` (the parameters' fp32 ``.grad``, until ``zero_grad``),
         ``boundary`` (the largest full-size temporaries of G = N or P = N groups) and
         ``in_flight`` (what overlap keeps alive: the second block of gradient reductions in flight
