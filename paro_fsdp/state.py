@@ -330,15 +330,12 @@ def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: A
     """The parameters the step updated (those with a gradient) count as written: torch's
     ``foreach`` ops through DTensor (its default on GPUs) and its fused kernels write them in place
     without moving their version counters. Then the pushes start."""
-    states = list(_watched)
-    if not states:
-        return
-    ours = {id(p) for state in states for g in state.groups for p in g.sharded_params[: len(g.trainable)]}
-    stepped = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None and id(p) in ours]
-    if stepped:
-        torch.autograd.graph.increment_version(stepped)
-    for state in states:
-        state.refresh_params()
+    stepped = {id(p): p for group in optimizer.param_groups for p in group["params"] if p.grad is not None}
+    for state in list(_watched):  # only the models this optimizer updated (another may be alive)
+        mine = [stepped[id(p)] for g in state.groups for p in g.sharded_params[: len(g.trainable)] if id(p) in stepped]
+        if mine:
+            torch.autograd.graph.increment_version(mine)
+            state.refresh_params()
 
 
 def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
