@@ -141,7 +141,7 @@ def test_per_block_compile_regathers_in_backward_as_eager(mesh, strategy, reshar
     assert _sum(graph_ring(run["record"], "backward"), run["bwd"]) == pytest.approx(bwd)
 
 
-@pytest.mark.parametrize("strategy", ["GGG", "IGG"])
+@pytest.mark.parametrize("strategy", ["GGG", pytest.param("IGG", marks=pytest.mark.slow)])
 def test_torch_block_compile_keeps_the_strategy_memory(mesh, strategy):
     """torch's own ``block.compile()``, FSDP2's and torchtitan's recipe: the backward graph
     re-gathers as ``compile_block``'s does, and the bytes moved and saved are the same."""

@@ -122,7 +122,7 @@ def all_cases(payload: list[dict]) -> list[dict]:
 
 
 CASES = [("torch", None, (2, 2)), ("paro", None, (2, 2)), ("paro", "IIG", (2, 2)), ("paro", "GGG", (2, 2)),
-         ("paro", "NIG", (2, 2)), ("torch", None, (4,)), ("paro", None, (4,))]
+         ("torch", None, (4,)), ("paro", None, (4,))]
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +163,7 @@ def optimizer_paths(_: Any = None) -> dict[str, list[float]]:
         model = paro_shard(make_model(), init_paro_mesh(2), "IIG")
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, **kw)
         losses = []
-        for step in range(3):
+        for step in range(2):
             loss = model(batch(dist.get_rank(), step, 0)).loss
             loss.backward()
             opt.step()
