@@ -93,7 +93,9 @@ def per_block(mesh, strategy: str, reshard: bool = True, ac: bool = False, torch
     # apply_compile sets a dynamo option and a cache folder for the process: both undone after
     with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=False), \
             mock.patch.dict(os.environ):
-        if torch_compile:
+        if torch_compile == "model":
+            model.compile(backend=cfg.compile.backend)
+        elif torch_compile:
             for block in model.layers:
                 block.compile(backend=cfg.compile.backend)
         else:
@@ -151,6 +153,15 @@ def test_torch_block_compile_keeps_the_strategy_memory(mesh, strategy):
     assert _sum(graph_ring(torchs["record"], "backward"), torchs["bwd"]) == \
         pytest.approx(_sum(graph_ring(ours["record"], "backward"), ours["bwd"]))
     assert torchs["saved"] == ours["saved"]
+
+
+def test_torch_model_compile_regathers_in_backward(mesh):
+    """torch's own ``model.compile()``: the blocks' hooks are inlined in the model's graph, so
+    their gathers are recomputed in backward (GGG: intra and inter), as per block."""
+    run = per_block(mesh, "GGG", torch_compile="model")
+    gathers = {k: v for k, v in graph_ring(run["record"], "backward", "count").items() if k.startswith("all_gather")}
+    assert gathers == {"all_gather/intra": 1, "all_gather/inter": 1}
+    assert run["saved"] < per_block(mesh, "GGG", reshard=False)["saved"]
 
 
 def test_per_block_compile_saves_no_whole_parameters(mesh):
