@@ -1,4 +1,4 @@
-"""The tests' shared harness lives in ``tests/harness/`` (the gloo world, the torchrun launcher,
+"""The tests' shared harness lives in ``tests/harness/`` (the gloo world on `tools/local_world.py`,
 the tiny workloads, hostile pickles, Hugging Face folders, torchtitan's CPU shims); the test
 files import its modules by name (``from dist_harness import run_world``).
 

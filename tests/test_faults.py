@@ -25,7 +25,7 @@ for p in (str(REPO), str(Path(__file__).parent)):
         sys.path.insert(0, p)
 
 from dist_harness import run_world  # noqa: E402
-from torchrun_launch import Launch, losses_by_attempt  # noqa: E402
+from tools.local_world import Torchrun as Launch, losses_by_attempt  # noqa: E402
 
 # the debug model, 4 ranks = 2 groups x 2 (IIG), no accumulation, every step logged
 ARGS = ["--model.flavor", "debug", "--training.seq_len", "32", "--training.local_batch_size", "2",

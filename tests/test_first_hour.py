@@ -30,7 +30,7 @@ for p in (str(REPO), str(Path(__file__).parent)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from torchrun_launch import losses_by_attempt  # noqa: E402
+from tools.local_world import losses_by_attempt  # noqa: E402
 
 DEBUG = "train_configs/debug_paro.toml"
 # the debug model, 4 ranks = 2 groups x 2 (IIG), every step logged, a constant lr after warmup
