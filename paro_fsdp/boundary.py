@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from .comm import Work
 from .param_group import GradState, ParoParamGroup
+from .plan import Move
 from .strategy import Level
 
 #: one group's sequence of collectives
@@ -59,39 +60,51 @@ def finalize_grads(group: ParoParamGroup) -> Steps:
 
 
 def reduce_to_os(group: ParoParamGroup, acc: torch.Tensor, out: list[torch.Tensor]) -> Steps:
-    """The G-level sum over micro-steps -> the OS level, summed over all ranks, appended to
-    ``out``. It travels in the reduce dtype; with no collective to run (G = OS = G) it stays in
-    the accumulate dtype."""
-    layout, G, OS, dt = group.t_layout, group.strategy.g, group.strategy.os, group.mp.grad_dtype
-    if not (G == Level.G and OS == Level.G) and group.info.n > 1:
-        acc = acc.to(dt)
-    reduced, level = acc, G
-    if G == Level.N and OS == Level.G:  # global reduce-scatter (PaRO-CC)
-        empty = torch.empty if layout.nested_uniform else torch.zeros
-        pending = group.cc.reduce_scatter(layout.full_to_nested(acc, empty(layout.numel_nested(), dtype=dt, device=group.device)),
-                                              order="nested")
+    """The G-level sum over micro-steps -> the OS level, summed over all ranks (the plan's
+    boundary), appended to ``out``. It travels in the reduce dtype; with no collective to run
+    (G = OS = G) it stays in the accumulate dtype."""
+    if group.plan.boundary and group.info.n > 1:
+        acc = acc.to(group.mp.grad_dtype)
+    for pending in run_moves(group, group.plan.boundary, acc, out):
         yield pending
-        reduced, level = pending.wait(), Level.G
-    elif G == Level.N and OS == Level.N:  # global all-reduce (PaRO-CC), elementwise on FULL
-        pending = group.cc.all_reduce(acc)
+
+
+def run_moves(group: ParoParamGroup, moves: tuple[Move, ...], flat: torch.Tensor, out: list[torch.Tensor],
+              into: torch.Tensor | None = None) -> Steps:
+    """Run a phase's moves on a flat buffer of the trainable tensors, each a collective (yielded)
+    between the layouts its levels need; the result, at the last move's level, is appended to
+    ``out`` (written into ``into`` where given)."""
+    for i, move in enumerate(moves):
+        pending = _issue(group, move, flat)
         yield pending
-        reduced = pending.wait()
-    elif G != Level.G:  # to I, still partial over inter
-        if G == Level.N:
-            pending = group.comm.reduce_scatter(acc, "intra")
-            yield pending
-            reduced = pending.wait()
-        if OS == Level.G:
-            pending = group.comm.reduce_scatter(
-                layout.i_to_inter(reduced, torch.empty(group.info.g * layout.sum_g, dtype=dt, device=group.device)), "inter")
-            yield pending
-            reduced, level = pending.wait(), Level.G
-        else:
-            pending = group.comm.all_reduce(reduced, "inter")
-            yield pending
-            reduced, level = pending.wait(), Level.I
-    for pending in gather_up(group, reduced, level, OS, out):
-        yield pending
+        flat = _arrive(group, move, pending.wait(), into if i == len(moves) - 1 else None)
+    out.append(flat)
+
+
+def _issue(group: ParoParamGroup, move: Move, flat: torch.Tensor) -> Work:
+    """Put one move on the wire. Global moves run on NESTED buffers (PaRO-CC's order), inter
+    reductions on the intra shard laid out [g, sum_g]."""
+    layout, dt, kind = group.t_layout, flat.dtype, move.kind
+    if move.dim == "global":
+        if kind == "reduce_scatter":
+            empty = torch.empty if layout.nested_uniform else torch.zeros
+            nested = layout.full_to_nested(flat, empty(layout.numel_nested(), dtype=dt, device=group.device))
+            return group.cc.reduce_scatter(nested, order="nested")
+        return group.cc.all_gather(flat, order="nested") if kind == "all_gather" else group.cc.all_reduce(flat)
+    if move.dim == "inter" and kind == "reduce_scatter":
+        flat = layout.i_to_inter(flat, torch.empty(group.info.g * layout.sum_g, dtype=dt, device=group.device))
+    return getattr(group.comm, kind)(flat, move.dim)
+
+
+def _arrive(group: ParoParamGroup, move: Move, result: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:
+    """A gathered result back to the layout of its level (FULL, or the I buffer)."""
+    layout = group.t_layout
+    if move.kind != "all_gather" or move.dim == "intra":
+        return result
+    if move.dim == "global":
+        return layout.nested_to_full(result, torch.empty(layout.numel(Level.N), dtype=result.dtype, device=group.device))
+    return layout.inter_to_i(result, into if into is not None else
+                             torch.empty(layout.sum_i, dtype=result.dtype, device=group.device))
 
 
 def set_master_grads(group: ParoParamGroup, reduced: torch.Tensor) -> None:
@@ -119,50 +132,27 @@ def set_master_grads(group: ParoParamGroup, reduced: torch.Tensor) -> None:
     group.grads = GradState.EMPTY
 
 
-def gather_up(group: ParoParamGroup, flat: torch.Tensor, level: Level, target: Level, out: list[torch.Tensor]) -> Steps:
-    """All-gather a flat buffer of the trainable tensors from ``level`` to the coarser ``target``
-    (G -> I -> N); appends the result to ``out``."""
-    layout = group.t_layout
-    if level == Level.G and target == Level.N:  # global all-gather (PaRO-CC) -> NESTED -> FULL
-        pending = group.cc.all_gather(flat, order="nested")
-        yield pending
-        flat, level = layout.nested_to_full(pending.wait(), torch.empty(layout.numel(Level.N), dtype=flat.dtype, device=group.device)), Level.N
-    if level == Level.G and target != Level.G:
-        pending = group.comm.all_gather(flat, "inter")
-        yield pending
-        flat, level = layout.inter_to_i(pending.wait(), torch.empty(layout.sum_i, dtype=flat.dtype, device=group.device)), Level.I
-    if level == Level.I and target == Level.N:
-        pending = group.comm.all_gather(flat, "intra")
-        yield pending
-        flat = pending.wait()
-    out.append(flat)
-
-
 def push_params(group: ParoParamGroup) -> Steps:
     """After the parameters changed (an optimizer step, a load): the fp32 masters to the P level in
-    param dtype (under ``torch.no_grad()``); nothing where P is the master (``shares_p``)."""
+    param dtype (the plan's push, under ``torch.no_grad()``); nothing where P is the master
+    (``shares_p``). A P level finer than the push's result is a local slice."""
     if not group.trainable or group.shares_p:
         return
     layout, P, OS, dt = group.t_layout, group.strategy.p, group.strategy.os, group.mp.param_dtype
-    n_t = len(group.trainable)
     if OS == Level.N:  # every rank updated whole tensors: slice
         for local, master, t in zip(group.p_locals, group.master, layout.tensors):
             local.copy_(t.local_slice(master, P, group.info.k))
         return
-    flat = group.master_flat.to(dt)
-    if P == OS:
-        group.p_flat[: flat.numel()].copy_(flat)
-    elif P == Level.G:  # OS = I: a slice
-        layout.i_to_g(flat, group.p_flat)
-    elif P == Level.I:  # OS = G: inter all-gather
-        pending = group.comm.all_gather(flat, "inter")
+    moves, out = group.plan.push, []
+    for pending in run_moves(group, moves, group.master_flat.to(dt), out, into=group.p_flat if P == Level.I else None):
         yield pending
-        layout.inter_to_i(pending.wait(), group.p_flat)
-    else:  # P = N from OS = I or G
-        out: list[torch.Tensor] = []
-        for pending in gather_up(group, flat, OS, Level.N, out):
-            yield pending
-        for local, t in zip(group.p_locals[:n_t], layout.tensors):
+    if P == Level.N:  # gathered to FULL: into the whole working tensors
+        for local, t in zip(group.p_locals[: len(group.trainable)], layout.tensors):
             tmp = torch.empty(group.info.m * t.size_i, dtype=dt, device=group.device)
             layout.copy_out(out[0], t, tmp)
             local.copy_(tmp[: local.numel()].view(local.shape))
+    elif (moves[-1].dst if moves else OS) == P:
+        if out[0] is not group.p_flat:
+            group.p_flat[: out[0].numel()].copy_(out[0])
+    else:  # P = G from OS = I: a slice
+        layout.i_to_g(out[0], group.p_flat)

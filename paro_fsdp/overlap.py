@@ -24,7 +24,6 @@ import torch
 
 from .boundary import Steps, drive
 from .param_group import ParoParamGroup
-from .strategy import Level
 
 #: default bound of each queue: bytes of the buffers its started collectives hold
 IN_FLIGHT_BYTES = 256 << 20
@@ -99,7 +98,7 @@ class InFlight:
 
 def has_boundary_traffic(group: ParoParamGroup) -> bool:
     """Whether the group's reduction to the OS level runs a collective (all but G = OS = G)."""
-    return bool(group.trainable) and not (group.strategy.g == Level.G and group.strategy.os == Level.G)
+    return bool(group.trainable and group.plan.boundary)
 
 
 def boundary_bytes(group: ParoParamGroup) -> int:
@@ -113,19 +112,14 @@ def push_bytes(group: ParoParamGroup) -> int:
     return group.t_layout.numel(group.strategy.p) * _size(group.mp.param_dtype)
 
 
-def push_dims(group: ParoParamGroup) -> set[str]:
+def push_dims(group: ParoParamGroup) -> frozenset[str]:
     """The process groups a group's push runs on (empty: a local copy)."""
-    P, OS = group.strategy.p, group.strategy.os
-    if not group.trainable or OS == Level.N or P == OS or (P == Level.G and OS == Level.I):
-        return set()
-    if P == Level.I:  # from OS = G
-        return {"inter"}
-    return {"intra"} if OS == Level.I else {"inter", "intra", "global"}
+    return group.plan.dims("push") if group.trainable else frozenset()
 
 
-def forward_dims(group: ParoParamGroup) -> set[str]:
+def forward_dims(group: ParoParamGroup) -> frozenset[str]:
     """The process groups a group's forward all-gather runs on."""
-    return {Level.N: set(), Level.I: {"intra"}, Level.G: {"inter", "intra", "global"}}[group.strategy.p]
+    return group.plan.dims("gather")
 
 
 def _size(dtype: torch.dtype) -> int:

@@ -9,7 +9,8 @@ Trainable tensors come first in P, so its prefixes line up with the trainable-on
 buffers and master -> P is one flat copy when levels agree.
 
 Every global collective is one PaRO-CC call (``cc``) on NESTED buffers (layout.py), so no rank
-order is fixed up afterwards. The accumulation boundary's moves are in boundary.py.
+order is fixed up afterwards. Which collectives run is the plan's (plan.py); the accumulation
+boundary's and the push's are run in boundary.py.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from .layout import FlatLayout, TensorLayout, placements, tensor_layout
 from .mesh import MeshInfo, mesh_device
 from .mixed_precision import MixedPrecision
 from .param import ParamRef, ParoParam
+from .plan import plan_of
 from .strategy import Level, Strategy
 from .streams import active
 
@@ -84,6 +86,7 @@ class ParoParamGroup:
                  mp: MixedPrecision, reshard_after_forward: bool,
                  param_init_fn: Callable[[str, torch.Tensor], None] | None = None) -> None:
         self.name, self.strategy, self.info, self.mp = name, strategy, info, mp
+        self.plan = plan_of(strategy)  # its collectives, phase by phase (plan.py)
         self.comm, self.cc = comm, cc  # one-dimension collectives; global ones (PaRO-CC), both the model's
         self.refs = sorted(refs, key=lambda r: not r.requires_grad)  # trainable first
         self.trainable = [r for r in self.refs if r.requires_grad]
@@ -209,9 +212,10 @@ class ParoParamGroup:
         """Issue the all-gather of the P-level shard: FULL (P = I, one intra all-gather) or
         NESTED (P = G, the global PaRO-CC all-gather, whose inter phase goes first; ``parts``:
         its chunks as they arrived, for ``copy_out``)."""
-        if self.strategy.p == Level.G:
+        (move,) = self.plan.gather
+        if move.dim == "global":
             return self.cc.all_gather(self.p_flat, order="nested", params=True, parts=parts)
-        return self.comm.all_gather(self.p_flat, "intra", params=True)
+        return self.comm.all_gather(self.p_flat, move.dim, params=True)
 
     def whole_rows(self, gathered: torch.Tensor, t: TensorLayout) -> torch.Tensor:
         """Tensor ``t``'s rows in ``gather_params``' result (a view where the layout allows):
@@ -256,12 +260,12 @@ class ParoParamGroup:
     def reduce_grad_buffer(self, buf: torch.Tensor) -> Work | None:
         """Issue the reduction of ``grad_buffer``'s result to this rank's G-level shard: the
         global PaRO-CC reduce-scatter (G = G), one intra reduce-scatter (G = I), none (G = N)."""
-        G = self.strategy.g
-        if G == Level.G:
+        if not self.plan.reduce:
+            return None
+        (move,) = self.plan.reduce
+        if move.dim == "global":
             return self.cc.reduce_scatter(buf, order="nested")
-        if G == Level.I:
-            return self.comm.reduce_scatter(buf, "intra")
-        return None
+        return self.comm.reduce_scatter(buf, move.dim)
 
     # ---- parameters: shard <-> whole (eager) ---------------------------------------------
     def issue_unshard(self) -> None:

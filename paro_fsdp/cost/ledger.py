@@ -14,21 +14,12 @@ collectives are hierarchical, as PaRO-CC runs them:
 except below ``flat_below_bytes`` (``collectives.runs_flat``): one flat collective (dim "global").
 The ledger sizes a message by the bucket's Psi, the engine by its padded buffer.
 
-The method's table, row by row, and where each row is in the engine:
-
-  each micro-step, params   P=N none | P=I intra AG(Psi) | P=G global AG(Psi)       ParoParamGroup.unshard
-      per gather: twice for a block (forward, and backward after it was freed), once for the
-      root, which stays gathered from forward to backward (``psi_kept``)
-  each micro-step, grads    G=N none | G=I intra RS(Psi') | G=G global RS(Psi')     reduce_grads
-  boundary, grads -> OS     N->N global AR | N->I intra RS + inter AR(/m) |          finalize_grads
-                            N->G global RS | I->N inter AR(/m) + intra AG |
-                            I->I inter AR(/m) | I->G inter RS(/m) |
-                            G->N global AG | G->I inter AG(/m) | G->G none     (all of Psi', grad dtype)
-  boundary, params -> P     OS=N none | OS=I: P=N intra AG, else none |         push_params
-                            OS=G: P=N global AG, P=I inter AG(/m), P=G none    (Psi', param dtype)
-  gradient clipping         torch's clip_grad_norm_ over the DTensor parameters: DTensor's own
-                            scalar all-reduces, not the engine's (counted with ``clip=True``
-                            as one flat fp32 all-reduce, dim "global")
+Which collectives run, phase by phase, is the plan's (``plan.py``, the table the engine runs):
+per micro-step ``gather`` (per gather: twice for a block, forward and again in backward after it
+was freed; once for the root, which stays gathered, ``psi_kept``) and ``reduce``; once per step
+``boundary`` and ``push``, on the trainable Psi'. Gradient clipping is torch's clip_grad_norm_
+over the DTensor parameters, DTensor's own scalar all-reduces (counted with ``clip=True`` as one
+flat fp32 all-reduce, dim "global").
 
 Memory per rank: M = param_bytes Psi/d(P) + grad_bytes Psi'/d(G) + os_bytes Psi'/d(OS), d(N) = 1,
 d(I) = m, d(G) = n. Where P and OS share level and P is fp32 the parameter is the master (one
@@ -42,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from ..collectives import CommStats, ring_bytes, runs_flat
+from ..plan import Move, plan_of
 from ..strategy import Level, Strategy, StrategyLike
 
 __all__ = ["Bucket", "Ledger", "buckets_of", "formula_bytes", "formula_memory", "memory_of", "traffic_of"]
@@ -85,19 +77,13 @@ class Ledger:
             self.add("all_reduce", "inter", numel / self.m, itemsize, times)
             self.add("all_gather", "intra", numel, itemsize, times)
 
-    def all_gather(self, level: Level, numel: float, itemsize: int, times: float = 1) -> None:
-        """Whole tensors from shards at ``level`` (I: intra AG; G: a global AG)."""
-        if level == _G:
-            self.global_("all_gather", numel, itemsize, times)
-        elif level == _I:
-            self.add("all_gather", "intra", numel, itemsize, times)
-
-    def reduce_scatter(self, level: Level, numel: float, itemsize: int, times: float = 1) -> None:
-        """Whole unreduced tensors to reduced shards at ``level`` (I: intra RS; G: a global RS)."""
-        if level == _G:
-            self.global_("reduce_scatter", numel, itemsize, times)
-        elif level == _I:
-            self.add("reduce_scatter", "intra", numel, itemsize, times)
+    def count(self, moves: Iterable[Move], psi: float, itemsize: int, times: float = 1) -> None:
+        """Record ``times`` runs of a phase of the plan on a bucket of ``psi`` elements."""
+        for move in moves:
+            if move.dim == "global":
+                self.global_(move.kind, psi, itemsize, times)
+            else:
+                self.add(move.kind, move.dim, move.numel(psi, self.m), itemsize, times)
 
 
 @dataclass(frozen=True)
@@ -114,38 +100,13 @@ class Bucket:
 
 
 def _bucket_traffic(t: Ledger, b: Bucket, grad_accum: int, param_bytes: int, grad_bytes: int) -> None:
-    P, G, OS = b.strategy.p, b.strategy.g, b.strategy.os
-    A, psi, psi_t = grad_accum, b.numel, b.trainable
-    # each micro-step: parameters (per gather) and gradients
-    if P != _N:
-        t.all_gather(P, psi, param_bytes, times=A * b.gathers)
-    if psi_t == 0:
+    plan = plan_of(b.strategy)
+    t.count(plan.gather, b.numel, param_bytes, times=grad_accum * b.gathers)
+    if b.trainable == 0:
         return  # frozen bucket: no gradient ever reaches it, nothing at the boundary
-    t.reduce_scatter(G, psi_t, grad_bytes, times=A)
-    # boundary: the accumulated gradient to the OS level, fully reduced
-    if G == _N and OS in (_G, _N):  # one global RS (to G) or AR (to N)
-        t.global_("reduce_scatter" if OS == _G else "all_reduce", psi_t, grad_bytes)
-    elif G == _N:  # OS = I: to I, still partial over inter, then the inter all-reduce
-        t.add("reduce_scatter", "intra", psi_t, grad_bytes)
-        t.add("all_reduce", "inter", psi_t / t.m, grad_bytes)
-    elif G == _I:
-        if OS == _G:
-            t.add("reduce_scatter", "inter", psi_t / t.m, grad_bytes)
-        else:
-            t.add("all_reduce", "inter", psi_t / t.m, grad_bytes)
-            if OS == _N:
-                t.add("all_gather", "intra", psi_t, grad_bytes)
-    elif OS == _I:  # G = G: gather up to the coarser OS level
-        t.add("all_gather", "inter", psi_t / t.m, grad_bytes)
-    elif OS == _N:
-        t.all_gather(_G, psi_t, grad_bytes)
-    # boundary: updated parameters from the OS level to the P level (finer P is a local slice)
-    if OS == _I and P == _N:
-        t.add("all_gather", "intra", psi_t, param_bytes)
-    elif OS == _G and P == _N:
-        t.all_gather(_G, psi_t, param_bytes)
-    elif OS == _G and P == _I:
-        t.add("all_gather", "inter", psi_t / t.m, param_bytes)
+    t.count(plan.reduce, b.trainable, grad_bytes, times=grad_accum)
+    t.count(plan.boundary, b.trainable, grad_bytes)
+    t.count(plan.push, b.trainable, param_bytes)
 
 
 def traffic_of(buckets: Iterable[Bucket], n: int, m: int, grad_accum: int = 1, param_bytes: int = 2,

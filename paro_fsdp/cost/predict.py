@@ -36,6 +36,7 @@ from typing import Iterable, Optional, Sequence, Union
 from ..collectives import CommStats, hops
 from .ledger import Bucket, Ledger, memory_of, traffic_of
 from ..models.llama import LlamaArgs
+from ..plan import plan_of
 from ..strategy import ALL_STRATEGIES, Level, Strategy, StrategyLike
 from .cluster import GB, AdvisorError, Cluster, GiB, link_for, link_seconds, load_cluster
 from .model import ModelSpec, activation_bytes, buckets, flops_per_token, model_spec
@@ -169,13 +170,13 @@ def predict(model: Union[str, LlamaArgs, ModelSpec], strategy: StrategyLike, n: 
 
     def gather_time(b: Bucket) -> float:
         t = Ledger(n, m)
-        t.all_gather(s.p, b.numel, pb)  # nothing for P = N
+        t.count(plan_of(s).gather, b.numel, pb)  # nothing for P = N
         return _ttime(t.stats, n, m, cluster)
 
     def reduce_time(b: Bucket) -> float:
         t = Ledger(n, m)
         if b.trainable:
-            t.reduce_scatter(s.g, b.trainable, gb)
+            t.count(plan_of(s).reduce, b.trainable, gb)
         return _ttime(t.stats, n, m, cluster)
 
     root_b, layers_b = bks[0], bks[1:]
