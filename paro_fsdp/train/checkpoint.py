@@ -251,6 +251,39 @@ class CheckpointManager:
         return final
 
 
+def build_checkpointer(cfg: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: LambdaLR,
+                       data: Any, state: TrainState) -> CheckpointManager:
+    """``[checkpoint]``'s manager over the run's states: model, optimizer, lr schedule, data position, step."""
+    c = cfg.checkpoint
+    states = {"model": ModelState(model), "optimizer": OptimizerState(model, optimizer),
+              "lr_scheduler": SchedulerState(lr_scheduler), "dataloader": data, "train_state": state}
+    return CheckpointManager(os.path.join(cfg.job.dump_folder, c.folder), c.interval, c.keep_latest_k, c.enable,
+                             states=states, verify=c.verify)
+
+
+def start_afresh(cfg: Any, rank: int) -> list[str]:
+    """``job.fresh``: rank 0 deletes what a previous run of this trainer wrote in the dump folder (checkpoint,
+    TensorBoard and trace folders, compile schedules, metrics.jsonl), and nothing else; the config is valid by now,
+    and nothing of this run is written yet. A folder that would be the dump folder itself, or hold it, is never
+    deleted (a ``checkpoint.folder = "."`` must not wipe a home directory). Returns what it removed."""
+    removed = []
+    if rank == 0:
+        dump = os.path.realpath(cfg.job.dump_folder)
+        for name in (cfg.checkpoint.folder, cfg.metrics.save_tb_folder, cfg.profiling.save_traces_folder, "compile",
+                     "metrics.jsonl"):
+            path = os.path.realpath(os.path.join(dump, name))
+            if (not os.path.lexists(path) or os.path.commonpath([path, dump]) == path
+                    or path == os.path.realpath(os.getcwd())):
+                continue
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
+            removed.append(path)
+    dist.barrier()
+    return removed
+
+
 _MODEL_KEYS = "model.flavor, model.tokenizer, model.vocab_size"  # what decides a checkpoint's shapes
 
 

@@ -9,14 +9,17 @@ line naming the key and the valid choices (``train.py`` exits 2). No torch impor
 """
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import json
 import os
+import shlex
 import sys
 import typing
 from dataclasses import dataclass
-from typing import Any, Literal, Optional, get_args, get_origin
+from typing import Any, Iterator, Literal, Optional, get_args, get_origin
 
-from .config import FLAVOR_NAMES, GRAPH_PASSES, MODEL_NAMES, SECTIONS, ConfigError, JobConfig
+from .config import FLAVOR_NAMES, GRAPH_PASSES, MODEL_NAMES, SECTIONS, ConfigError, JobConfig, tokenizer_spec
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -106,8 +109,6 @@ def _from_cli(key: str, text: str, tp: Any) -> Any:
 
 
 def _set(cfg: JobConfig, section: str, key: str, value: Any, source: str) -> None:
-    if section not in SECTIONS:
-        raise ConfigError(f"unknown section [{section}] in {source}; valid sections: {', '.join(SECTIONS)}")
     hints = _hints(section)
     if key not in hints:
         raise ConfigError(f"unknown key {section}.{key} in {source}; valid keys of [{section}]: {', '.join(hints)}")
@@ -330,6 +331,77 @@ def validate(cfg: JobConfig, world_size: Optional[int], local_world_size: Option
         raise ConfigError(f"checkpoint.load_step = {cfg.checkpoint.load_step} is invalid; valid: -1 (latest) or a saved step")
     positive("comm.init_timeout_seconds", cfg.comm.init_timeout_seconds)
     positive("comm.train_timeout_seconds", cfg.comm.train_timeout_seconds)
+
+
+# ---- what the trainer's builders raise, as one line naming the key ------------------------------------
+@contextlib.contextmanager
+def config_errors(*kinds: type[BaseException]) -> Iterator[None]:
+    """A builder's ``kinds`` of error (a missing file, a model folder's problem) as the one-line ConfigError."""
+    try:
+        yield
+    except kinds as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def tokenizer_of(cfg: JobConfig) -> Any:
+    """The config's tokenizer; a Hugging Face folder is checked first (without a model its tokenizer does not
+    matter)."""
+    from .tokenizer import build_tokenizer
+
+    if cfg.model.name == "hf":
+        from paro_fsdp.integrations.hf import HFModelError, read_config, weight_files
+
+        with config_errors(HFModelError):
+            read_config(cfg.model.hf_path)
+            weight_files(cfg.model.hf_path)
+    try:
+        return build_tokenizer(tokenizer_spec(cfg))
+    except (FileNotFoundError, RuntimeError) as exc:
+        if isinstance(exc, FileNotFoundError) and cfg.model.name == "hf" and cfg.model.tokenizer == "auto":
+            raise ConfigError(f"model.hf_path = {cfg.model.hf_path!r} has no tokenizer.json (model.tokenizer = "
+                              f"\"auto\" reads the folder's); valid: --model.tokenizer PATH (a tokenizer.json, or the "
+                              f"folder holding one)") from None
+        raise ConfigError(str(exc)) from None
+
+
+def check_extras(cfg: JobConfig) -> bool:
+    """The optional packages the config needs are installed; returns whether it draws step timelines."""
+    if cfg.metrics.enable_tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("metrics.enable_tensorboard = true needs the tensorboard package (pip install tensorboard, "
+                          "or this project's [train] extra); valid: false, or install it")
+    timeline = cfg.metrics.enable_tensorboard and cfg.profiling.enable_profiling and cfg.profiling.timeline
+    if timeline and importlib.util.find_spec("matplotlib") is None:
+        raise ConfigError("profiling.timeline = true (with metrics.enable_tensorboard and profiling.enable_profiling) "
+                          "draws with matplotlib (pip install matplotlib, or this project's [train] extra); valid: "
+                          "false, or install it")
+    return timeline
+
+
+def check_one_process(cfg: JobConfig, argv: list[str]) -> None:
+    """``python train.py`` without torchrun runs as a world of one rank: a config for more ranks fails its checks
+    for one; say so, with the torchrun command for the config's world."""
+    try:
+        validate(cfg, 1, 1)
+    except ConfigError as exc:
+        n = _suggest_nproc(cfg)
+        cmd = shlex.join(["torchrun", "--standalone", "--nproc-per-node", str(n) if n else "N",
+                          sys.argv[0] or "train.py", *argv])
+        raise ConfigError(f"train.py was started without torchrun, as a world of 1 rank, and this config is for "
+                          f"more: {exc}; run it under torchrun: {cmd}") from None
+
+
+def _suggest_nproc(cfg: JobConfig) -> Optional[int]:
+    """The smallest world this config is valid for, preferring the one without accumulation."""
+    t, p = cfg.training, cfg.parallelism
+    candidates = [t.global_batch_size // t.local_batch_size] if t.global_batch_size > 0 else []
+    if p.paro_group_size > 1:
+        candidates += [2 * p.paro_group_size, p.paro_group_size]
+    for n in candidates + [4, 2, 8]:
+        if n >= 2:
+            with contextlib.suppress(ConfigError):
+                validate(cfg, n, n)
+                return n
+    return None
 
 
 def help_text() -> str:

@@ -11,6 +11,8 @@ real process group.
 """
 from __future__ import annotations
 
+import sys
+import time
 from dataclasses import replace
 from typing import Any, Optional, Sequence, Union
 
@@ -20,12 +22,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..api import paro_shard
 from ..cost.ledger import formula_bytes, formula_memory
+from ..dtypes import DTYPES, short_name
 from ..mesh import init_paro_mesh
 from ..mixed_precision import MixedPrecision
 from ..models.llama import Llama, LlamaArgs, flavor
 from ..strategy import ALL_STRATEGIES, Strategy
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 GiB, GB = 2**30, 1e9
 
 _meshes: dict[tuple[int, int], Any] = {}
@@ -227,3 +229,46 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             f" {r['inter_bytes'] / cs:8.3f} {r['formula_inter_bytes'] / cs:8.3f} {_ratio(r['inter_bytes'], r['formula_inter_bytes'])}"
         )
     return "\n".join(lines)
+
+
+def run_estimate(cfg: Any, world: Optional[int]) -> int:
+    """``train.py --estimate --world N``: the per-rank model-state memory and per-step communication of ``cfg`` on
+    ``world`` ranks, measured through the engine on a fake process group, beside the spec's formulas and ZeRO-3
+    (GGG); ``paro_strategy = "auto"`` ranks the strategies on the cluster file first. Returns the exit status."""
+    from .config import grad_accum_steps, group_size, tokenizer_spec
+    from .parallelize import advise, model_args
+    from .tokenizer import build_tokenizer
+
+    if not world:
+        print("train.py: error: --estimate needs --world N (the number of ranks to estimate for)", file=sys.stderr)
+        return 2
+    t, p = cfg.training, cfg.parallelism
+    m = group_size(cfg, world, local_world_size=min(8, world))
+    accum = grad_accum_steps(cfg, world)
+    chosen = p.paro_strategy.upper()
+    try:
+        args = model_args(cfg, build_tokenizer(tokenizer_spec(cfg)).vocab_size)
+        if chosen == "AUTO":  # rank the strategies on the cluster file (default: the A100 preset)
+            best, table = advise(cfg, args, world, m, accum, p.paro_cluster_file or "a100_ib")
+            print(table)
+            chosen = best.name
+    except (FileNotFoundError, RuntimeError, ValueError) as exc:  # AdvisorError is a ValueError
+        print(f"train.py: error: {exc}", file=sys.stderr)
+        return 2
+    wall = time.perf_counter()
+    rows = estimate(args, world, m, [chosen] + (["GGG"] if chosen != "GGG" else []), grad_accum=accum,
+                    dtype=short_name(t.mixed_precision_param), reduce_dtype=short_name(t.mixed_precision_reduce),
+                    max_norm=t.max_norm if t.max_norm > 0 else 1.0,
+                    accumulate_dtype=short_name(t.mixed_precision_accumulate))
+    what = f"hf {cfg.model.hf_path} (as a Llama of its shapes)" if cfg.model.name == "hf" else cfg.model.flavor
+    print(f"{cfg.job.config_file or 'default config'}: {what}, {rows[0]['psi'] / 1e9:.3f} B parameters, "
+          f"{world} ranks = {world // m} groups x {m}, {accum} micro-steps of {t.local_batch_size} x {t.seq_len} "
+          f"tokens per rank per step, P {t.mixed_precision_param}, G {t.mixed_precision_reduce} on the wire and "
+          f"{t.mixed_precision_accumulate} accumulated, OS fp32 {cfg.optimizer.name}")
+    print("per rank: model-state memory (P, G, OS) and bytes sent per optimizer step, measured through the engine "
+          "on a fake process group, beside the spec's formulas (activations not included)")
+    print(format_table(rows))
+    if p.paro_policy:
+        print(f"note: the per-tensor paro_policy {p.paro_policy} is not modelled; every tensor uses {p.paro_strategy}")
+    print(f"({time.perf_counter() - wall:.1f} s)")
+    return 0

@@ -17,18 +17,26 @@ Why each piece exists:
 from __future__ import annotations
 
 import datetime
+import io
 import json
 import os
 import select
+import shlex
 import signal
+import sys
 import threading
 import time
-from typing import Callable, Optional
+import traceback
+from types import SimpleNamespace
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
-from ..checkpoint_files import dcp_causes
+from ..checkpoint_files import CheckpointError, dcp_causes
+from ..collective_order import CollectiveOrderError
+from .config import ConfigError
 
 
 class TrainingStopped(RuntimeError):
@@ -119,7 +127,7 @@ class GracefulStop:
         self.hard_s = max(1.0, (shutdown_grace_s() if hard_s is None else hard_s) - 5.0)
         self.signum: Optional[int] = None
         self.t_signal = 0.0
-        self.longest_step_s = 0.0  # the trainer's ``step_took``; 0: no step finished yet
+        self.longest_step_s = 0.0  # of the steps ``agreed`` saw; 0: no step finished yet
         self.stopping = False  # the agreed step was reached: only hard_s applies now
         self._once = threading.Lock()
         self._read_fd, write_fd = os.pipe()
@@ -141,8 +149,16 @@ class GracefulStop:
         """This rank's (SIGTERM, SIGINT) vote: summed over ranks in the loss all-reduce."""
         return (float(self.signum == signal.SIGTERM), float(self.signum == signal.SIGINT))
 
-    def step_took(self, seconds: float) -> None:
-        self.longest_step_s = max(self.longest_step_s, seconds)
+    def agreed(self, votes: tuple[int, int], world: int, step_s: float) -> Optional[str]:
+        """After a step: the signal every rank agreed to stop at (``votes``: how many ranks got SIGTERM, SIGINT), or
+        None; the step's time sets the deadline for reaching the next one."""
+        term, interrupt = votes
+        if not term + interrupt:
+            self.longest_step_s = max(self.longest_step_s, step_s)
+            return None
+        self.stopping = True  # the agreed step: only the save is left
+        return (f"SIGTERM ({term} of {world} ranks got it)" if term >= interrupt else
+                f"SIGINT ({interrupt} of {world} ranks got it)")
 
     def said(self) -> bool:
         return self._once.acquire(blocking=False)
@@ -182,6 +198,19 @@ class GracefulStop:
                 self._leave()
 
 
+def reduce_with_votes(loss_sum: torch.Tensor, stop: Optional[GracefulStop]) -> tuple[torch.Tensor, Any]:
+    """The loss sum and this rank's stop vote in one all-reduce, so every rank reads the same vote count at the
+    same step: (the loss summed over ranks, the (SIGTERM, SIGINT) vote counts, or None without a ``stop``)."""
+    packed = torch.zeros(3, device=loss_sum.device)  # loss sum, ranks that got SIGTERM, ranks that got SIGINT
+    packed[0] = loss_sum
+    if stop is not None and stop.requested:
+        term, interrupt = stop.votes()  # host scalars: kernel arguments, no copy, no sync
+        packed[1] += term
+        packed[2] += interrupt
+    dist.all_reduce(packed)
+    return packed[0], (packed[1:] if stop is not None else None)
+
+
 def stuck_line(rank: int, step: int, signum: int, waited_s: float) -> str:
     """What a rank says when a SIGTERM / SIGINT found it unable to finish its step in time."""
     name = signal.Signals(signum).name
@@ -193,9 +222,6 @@ def stuck_line(rank: int, step: int, signum: int, waited_s: float) -> str:
 def resume_command(argv: list[str]) -> str:
     """The command that resumes this run (torchrun's, read from the parent process, or ``python train.py``'s),
     without ``--job.fresh`` (which would delete the checkpoint it resumes from)."""
-    import shlex
-    import sys
-
     def without_fresh(args: list[str]) -> list[str]:
         out, after_flag = [], False
         for a in args:
@@ -367,13 +393,10 @@ def nonfinite_masters(model) -> Optional[str]:
 
 
 def _trainable(source) -> list[tuple[str, torch.Tensor]]:
-    """(name, parameter) of every trainable parameter, in model order. ``source``: the model (FQNs),
-    the deprecated ``ParoOptimizer`` (its model's), or a torch optimizer (named by place: it holds
-    no names)."""
+    """(name, parameter) of every trainable parameter, in model order. ``source``: the model (FQNs) or a torch
+    optimizer (named by place: it holds no names)."""
     if isinstance(source, torch.nn.Module):
         return [(n, p) for n, p in source.named_parameters() if p.requires_grad]
-    if isinstance(getattr(source, "model", None), torch.nn.Module):
-        return _trainable(source.model)
     return [(f"param_groups[{i}]['params'][{j}]", p) for i, g in enumerate(source.param_groups)
             for j, p in enumerate(g["params"]) if p.requires_grad]
 
@@ -398,3 +421,102 @@ def _first_flagged(source, tensor_of) -> Optional[str]:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     bad = flags.nonzero()
     return params[int(bad[0])][0] if len(bad) else None
+
+
+# ---- train.py's exit status ------------------------------------------------------------------------
+def error_line(message: str) -> None:
+    """``train.py: error: <message>`` on stderr in one ``write``: survivors of a lost peer all report at once, and
+    ``print`` (two writes, unbuffered under torchrun) let two ranks' lines run together. One write to a pipe of at
+    most PIPE_BUF (4096) bytes is never interleaved; the message is cut below that."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    line = " ".join(f"train.py: error: {message}".split("\n"))[:3000] + "\n"
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, ValueError, io.UnsupportedOperation):  # stderr replaced in-process (a capture)
+        sys.stderr.write(line)
+        sys.stderr.flush()
+        return
+    os.write(fd, line.encode("utf-8", "replace"))
+
+
+def stopped_line(signal_name: str, step: int, steps: int, saved: Optional[str], save_s: float) -> str:
+    """What rank 0 says when every rank agreed to stop at ``step``: where it was saved and how to resume."""
+    where = (f"saved {os.path.abspath(saved)} in {save_s:.2f} s" if saved else
+             "checkpoint.enable = false, so nothing was saved and a rerun starts from step 0")
+    make = " (or: make train RESUME=1)" if os.environ.get("MAKELEVEL") else ""
+    return (f"stopped by {signal_name} at step {step}/{steps}, which every rank finished; {where}; "
+            f"resume with: {resume_command(sys.argv)}{make}")
+
+
+def exit_status(body: Callable[[Any], int], as_script: bool) -> int:
+    """Run ``body(run)`` and turn what it raises into train.py's exit status and one line. ``body`` sets
+    ``run.trainer`` once the trainer is built (closed here) and hands it ``run.stop``: with ``as_script``, the
+    ``GracefulStop`` that makes SIGTERM / SIGINT stop at a step every rank agrees on. A configuration error: 2
+    (under torchrun as ``config_error_exit`` reports it); a decision every rank made alike (a stop, a checkpoint
+    problem, a collective order mismatch): rank 0's line, 1; a lost or hung peer: each rank's line, 1; a bug:
+    its traceback."""
+    rank = int(os.environ.get("RANK", "0"))
+    had_process_group = dist.is_initialized()
+    run = SimpleNamespace(trainer=None, stop=None)
+    step = lambda: run.trainer.state.step if run.trainer is not None else 0  # noqa: E731
+    said = lambda: True  # noqa: E731 - GracefulStop's: False while a stopped rank's own line is being written
+    if as_script:
+        run.stop = GracefulStop(lambda signum: stuck_line(rank, step(), signum, time.monotonic() - run.stop.t_signal),
+                                error_line)
+        said = run.stop.said
+    failed = True
+    try:
+        code = body(run)
+        failed = False
+        return code
+    except ConfigError as exc:
+        if run.trainer is None and dist.is_initialized() and not had_process_group:
+            dist.destroy_process_group()
+        if as_script:
+            return config_error_exit(str(exc), rank, error_line)
+        if rank == 0:
+            print(f"train.py: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except (TrainingStopped, CheckpointError, CollectiveOrderError) as exc:  # the same on every rank: rank 0 says it
+        if said() and rank == 0:
+            error_line(str(exc))
+        if run.trainer is None and dist.is_initialized() and not had_process_group:
+            dist.destroy_process_group()
+        return 1
+    except (RuntimeError, dist.DistError, CheckpointException) as exc:
+        line = collective_failure(exc, rank, step(), _timeout_of(run.trainer))
+        if line is None:
+            raise
+        if said():
+            error_line(line)  # every rank: the survivors say who saw what
+        return 1
+    finally:
+        if run.trainer is not None:
+            run.trainer.close(failed=failed)
+
+
+def _timeout_of(trainer: Any) -> float:
+    if trainer is None:
+        return 0.0
+    c = trainer.cfg.comm
+    return c.train_timeout_seconds if trainer.state.step > (trainer.resumed_from or 0) + 1 else c.init_timeout_seconds
+
+
+def run_as_script(main: Callable[[], int]) -> None:
+    """``main()`` as the process: its exit status, or a bug's traceback and status 1. A process group still
+    initialised here belongs to a failed run (its peer may be gone): tearing it down in the interpreter's exit can
+    block on that peer or abort from a backend thread (SIGABRT instead of the status), so such a process leaves with
+    ``os._exit`` once its output is flushed."""
+    try:
+        code = main()
+    except SystemExit as exc:  # an explicit exit keeps its status
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # noqa: BLE001 - a bug: its traceback must be seen, then leave
+        traceback.print_exc()
+        code = 1
+    if dist.is_initialized():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -12,15 +12,20 @@ import contextlib
 import json
 import os
 import resource
+import sys
 import time
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 
+from ..dtypes import dtype_of
 from .config import JobConfig
-from .timeline import PAUSE_MARK, RESUME_MARK
+from .data import describe
+from .timeline import PAUSE_MARK, RESUME_MARK, TimelineWriter, gloo_threads, group_dims
 
 MiB = float(2**20)
 
@@ -130,7 +135,7 @@ class MetricsLogger:
     def __init__(self, cfg: JobConfig, rank: int, device: torch.device, total_steps: int, tokens_per_step: int,
                  world_size: int, run_name: str, flops_per_token: float = 0.0,
                  param_dtype: torch.dtype = torch.float32) -> None:
-        self.cfg, self.rank, self.device = cfg, rank, device
+        self.cfg, self.rank, self.device, self.run_name = cfg, rank, device, run_name
         self.total_steps, self.tokens_per_step, self.world_size = total_steps, tokens_per_step, world_size
         self.enabled = rank == 0
         self.tb_dir: Optional[str] = None
@@ -222,6 +227,89 @@ class MetricsLogger:
             self.writer.close()
         if self.jsonl is not None:
             self.jsonl.close()
+
+
+def build_metrics(cfg: JobConfig, rank: int, device: torch.device, model: torch.nn.Module, args: Any,
+                  tokens_per_step: int, world_size: int, shared_run: bool) -> MetricsLogger:
+    """The run's logger: its TensorBoard run is named by the start time (``shared_run``: rank 0's, so every rank
+    writes its timeline beside it), its MFU from the model's FLOPs per token."""
+    names = [time.strftime("%Y%m%d-%H%M%S")]
+    if shared_run:
+        dist.broadcast_object_list(names, src=0)
+    t = cfg.training
+    fpt = flops_per_token(sum(p.numel() for p in model.parameters()), args.n_layers, args.dim, t.seq_len,
+                          args.vocab_size * args.dim)
+    return MetricsLogger(cfg, rank, device, t.steps, tokens_per_step, world_size, names[0], flops_per_token=fpt,
+                         param_dtype=dtype_of(t.mixed_precision_param))
+
+
+def startup_lines(trainer: Any) -> list[str]:
+    """What rank 0 logs once the trainer is built: world and strategy, model, batch, data, and where it starts."""
+    cfg, a, t, ckpt = trainer.cfg, trainer.model_args, trainer.cfg.training, trainer.checkpointer
+    world, group, model = trainer.world_size, trainer.group_size, trainer.model
+    n_params = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    strategies = sorted({str(s) for s in model.paro_strategies().values()})
+    if cfg.model.name == "hf":
+        from .hf_model import architecture
+
+        what = f"hf {cfg.model.hf_path} ({architecture(model)})"
+    else:
+        what = f"{cfg.model.name}/{cfg.model.flavor}"
+    lora = (f", LoRA rank {cfg.peft.lora_rank} on {cfg.peft.target_modules or 'peft default targets'}"
+            if cfg.peft.lora_rank else "")
+    lines = [f"{cfg.job.description} | world {world} = {world // group} groups x {group} | strategy "
+             f"{', '.join(strategies)} | {dist.get_backend()} on {trainer.device.type}",
+             f"model {what}: {n_params / 1e6:,.2f}M params, {trainable:,} of them trained "
+             f"({100 * trainable / n_params:.2f}%{lora}), vocab {a.vocab_size}, seq {t.seq_len} | params "
+             f"{t.mixed_precision_param}, grads {t.mixed_precision_reduce} (accumulated in "
+             f"{t.mixed_precision_accumulate}), master fp32 | activation checkpoint {cfg.activation_checkpoint.mode}",
+             f"batch {t.local_batch_size} per rank x {world} ranks x {trainer.grad_accum} accumulation = "
+             f"{t.local_batch_size * world * trainer.grad_accum} sequences = {trainer.tokens_per_step:,} tokens per step",
+             f"data: {describe(trainer.data, t.dataset, t.dataset_path)}"]
+    if trainer.fresh_removed:
+        lines.append(f"job.fresh: removed the previous run's {', '.join(trainer.fresh_removed)}")
+    lines += [f"removed {ckpt.folder}/{name}: a save or prune that did not finish (the run stopped while writing it)"
+              for name in ckpt.removed]
+    lines += ckpt.notes  # damaged folders moved aside, later steps a resume replaces
+    if trainer.resumed_from is not None:
+        lines.append(f"resumed from {ckpt.folder}/step-{trainer.resumed_from}")
+    elif trainer.initial_load:
+        lines.append(f"started from {trainer.initial_load} in {cfg.checkpoint.initial_load_path} (optimizer, lr "
+                     f"schedule and data from step 0)")
+    elif cfg.checkpoint.enable:
+        lines.append(f"no checkpoint in {ckpt.folder}: starting from step 0")
+    return lines
+
+
+def where_to_look(cfg: JobConfig, tb_dir: Optional[str], timeline: bool) -> list[str]:
+    """The end of a run: where its logs, traces and timelines are, and the command that opens them."""
+    dump = os.path.abspath(cfg.job.dump_folder)
+    tb_bin = Path(sys.executable).parent / "tensorboard"
+    tb = str(tb_bin) if tb_bin.exists() else "tensorboard"
+    lines = []
+    if tb_dir:
+        lines += [f"TensorBoard logs: {os.path.abspath(tb_dir)}",
+                  f"open them with:   {tb} --logdir {dump} --port 6006   then browse http://localhost:6006"]
+    if cfg.profiling.enable_profiling:
+        traces = os.path.join(dump, cfg.profiling.save_traces_folder)
+        lines.append(f"profiler traces:  {traces} (open a rank*.pt.trace.json in Perfetto or chrome://tracing; "
+                     f"TensorBoard's torch-tb-profiler tab lists them but draws its charts only with internet access)")
+        if timeline:
+            lines.append("step timelines:   TensorBoard's Images tab, timeline/rank<r> (runs <run>/timeline_rank<r>), "
+                         "and the timeline/overlap_fraction and timeline/inter_busy_fraction scalars")
+    return lines + [f"metrics per logged step: {os.path.join(dump, 'metrics.jsonl')}"]
+
+
+def timeline_writer(cfg: JobConfig, model: Any, rank: int, device: torch.device, run_name: str) -> TimelineWriter:
+    """``profiling.timeline``'s sink, which draws each trace into this rank's TensorBoard run
+    ``<run>/timeline_rank<r>``. On gloo it first learns which worker threads serve which mesh dimension
+    (``gloo_threads``: collectives, so every rank calls it)."""
+    dims = group_dims(model.paro_mesh_groups(), dist.group.WORLD.group_name)
+    threads = gloo_threads(dims) if device.type == "cpu" else {}
+    log_dir = os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder, run_name, f"timeline_rank{rank}")
+    # ProfilerStep#N runs while the profiler's step_num is N: trainer step N + 1 (build_profiler)
+    return TimelineWriter(log_dir, rank, "compiled" if cfg.compile.enable else "eager", threads, dims)
 
 
 def build_profiler(cfg: JobConfig, rank: int, device: torch.device, start_step: int,

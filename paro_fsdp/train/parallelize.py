@@ -1,5 +1,5 @@
-"""Build the model for a config: Llama args (or a Hugging Face folder, ``hf_model``), activation
-checkpointing, then PaRO sharding.
+"""The model and its parallelism for a config: the process group and device, Llama args (or a Hugging Face folder,
+``hf_model``), the strategy (``auto``: the advisor's), activation checkpointing, then PaRO sharding.
 
 Activation checkpointing wraps each block's whole ``__call__``, engine hooks included, so the
 recomputation in backward re-runs the pre-forward hook, which hands the block its gathered
@@ -7,19 +7,61 @@ parameters again (hooks outside a checkpointed ``forward`` would save other tens
 """
 from __future__ import annotations
 
+import datetime
+import os
+import socket
 from functools import partial
-from typing import Any, Optional
+from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from paro_fsdp import MixedPrecision, paro_shard
+from paro_fsdp.dtypes import dtype_of, short_name
+from paro_fsdp.mesh import device_type_for_backend, local_cuda_index
 from paro_fsdp.models.llama import Llama, LlamaArgs, flavor
 
-from .config import JobConfig
+from .config import ConfigError, JobConfig
+from .faults import restart_store
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+def init_distributed(cfg: JobConfig) -> torch.device:
+    """The process group, unless the caller made one (a plain ``python train.py``: a world of one on a free port;
+    under torchrun a fresh key space per restart attempt), and this rank's device: one GPU per process, named to
+    NCCL so it need not guess. ``training.deterministic`` is set here too."""
+    backend = cfg.comm.backend
+    if dist.is_initialized():
+        backend = dist.get_backend()
+    else:
+        if backend == "auto":
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if device_type_for_backend(backend) == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"comm.backend = \"{backend}\" needs CUDA GPUs and none is visible; valid: auto, gloo")
+        if "RANK" not in os.environ:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        timeout = datetime.timedelta(seconds=cfg.comm.init_timeout_seconds)
+        kwargs: dict[str, Any] = {"timeout": timeout}
+        store = restart_store(timeout)
+        if store is not None:
+            kwargs.update(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+        if device_type_for_backend(backend) == "cuda":
+            kwargs["device_id"] = torch.device("cuda", local_cuda_index())
+            torch.cuda.set_device(kwargs["device_id"])
+        dist.init_process_group(backend, **kwargs)
+    if cfg.training.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+    if device_type_for_backend(backend) == "cuda":
+        torch.cuda.set_device(local_cuda_index())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def model_args(cfg: JobConfig, tokenizer_vocab: int) -> LlamaArgs:
@@ -34,6 +76,15 @@ def model_args(cfg: JobConfig, tokenizer_vocab: int) -> LlamaArgs:
         raise ValueError(f"model.vocab_size = {vocab} is smaller than the tokenizer's vocabulary ({tokenizer_vocab}); "
                          f"valid: -1 or at least {tokenizer_vocab}")
     return flavor(cfg.model.flavor, vocab_size=vocab, max_seq_len=max(base.max_seq_len, cfg.training.seq_len))
+
+
+def build_loss_fn(cfg: JobConfig) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
+    """``loss(model, window)``: the Llama's own, or a Hugging Face model's next-token cross entropy."""
+    if cfg.model.name == "hf":
+        from .hf_model import loss
+
+        return loss
+    return lambda model, batch: model(batch).loss
 
 
 def paro_policy(cfg: JobConfig) -> Any:
@@ -89,8 +140,8 @@ def parallelize(model: nn.Module, cfg: JobConfig, mesh: Any, device: torch.devic
     if cfg.activation_checkpoint.mode == "full":
         apply_activation_checkpointing(model)
     t = cfg.training
-    mp = MixedPrecision(param_dtype=DTYPES[t.mixed_precision_param], reduce_dtype=DTYPES[t.mixed_precision_reduce],
-                        accumulate_dtype=DTYPES[t.mixed_precision_accumulate])
+    mp = MixedPrecision(param_dtype=dtype_of(t.mixed_precision_param), reduce_dtype=dtype_of(t.mixed_precision_reduce),
+                        accumulate_dtype=dtype_of(t.mixed_precision_accumulate))
     hf = cfg.model.name == "hf"
     if hf:
         from paro_fsdp.integrations.hf import init_for_load
@@ -131,8 +182,8 @@ def apply_compile(model: nn.Module, cfg: JobConfig) -> None:
             compile_block(block, checkpointed=checkpointed, backend=c.backend, fullgraph=True)
 
 
-def check_policy(cfg: JobConfig, args: LlamaArgs) -> Optional[str]:
-    """The engine's error for the policy against the model's names (meta device: no memory spent), or None."""
+def check_policy(cfg: JobConfig, args: LlamaArgs) -> None:
+    """The engine's error for the policy against the model's names (meta device: no memory spent), as a ConfigError."""
     from paro_fsdp.strategy import resolve_policy
 
     if cfg.model.name == "hf":
@@ -145,5 +196,49 @@ def check_policy(cfg: JobConfig, args: LlamaArgs) -> Optional[str]:
     try:
         resolve_policy(paro_policy(cfg), names)
     except (ValueError, TypeError) as exc:
-        return f"parallelism.paro_policy: {exc}"
-    return None
+        raise ConfigError(f"parallelism.paro_policy: {exc}") from None
+
+
+def advise(cfg: JobConfig, args: LlamaArgs, world: int, group: int, accum: int, cluster: Any,
+           trainable_fraction: float = 1.0) -> tuple[Any, str]:
+    """The advisor's (``paro_fsdp/cost/``) ranking of the 27 strategies for this config on ``cluster``: (the fastest
+    that fits, the table)."""
+    from paro_fsdp.cost.predict import choose_strategy
+
+    t = cfg.training
+    return choose_strategy(args, world, group, t.local_batch_size, accum, t.seq_len, short_name(t.mixed_precision_param),
+                           cluster, trainable_fraction=trainable_fraction,
+                           reduce_dtype=short_name(t.mixed_precision_reduce),
+                           activation_checkpoint=cfg.activation_checkpoint.mode,
+                           reshard_after_forward=cfg.parallelism.paro_reshard_after_forward)
+
+
+def auto_strategy(cfg: JobConfig, args: LlamaArgs, mesh: Any, accum: int, device: torch.device,
+                  log: Callable[[str], None]) -> str:
+    """``paro_strategy = "auto"``: the advisor's choice on the given cluster file, or on this mesh calibrated now;
+    the table is logged, and rank 0's choice broadcast so every rank shards the same way."""
+    from paro_fsdp.cost.calibrate import calibrate_in_process
+    from paro_fsdp.cost.cluster import AdvisorError, load_cluster
+
+    t, p = cfg.training, cfg.parallelism
+    fraction = 1.0
+    if cfg.peft.lora_rank:  # the adapters' share of the weights, from the model on the meta device
+        from paro_fsdp.integrations.hf import count_trainable
+
+        trainable, total = count_trainable(build_model(cfg, args, device))
+        fraction = trainable / total
+    try:
+        if p.paro_cluster_file:
+            cluster, source = load_cluster(p.paro_cluster_file), p.paro_cluster_file
+        else:
+            cluster = calibrate_in_process(mesh, args, t.local_batch_size, t.seq_len,
+                                           short_name(t.mixed_precision_param))
+            source = "calibrated at start-up"
+        strategy, table = advise(cfg, args, dist.get_world_size(), mesh.size(1), accum, cluster, fraction)
+    except AdvisorError as exc:
+        raise ConfigError(f"parallelism.paro_strategy = \"auto\": {exc}") from None
+    choice = [strategy.name]
+    dist.broadcast_object_list(choice, src=0)
+    log(f"paro_strategy = auto ({source}):\n{table}")
+    log(f"paro_strategy = auto: training with {choice[0]}")
+    return choice[0]
