@@ -2,11 +2,12 @@
 line), --dry-run prints the plan with its commands, the pure functions (loss comparison, MFU,
 memory tolerance, table, JSON) on real inputs with a failing case each, the parent's timeout /
 crash handling, part (b)'s placement and memory code on CPU tensors with torch's fake process
-group (2 x 4 mesh), and part (d) in its CPU mode (4 gloo ranks, the stand-in collectives): it
-passes, and it fails when a missing wait is planted. The stand-in itself and part (e)'s pure parts:
+group (2 x 4 mesh), and parts (d) and (e), the stream tests under pytest, in their CPU mode: each
+test a row. The stream tests themselves: tests/test_gpu_streams.py, tests/test_gpu_sanitizer.py,
 tests/test_gpu_check_streams.py."""
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -58,39 +59,27 @@ def test_dry_run_prints_the_plan_and_its_commands(tmp_path):
     assert "--training.mixed_precision_param bfloat16" in text
     assert "fp32_nccl: PARO_INIT_RNG=cpu " in text  # the GPU runs start from the CPU run's weights
     for cid in ("a.fp32", "a.bf16", "a.compile", "a.resume", "b.placement", "b.mem.IIG", "b.mem.GGG", "b.mem.ING",
-                "c.fsdp2_eager", "c.paro_eager", "c.fsdp2_compiled", "c.paro_compiled", "d.core",
-                "d.plant.missing-wait", "d.plant.issue-wait", "d.compiled", "d.rest", "e.sanitizer", "e.sanitizer.plant",
-                "e.sync", "e.memory"):
+                "c.fsdp2_eager", "c.paro_eager", "c.fsdp2_compiled", "c.paro_compiled", "d.tests", "e.tests"):
         assert f"check {cid}:" in text
     assert "dim 4096, 2 layers, ffn 11008, vocab 32000" in text
     assert "dim 2048, 16 layers" in text
     assert "-m tools.gpu_check --worker b" in text
-    assert "-m tools.gpu_check --worker d" in text and "--timeout-d 170" in text
+    # parts (d) and (e): the stream tests under pytest, each test a row, the part's timeout per test too
+    assert "PARO_STREAMS_DEVICE=cuda PARO_GPU_CHECK_PART=d" in text and "-m pytest" in text
+    assert "-p tools.gpu_check.rows" in text and "-o timeout=170 tests/test_gpu_streams.py" in text
+    assert "tests/test_gpu_sanitizer.py" in text
     assert "vocab 258" in text and "behind a 2 ms sleep" in text and "compiled by inductor" in text
     assert "TORCH_CUDA_SANITIZER=1" in text and "set_sync_debug_mode('warn') from step 2" in text
     assert not (tmp_path / "r.json").exists()
 
 
-def test_dry_run_on_cpu_and_with_a_plant(tmp_path):
-    p = _run(["--dry-run", "--device", "cpu", "--parts", "d,e", "--plant", "missing-wait", "--d-strategies", "iig,GGG"])
+def test_dry_run_on_cpu():
+    p = _run(["--dry-run", "--device", "cpu", "--parts", "d,e"])
     assert p.returncode == 0, p.stderr
     text = p.stdout
     assert "(a)" not in text and "d and e side by side" in text
-    assert "--plant missing-wait" in text and "--d-strategies IIG,GGG" in text and "planted in every run" in text
-    assert "check d.core: IIG, GGG exact" in text and "check d.rest" not in text
-    assert "with the passes' AOT backend" in text and "every row SKIP: needs CUDA" in text
-
-
-@pytest.mark.parametrize("args, words", [(["--plant", "issue-wait", "--device", "cpu"], "needs CUDA streams"),
-                                         (["--plant", "typo"], "valid: missing-wait, issue-wait"),
-                                         (["--d-strategies", "IIX"], "--d-strategies 'IIX' is invalid")])
-def test_bad_plant_or_strategies_are_refused_in_one_line(capsys, args, words):
-    from tools.gpu_check import cli
-
-    assert cli.main(["--dry-run", *args]) == 2
-    err = capsys.readouterr()
-    lines = [x for x in err.err.splitlines() if x.strip()]
-    assert len(lines) == 1 and words in lines[0] and err.out == "", err
+    assert "PARO_STREAMS_DEVICE=cpu" in text and "with the passes' AOT backend" in text
+    assert "without CUDA every test SKIPs" in text
 
 
 def test_parts_select_and_bad_parts_are_refused():
@@ -294,46 +283,25 @@ def test_memory_case_on_cpu_measures_peak_and_resident_states(cpu_mesh):
     assert r["ok"] == (abs(r["ratio"] - 1) <= checks.MEMORY_TOL)
 
 
-# ---- part (d) in its CPU mode: 4 gloo ranks, every collective through the stand-in ------------------
-class Rows(list):
-    """An Emitter stand-in: the rows a worker emits, by id."""
+# ---- parts (d) and (e) in their CPU mode: the stream tests under pytest, each test a row --------------
+def test_stream_parts_report_each_test_as_a_row(tmp_path):
+    """The part's pytest run through the rows plugin: a row per test as it finishes (passed,
+    failed with the assertion's line, skipped with the reason, the measured property), then the
+    session's row; a failing test fails the session's row. Here on a small test file written for
+    it (the stream tests themselves take a minute on CPU: make test-all)."""
+    tests = tmp_path / "test_probe.py"
+    tests.write_text("import pytest\n"
+                     "def test_ok(record_property):\n    record_property('measured', '3 exact')\n"
+                     "def test_bad():\n    assert 1 == 2, 'param diff 1e-3'\n"
+                     "@pytest.mark.skip(reason='needs CUDA')\ndef test_cuda():\n    pass\n")
+    plans = plan.build_plan(["d"], "cpu", tmp_path, argparse.Namespace(timeout_d=120))
+    cmd = plans[0].worker[:-1] + [str(tests)]
+    rows, parts = runner.run_parts([plan.PartPlan("d", "probe", 120, plans[0].checks, cmd)], tmp_path)
+    by = {r["id"]: r for r in rows}
+    assert [r["id"] for r in rows] == ["d.tests", "d.test_ok", "d.test_bad", "d.test_cuda"]
+    assert by["d.test_ok"]["status"] == checks.PASS and by["d.test_ok"]["measured"] == "3 exact"
+    assert by["d.test_bad"]["status"] == checks.FAIL and "param diff 1e-3" in by["d.test_bad"]["measured"]
+    assert by["d.test_cuda"]["status"] == checks.SKIP and by["d.test_cuda"]["measured"] == "needs CUDA"
+    assert by["d.tests"]["status"] == checks.FAIL and by["d.tests"]["measured"] == "3 tests, 1 failed, exit 1"
+    assert parts["d"]["rc"] == 1
 
-    def __call__(self, row: dict) -> None:
-        self.append(row)
-
-    def by_id(self) -> dict:
-        return {r["id"]: r for r in self}
-
-
-@pytest.mark.slow  # 35 s: make test-all
-def test_part_d_passes_on_cpu_and_a_planted_missing_wait_fails_it():
-    """Every strategy, the planted self-test and the compiled block pass; the same part with a
-    missing wait planted in every run fails every exactness row, with NaN in the results."""
-    from tools.gpu_check import ranks
-
-    rows = Rows()
-    ranks.worker_d(rows, "cpu", 300)
-    by = rows.by_id()
-    assert set(by) == {"d.core", "d.plant.missing-wait", "d.plant.issue-wait", "d.compiled", "d.rest"}
-    for cid in ("d.core", "d.plant.missing-wait", "d.compiled", "d.rest"):
-        assert by[cid]["status"] == checks.PASS, (cid, by[cid]["measured"])
-    assert by["d.core"]["measured"].startswith("6/6 exact") and by["d.rest"]["measured"].startswith("21/21 exact")
-    for cid, case in {**by["d.core"]["data"]["cases"], **by["d.rest"]["data"]["cases"]}.items():
-        # every collective went through the stand-in and was waited for
-        assert case["standin"]["works"] > 0 and case["standin"]["never_waited"] == 0, (cid, case["standin"])
-        assert case["param_diff"] <= checks.STREAMS_TOL["cpu"][2]
-    for cid, case in by["d.plant.missing-wait"]["data"]["cases"].items():
-        assert not case["ok"] and not case["finite"] and case["standin"]["never_waited"] > 0, cid
-    assert by["d.plant.issue-wait"]["status"] == checks.SKIP
-    graphs = by["d.compiled"]["data"]["cases"]["GGG+compiled"]["graph_collectives"]
-    assert graphs["forward all_gather/intra"] > 0 and graphs["backward reduce_scatter/inter"] > 0
-    # compiled as the trainer compiles (traced.compile_block): the gather is in the block's graph,
-    # so backward re-gathers (reshard_after_forward); block.compile() left it out of the graphs
-    assert graphs.get("backward all_gather/intra", 0) > 0 and graphs.get("backward all_gather/inter", 0) > 0, graphs
-
-    planted = Rows()
-    ranks.worker_d(planted, "cpu", 300, strategies=["NNN", "IIG", "GGG"], plant="missing-wait", compiled=False)
-    by = planted.by_id()
-    assert by["d.core"]["status"] == checks.FAIL
-    assert by["d.core"]["measured"].startswith("0/3 exact") and "NaN reached" in by["d.core"]["measured"]
-    assert "d.compiled" not in by

@@ -1,8 +1,8 @@
-"""The pieces of gpu_check's parts (d) and (e) on CPU: the stand-in collectives on 4 real gloo ranks
-(poisoned until wait, exact after, eager and compiled, torch's kernels back after uninstall), the
-world launcher (messages as they come, a failing rank, a deadline), the planted bugs, the delay op,
-the comparison with the reference, and part (e)'s pure parts (the sync counter, the judges, the
-version row). Part (d) end to end: tests/test_gpu_check.py."""
+"""The pieces of the stream tests (tests/test_gpu_streams.py, tests/test_gpu_sanitizer.py) on CPU:
+the stand-in collectives on 4 real gloo ranks (poisoned until wait, exact after, eager and
+compiled, torch's kernels back after uninstall), its CUDA path with fake streams, the launcher's
+spawned one-GPU world, the planted bugs, the delay op, the comparison with the reference, the
+sync counter, the sanitizer's ranks with CUDA faked, and the GPU check's version row."""
 from __future__ import annotations
 
 import math
@@ -12,9 +12,11 @@ import warnings
 import pytest
 import torch
 
+import standin
+import stream_workload as sw
 from dist_harness import run_world
-from tools.gpu_check import checks, plants, sanitizer, standin, workload, world
-from tools.gpu_check.ranks import d_strategies
+from tools.gpu_check import checks
+from tools.local_world import run_local_world
 
 
 # ---- the stand-in on 4 ranks -----------------------------------------------------------------------
@@ -193,38 +195,30 @@ def test_poison_values_and_bad_input():
         standin.host_reduce(torch.ones(2), "bogus", None)
 
 
-# ---- the world launcher ------------------------------------------------------------------------------
-def world_target(payload: dict, send) -> dict:
+# ---- the launcher's one-GPU world ---------------------------------------------------------------------
+def world_target(payload: dict) -> dict:
+    import os
+
     import torch.distributed as dist
 
-    rank = dist.get_rank()
-    for i in range(payload["messages"]):
-        send({"rank": rank, "i": i})
-    if rank == payload.get("fail_rank"):
+    if dist.get_rank() == payload.get("fail_rank"):
         raise RuntimeError("planned failure")
     if payload.get("hang"):
         time.sleep(60)
-    return {"rank": rank}
+    return {k: os.environ.get(k) for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GLOO_SOCKET_IFNAME", "PROBE")}
 
 
-def test_world_streams_messages_and_stops_on_failure_or_deadline():
-    got: list = []
-    out = world.run_world(2, "test_gpu_check_streams:world_target", {"messages": 3}, "cpu", 60,
-                          lambda rank, msg: got.append((rank, msg["i"])))
-    assert out.done and sorted(got) == [(r, i) for r in range(2) for i in range(3)] and out.results[1] == {"rank": 1}
-    out = world.run_world(2, "test_gpu_check_streams:world_target", {"messages": 1, "fail_rank": 1, "hang": True},
-                          "cpu", 60, lambda rank, msg: None)
-    assert not out.done and not out.timed_out and "planned failure" in out.why()
-    assert out.seconds < 30  # rank 0 hangs: stopped after the grace period, not at the deadline
+def test_one_gpu_world_is_spawned_on_gpu_0_and_a_failure_stops_it():
+    """``device="cuda"``: spawned ranks (no CUDA needed to start them), every one on GPU 0 with the
+    environment given; a rank that raises fails the world while another one still hangs."""
+    got = run_local_world(2, "test_gpu_check_streams:world_target", {}, 120, device="cuda", env={"PROBE": "x"})
+    assert got == [{"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GLOO_SOCKET_IFNAME": "lo", "PROBE": "x"}] * 2
     t0 = time.monotonic()
-    out = world.run_world(2, "test_gpu_check_streams:world_target", {"messages": 0, "hang": True}, "cpu", 3,
-                          lambda rank, msg: None)
-    assert out.timed_out and "deadline" in out.why() and time.monotonic() - t0 < 20
-    t0 = time.monotonic()
-    seen: list = []
-    out = world.run_world(2, "test_gpu_check_streams:world_target", {"messages": 1, "hang": True}, "cpu", 60,
-                          lambda rank, msg: seen.append(rank), enough=lambda: len(seen) == 2)
-    assert out.done and not out.timed_out and time.monotonic() - t0 < 20  # the parent had what it needed
+    with pytest.raises(RuntimeError, match="planned failure"):
+        run_local_world(2, "test_gpu_check_streams:world_target", {"fail_rank": 1, "hang": True}, 120)
+    assert time.monotonic() - t0 < 30  # rank 0 hangs: killed after the failure, not at the timeout
+    with pytest.raises(RuntimeError, match="no result within 3 s"):
+        run_local_world(2, "test_gpu_check_streams:world_target", {"hang": True}, 3)
 
 
 # ---- the planted bugs ---------------------------------------------------------------------------------
@@ -233,40 +227,28 @@ def test_plants_patch_the_engine_and_restore_it():
 
     wait, issue, swait = comm.Pending.wait, streams.CommStreams.issue, streams.CommStreams.wait
     pending = comm.Pending(torch.ones(2), issued=True)
-    with plants.planted("missing-wait", "cpu"):
+    with sw.planted("missing-wait", "cpu"):
         assert comm.Pending.wait is not wait and pending.wait() is pending.tensor
         assert streams.CommStreams.wait(object()) is None
     assert comm.Pending.wait is wait and streams.CommStreams.wait is swait and streams.CommStreams.issue is issue
-    with plants.planted(None, "cpu"):
+    with sw.planted(None, "cpu"):
         assert comm.Pending.wait is wait
-    assert plants.plant_error(None, "cpu") is None and plants.plant_error("issue-wait", "cuda") is None
-    assert "needs CUDA streams" in plants.plant_error("issue-wait", "cpu")
-    assert "valid: missing-wait, issue-wait" in plants.plant_error("typo", "cuda")
-    with pytest.raises(ValueError, match="needs CUDA streams"):
-        with plants.planted("issue-wait", "cpu"):
-            pass
-
-
-def test_strategies_of_part_d():
-    from paro_fsdp import ALL_STRATEGIES
-
-    assert d_strategies(None) == [str(s) for s in ALL_STRATEGIES]
-    assert d_strategies("iig, GGG") == ["IIG", "GGG"]
-    for bad in ("IIX", ",", "IIG,NN"):
-        with pytest.raises(ValueError, match="is invalid"):
-            d_strategies(bad)
+    for bad in ("issue-wait", "typo"):
+        with pytest.raises(ValueError, match="valid missing-wait"):
+            with sw.planted(bad, "cpu"):
+                pass
 
 
 # ---- the workload: delay op, comparison -------------------------------------------------------------
 def test_delay_op_is_a_copy_with_a_gradient_and_compiles_in_a_block():
     x = torch.randn(3, requires_grad=True)
-    y = workload.delay(x, 0)
+    y = sw.delay(x, 0)
     assert torch.equal(y, x) and y.data_ptr() != x.data_ptr()
     y.sum().backward()
     assert torch.equal(x.grad, torch.ones(3))
-    model = workload.make_model()
-    workload.add_delays(model, 0)
-    tokens = workload.batch(0, 0, 0)
+    model = sw.make_model()
+    sw.add_delays(model, 0)
+    tokens = sw.batch(0, 0, 0)
     eager = model(tokens).loss
     torch._dynamo.reset()
     compiled = torch.compile(model.layers[0], backend="aot_eager", fullgraph=True)  # the hook's op stays in the graph
@@ -287,42 +269,29 @@ def _run_of(ref: dict, scale: float = 0.0, nan: bool = False) -> dict:
 def test_compare_against_the_reference():
     ref = {"losses": [5.5, 5.4, 5.3], "norms": [1.0, 0.9, 0.8],
            "params": {"output.weight": torch.zeros(4, 3), "norm.weight": torch.ones(3)}}
-    tol = checks.STREAMS_TOL["cpu"]
-    same = workload.compare(ref, {r: _run_of(ref) for r in range(4)}, tol)
+    tol = sw.TOL["cpu"]
+    same = sw.compare(ref, {r: _run_of(ref) for r in range(4)}, tol)
     assert same["ok"] and same["param_diff"] == 0 and same["ranks_diff"] == 0
-    off = workload.compare(ref, {0: _run_of(ref, 1e-4), **{r: _run_of(ref) for r in (1, 2, 3)}}, tol)
+    off = sw.compare(ref, {0: _run_of(ref, 1e-4), **{r: _run_of(ref) for r in (1, 2, 3)}}, tol)
     assert not off["ok"] and off["finite"] and off["param_diff"] == pytest.approx(1e-4, rel=1e-3)
-    nan = workload.compare(ref, {r: _run_of(ref, nan=(r == 3)) for r in range(4)}, tol)  # only one rank: still caught
+    nan = sw.compare(ref, {r: _run_of(ref, nan=(r == 3)) for r in range(4)}, tol)  # only one rank: still caught
     assert not nan["ok"] and not nan["finite"] and nan["ranks_diff"] == math.inf
     loss = {r: _run_of(ref) for r in range(4)}
     loss[2]["losses"][1] = float("nan")
-    assert not workload.compare(ref, loss, tol)["finite"]
+    assert not sw.compare(ref, loss, tol)["finite"]
 
 
-# ---- part (e): CPU mode, sync counting, judges ---------------------------------------------------------
-class Rows(list):
-    def __call__(self, row: dict) -> None:
-        self.append(row)
-
-
-def test_part_e_skips_on_cpu_with_a_reason():
-    rows = Rows()
-    sanitizer.worker_e(rows, "cpu", 60)
-    assert [r["id"] for r in rows] == [cid for cid, _ in sanitizer.CHECKS]
-    assert all(r["status"] == checks.SKIP and "needs CUDA" in r["measured"] for r in rows)
-
-
-def fake_cuda_rank_main(payload: dict, send) -> dict:
-    """Part (e)'s rank on CPU: the CUDA calls faked (the stand-in and the mesh on the CPU, memory
+# ---- the sanitizer's ranks with CUDA faked, the sync counter ------------------------------------------
+def fake_cuda_rank_sanitized(payload: dict) -> dict:
+    """``rank_sanitized`` on CPU: the CUDA calls faked (the stand-in and the mesh on the CPU, memory
     counters, the sanitizer on), the guard's read reported as a synchronisation while the sync
-    debug mode is on, and the planted run ended by a sanitizer error, as CUDA's would be."""
+    debug mode is on, and a planted run ended by a sanitizer error, as CUDA's would be."""
     import contextlib
     from unittest import mock
 
     import torch.cuda._sanitizer as csan
     import torch.distributed.device_mesh as device_mesh
 
-    from tools.gpu_check import ranks
     from paro_fsdp.train import faults
 
     real_mesh, real_standin, real_guard = device_mesh.init_device_mesh, standin.StandIn, faults.NonFiniteGuard.allows_step
@@ -339,34 +308,36 @@ def fake_cuda_rank_main(payload: dict, send) -> dict:
             raise csan.CUDASanitizerErrors(["CSAN detected a possible data race on tensor with data pointer 1"])
         yield
 
-    with mock.patch.object(ranks, "rank_device", lambda kind: torch.device("cpu")), \
+    with mock.patch.object(sw, "rank_device", lambda kind: torch.device("cpu")), \
             mock.patch.object(device_mesh, "init_device_mesh", lambda kind, *a, **k: real_mesh("cpu", *a, **k)), \
             mock.patch.object(standin, "StandIn", lambda device, delay=0: real_standin("cpu", delay)), \
-            mock.patch.object(plants, "planted", planted), mock.patch.object(faults.NonFiniteGuard, "allows_step", guard), \
+            mock.patch.object(sw, "planted", planted), mock.patch.object(faults.NonFiniteGuard, "allows_step", guard), \
             mock.patch.object(csan.cuda_sanitizer, "enabled", True), \
             mock.patch.multiple(torch.cuda, synchronize=lambda: None, reset_peak_memory_stats=lambda: None,
                                 max_memory_allocated=lambda: 5 << 20, max_memory_reserved=lambda: 20 << 20,
                                 set_sync_debug_mode=lambda m: mode.__setitem__(0, m)):
-        return sanitizer.rank_main(payload, send)
+        return sw.rank_sanitized(payload)
 
 
-def test_part_e_rows_from_its_ranks_with_cuda_faked():
-    """Part (e)'s CUDA branch end to end on CPU: every run exact, two guard reads per run and rank
-    (steps 2 and 3), the memory beside it, and the planted run's sanitizer error caught."""
-    rows = Rows()
-    sanitizer.run_part_e(rows, 120, device="cpu", target="test_gpu_check_streams:fake_cuda_rank_main", sanitize=False)
-    by = {r["id"]: r for r in rows}
-    assert set(by) == {cid for cid, _ in sanitizer.CHECKS}
-    assert all(r["status"] == checks.PASS for r in rows), [(r["id"], r["measured"]) for r in rows]
-    assert by["e.sync"]["measured"].startswith("2 per run and rank")
-    assert "CSAN detected a possible data race" in by["e.sanitizer.plant"]["measured"]
-    assert by["e.sanitizer.plant"]["measured"].startswith("reported (rank ")  # the first race ends the case
+def test_sanitized_ranks_with_cuda_faked():
+    """The sanitizer tests' ranks end to end on CPU: every run exact, two guard reads per run and
+    rank (steps 2 and 3), the memory beside it; a planted run's sanitizer error fails the world."""
+    target = "test_gpu_check_streams:fake_cuda_rank_sanitized"
+    runs = sw.run_cases("cpu", [{"id": s, "strategy": s} for s in ("NNN", "GGG")], target=target, timeout=300)
+    ref = sw.reference("cpu")
+    for cid, case in runs.items():
+        assert sw.compare(ref, case, sw.TOL["cpu"])["ok"], cid
+        for r in case.values():
+            assert r["sanitizer"] and r["allocated"] == 5 << 20 and r["reserved"] == 20 << 20
+            assert sw.classify_syncs([tuple(x) for x in r["syncs"]]) == {"expected": 2, "unexpected": 0, "sites": {}}
+    with pytest.raises(RuntimeError, match="CUDASanitizerErrors: .*CSAN detected a possible data race"):
+        sw.run_cases("cpu", [{"id": "IIG+missing-wait", "strategy": "IIG", "plant": "missing-wait"}], target=target)
 
 
 def test_sync_counter_records_where_each_synchronisation_was_made():
     modes: list = []
-    counter = sanitizer.SyncCounter(1, 3, set_mode=modes.append)
-    guard = "/somewhere/" + sanitizer.GUARD_FILE
+    counter = sw.SyncCounter(1, 3, set_mode=modes.append)
+    guard = "/somewhere/" + sw.GUARD_FILE
 
     def step(n: int, extra: bool = False) -> None:
         counter.hook(n)
@@ -382,35 +353,8 @@ def test_sync_counter_records_where_each_synchronisation_was_made():
         step(2, extra=True)
         counter.hook(3)
     assert modes == ["warn", 0]
-    got = checks.classify_syncs(counter.sites, sanitizer.GUARD_FILE)
+    got = sw.classify_syncs(counter.sites)
     assert got == {"expected": 2, "unexpected": 1, "sites": {"/x/paro_fsdp/optim.py:80": 1}}
-
-
-def _case(ok: bool = True, **rank: object) -> dict:
-    return {"ok": ok, "param_diff": 1e-7, "ranks": {r: dict(rank) for r in range(4)}}
-
-
-def test_part_e_judges():
-    guard = [("/r/" + sanitizer.GUARD_FILE, 111)] * 2
-    good = {s: _case(sanitizer=True, syncs=guard, allocated=5 << 20, reserved=20 << 20) for s in sanitizer.STRATEGIES}
-    assert sanitizer.judge_sanitizer(good)[0] == checks.PASS
-    assert sanitizer.judge_syncs(good, 2) == (checks.PASS, f"2 per run and rank, all from the non-finite guard "
-                                                           f"({sanitizer.GUARD_FILE})")
-    status, text = sanitizer.judge_memory(good)
-    assert status == checks.PASS and "NNN allocated 5.0 MiB, reserved 20.0 MiB" in text
-    off = dict(good, IIG=_case(sanitizer=False, syncs=guard))
-    assert sanitizer.judge_sanitizer(off)[0] == checks.FAIL
-    race = {"IIG": {"ok": False, "error": "CUDASanitizerErrors: detected 1 errors", "ranks": {0: {}}}}
-    assert sanitizer.judge_sanitizer(race) == (checks.FAIL, "sanitizer OFF in ['IIG']; IIG: CUDASanitizerErrors: "
-                                                            "detected 1 errors")
-    extra = dict(good, GGG=_case(syncs=guard + [("/r/paro_fsdp/optim.py", 80)]))
-    status, text = sanitizer.judge_syncs(extra, 2)
-    assert status == checks.FAIL and "other syncs 1: /r/paro_fsdp/optim.py:80 x1" in text
-    assert sanitizer.judge_syncs(dict(good, NNN=_case(syncs=guard[:1])), 2)[0] == checks.FAIL
-    assert sanitizer.judge_memory({"NNN": _case(allocated=0, reserved=0)})[0] == checks.FAIL
-    planted = {"ok": False, "ranks": {r: {"race": r < 2, "error": "CUDASanitizerErrors: x"} for r in range(4)}}
-    assert sanitizer.judge_self_test(planted) == (checks.PASS, "reported (rank 0, 1): CUDASanitizerErrors: x")
-    assert sanitizer.judge_self_test({"ok": True, "ranks": {0: {"race": False}}})[0] == checks.FAIL
 
 
 @pytest.mark.parametrize("version, cuda, device, ok", [

@@ -12,12 +12,8 @@ CUDA sanitizer and the sync debug mode). ``cli.py`` says what each part checks.
   placement.py   part (b): every buffer of all 27 strategies on the device (fake 2 x 4 world)
   memory.py      part (b)'s memory cases, and the Llama shapes and seeded init (b) and (c) share
   throughput.py  part (c): tokens/s and MFU, PaRO vs FSDP2, eager and compiled
-  ranks.py       part (d): four gloo ranks on one device as 2 x 2, every strategy against one process
-  standin.py     part (d), (e): stand-in kernels for the functional collectives (poisoned until wait)
-  plants.py      part (d): the planted missing waits its self-test rows must catch
-  workload.py    part (d), (e): the uneven-vocabulary Llama, its reference, the compute-stream stalls
-  world.py       part (d), (e): the ranks (spawned on CUDA), results streamed back, a deadline
-  sanitizer.py   part (e): TORCH_CUDA_SANITIZER, set_sync_debug_mode, max_memory_reserved
+  rows.py        parts (d), (e): a pytest plugin, each stream test (tests/test_gpu_streams.py,
+                 tests/test_gpu_sanitizer.py) a row as it finishes
 
 Nothing of the engine imports this package.
 """

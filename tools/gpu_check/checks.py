@@ -22,11 +22,7 @@ PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
     ("L40S", 362.0),
 )
 LOSS_RTOL, COMPILE_RTOL, FIRST_LOSS_RTOL, MEMORY_TOL = 1e-4, 1e-3, 1e-2, 0.10
-#: parts (d) and (e) against their single-process reference: (loss rel, grad norm rel, parameter
-#: abs). CPU: the tolerances of the 4-rank CPU tests; CUDA: the reference runs on the same GPU,
-#: but with other GEMM shapes (4x the batch), so a little looser -- still far below what one
-#: stale or poisoned buffer does (NaN, or AdamW steps of ~1e-3 in the wrong direction)
-STREAMS_TOL = {"cpu": (1e-5, 1e-5, 2e-5), "cuda": (1e-4, 1e-4, 1e-4)}
+
 
 
 def is_finite(x: Any) -> bool:
@@ -130,20 +126,6 @@ def version_check(torch_version: str, cuda_version: Optional[str], supported: tu
     why = ("" if inside else f"torch {major}.{minor} is outside {lo[0]}.{lo[1]}..{hi[0]}.{hi[1]}") + (
         "" if cuda_ok else ("; " if not inside else "") + "a CPU build of torch (torch.version.cuda is None)")
     return {"ok": inside and cuda_ok, "why": why, "range": f"{lo[0]}.{lo[1]}..{hi[0]}.{hi[1]}"}
-
-
-def classify_syncs(sites: Iterable[tuple[str, int]], expected_file: str) -> dict[str, Any]:
-    """Synchronising CUDA calls (``set_sync_debug_mode("warn")`` warnings, each at the Python
-    ``(file, line)`` that made it) split into the expected ones (made in ``expected_file``, a path
-    suffix: the trainer's non-finite guard) and the others, counted by site."""
-    expected, other = 0, {}
-    for filename, line in sites:
-        if filename.replace("\\", "/").endswith(expected_file):
-            expected += 1
-        else:
-            key = f"{filename}:{line}"
-            other[key] = other.get(key, 0) + 1
-    return {"expected": expected, "unexpected": sum(other.values()), "sites": other}
 
 
 def check(part: str, cid: str, name: str, status: str, measured: str = "", limit: str = "", **data: Any) -> dict[str, Any]:

@@ -48,19 +48,17 @@ every subprocess's log.
     GPU's dense bf16 peak (H100/H200: 989 TFLOP/s; ``--peak-tflops`` for others). All variants start
     from the same weights and data, so their first losses must agree (relative 1e-2).
 
-(d) Four processes on the one GPU as a 2 x 2 mesh over gloo (NCCL refuses two ranks on one GPU);
-    the check registers stand-in kernels for the ``_c10d_functional`` collectives (``standin.py``:
-    poisoned outputs, the exact gloo result written at ``wait()``, in NCCL's stream order behind a
-    sleep) and stalls the compute stream, so a missing wait or a side stream that does not wait for
-    the compute stream changes the numbers. Every strategy (the core six first) trains 3 steps of
-    A = 2 on a Llama with a 258-row vocabulary (uneven shards) against one process; one compiled
-    block (GGG ``layers.0``, inductor + the passes) must hold collectives in its graphs and match
-    too; the planted missing waits (``plants.py``) must FAIL (self-test rows; ``--plant`` plants
-    one in every run). ``ranks.py`` says more.
-(e) ``TORCH_CUDA_SANITIZER=1`` in part (d)'s four ranks over NNN, IIG, GGG (and the planted missing
-    wait, which it must report), ``set_sync_debug_mode("warn")`` from step 2 (only the non-finite
-    guard's read expected), ``max_memory_reserved`` beside ``max_memory_allocated``
-    (``sanitizer.py``). SKIP on CPU.
+(d) The stream tests, ``tests/test_gpu_streams.py`` under pytest (each test a row): four processes
+    on the one GPU as a 2 x 2 mesh over gloo (NCCL refuses two ranks on one GPU), every
+    ``_c10d_functional`` collective through stand-in kernels (poisoned outputs, the exact gloo
+    result written at ``wait()``, in NCCL's stream order behind a sleep) and the compute stream
+    stalled, so a missing wait or a side stream that does not wait for the compute stream changes
+    the numbers: every strategy and one compiled block against one process, planted bugs that
+    must FAIL. The test file says more.
+(e) ``tests/test_gpu_sanitizer.py``: ``TORCH_CUDA_SANITIZER=1`` in part (d)'s four ranks over NNN,
+    IIG, GGG (and a planted missing wait, which it must report), ``set_sync_debug_mode("warn")``
+    from step 2 (only the non-finite guard's read expected), ``max_memory_reserved`` beside
+    ``max_memory_allocated``. Its tests SKIP without CUDA.
 
 Time budget on an H200 (estimates: the path has not run yet): (a) ~2 min, (b) ~1 min, (d) ~2 min
 (compiling one block in four ranks is most of it) and (e) ~1-2 min side by side, then (c) ~3-4
@@ -83,11 +81,8 @@ from typing import Optional
 from .checks import FAIL, SKIP, check
 from .plan import BUDGET_S, CLI, PARTS, REPO, TIMEOUTS, build_plan, format_plan
 from .placement import worker_b
-from .plants import plant_error
-from .ranks import d_strategies, worker_d
 from .report import Emitter, render_details, render_table, write_json
 from .runner import device_info, run_parts, version_row
-from .sanitizer import worker_e
 from .throughput import worker_c
 from .trainer import worker_a
 
@@ -109,13 +104,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--timeout-c", type=int, default=TIMEOUTS["c"], help=argparse.SUPPRESS)
     ap.add_argument("--timeout-d", type=int, default=TIMEOUTS["d"], help=argparse.SUPPRESS)
     ap.add_argument("--timeout-e", type=int, default=TIMEOUTS["e"], help=argparse.SUPPRESS)
-    # hidden: plant a bug in every run of part (d) (it must then FAIL: plants.py); part (d)'s strategies
-    ap.add_argument("--plant", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--d-strategies", default=None, help=argparse.SUPPRESS)
     # hidden: run the same plan on CPU (gloo / fake group on CPU tensors, small shapes) to exercise
     # the code on a machine without a GPU; and the worker side of one part
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help=argparse.SUPPRESS)
-    ap.add_argument("--worker", choices=PARTS, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=("a", "b", "c"), default=None, help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
     ns = ap.parse_args(argv)
 
@@ -128,14 +120,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     parts = [x for x in PARTS if x in parts]
     if ns.c_layers is not None and ns.c_layers < 1:
         print(f"gpu_check: --c-layers {ns.c_layers} is invalid; valid: a positive number of layers", file=sys.stderr)
-        return 2
-    bad = plant_error(ns.plant, ns.device)
-    try:
-        d_strategies(ns.d_strategies)
-    except ValueError as exc:
-        bad = bad or str(exc)
-    if bad:
-        print(f"gpu_check: {bad}", file=sys.stderr)
         return 2
     workdir = Path(ns.workdir).resolve()
 
@@ -193,11 +177,6 @@ def run_worker(part: str, device: str, result: Path, workdir: Path, ns: argparse
         worker_a(emit, device, workdir)
     elif part == "b":
         worker_b(emit, device)
-    elif part == "c":
-        worker_c(emit, device, ns.c_layers, ns.peak_tflops)
-    elif part == "d":
-        strategies = d_strategies(ns.d_strategies) if ns.d_strategies else None
-        worker_d(emit, device, ns.timeout_d, strategies, ns.plant)
     else:
-        worker_e(emit, device, ns.timeout_e)
+        worker_c(emit, device, ns.c_layers, ns.peak_tflops)
     return 0

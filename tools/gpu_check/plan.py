@@ -97,10 +97,8 @@ def build_plan(parts: list[str], device: str, workdir: Path, opts: argparse.Name
             ], worker, [(name, argv) for name, argv in runs.items()], [
                 "fp32_gloo, fp32_nccl, bf16_nccl and compile_nccl start side by side; resume_nccl when fp32_nccl is done",
                 "losses: each run's <dump_folder>/metrics.jsonl (loss/train per step)"])
-        elif key == "d":
-            p = _plan_d(device, worker, opts)
-        elif key == "e":
-            p = _plan_e(device, worker + ["--timeout-e", str(opts.timeout_e)], opts)
+        elif key in STREAM_TESTS:
+            p = _plan_tests(key, device, workdir, getattr(opts, f"timeout_{key}"))
         elif key == "b":
             args, b, t = B_MEMORY[device]
             p = PartPlan("b", f"engine buffers on {device} and memory, fake 8-rank process group as a 2x4 mesh",
@@ -126,41 +124,35 @@ def build_plan(parts: list[str], device: str, workdir: Path, opts: argparse.Name
     return plans
 
 
-def _plan_d(device: str, worker: list[str], opts: argparse.Namespace) -> PartPlan:
-    from .ranks import COMPILED, DELAY_MS, PLANTED, RESULT_MS, d_strategies, plan_rows
-
-    strategies = d_strategies(getattr(opts, "d_strategies", None))
-    plant = getattr(opts, "plant", None)
-    rows, worlds = plan_rows(device, strategies, plant)
-    checks = [(r.id, r.name) for r in rows]
-    if device != "cuda":
-        checks.insert(len([r for r in rows if r.id.startswith(("d.core", "d.plant"))]),
-                      ("d.plant.issue-wait", f"self-test: planted issue-wait makes {', '.join(PLANTED)} FAIL"))
-    extra = ["--timeout-d", str(opts.timeout_d)] + (["--plant", plant] if plant else []) + (
-        ["--d-strategies", ",".join(strategies)] if getattr(opts, "d_strategies", None) else [])
-    notes = [f"4 processes on the one {device} as a 2x2 mesh over gloo; every _c10d_functional collective through the "
-             "stand-in kernels (standin.py): poisoned output, the exact result written only at its wait()"
-             + (f", behind a {RESULT_MS:g} ms sleep on its own stream; the model stalls the compute stream {DELAY_MS:g} ms"
-                " per delay point" if device == "cuda" else ""),
-             f"Llama dim 32, 2 layers, vocab 258 (uneven over 4 ranks), 3 steps of A=2, AdamW, clip 0.5; "
-             f"reference: one process on {device}",
-             f"world 1: {len(worlds[0])} runs (the core strategies, then the planted self-tests); world 2: "
-             f"{len(worlds[1])} runs ({COMPILED} with layers.0 compiled "
-             + ("by inductor" if device == "cuda" else "with the passes' AOT backend") + ", then the other strategies)"]
-    if plant:
-        notes.append(f"--plant {plant}: planted in every run (expect FAIL)")
-    return PartPlan("d", f"4 ranks on one {device}: real collectives over the engine's streams (stand-in kernels)",
-                    opts.timeout_d, checks, worker + extra, notes=notes)
+#: parts (d) and (e): test files, run by pytest with the rows plugin, their titles and notes
+STREAM_TESTS = {
+    "d": ("tests/test_gpu_streams.py", "4 ranks on one {device}: real collectives over the engine's streams (stand-in kernels)",
+          ["4 processes on the one {device} as a 2x2 mesh over gloo; every _c10d_functional collective through the "
+           "stand-in kernels (tests/harness/standin.py): poisoned output, the exact result written only at its wait()"
+           "{cuda_delay}",
+           "Llama dim 32, 2 layers, vocab 258 (uneven over 4 ranks), 3 steps of A=2, AdamW, clip 0.5; reference: one "
+           "process on {device}",
+           "every strategy exact; GGG with layers.0 compiled {compiler}: collectives in its graphs, exact; "
+           "the planted missing waits must FAIL (self-tests)"]),
+    "e": ("tests/test_gpu_sanitizer.py", "CUDA sanitizer, sync debug mode and reserved memory on {device}",
+          ["TORCH_CUDA_SANITIZER=1 in 4 spawned ranks (part (d)'s stand-in world) over NNN, IIG, GGG, eager; "
+           "torch.cuda.set_sync_debug_mode('warn') from step 2 with the trainer's non-finite guard; "
+           "max_memory_reserved / max_memory_allocated per run; a planted missing wait must be reported"]),
+}
 
 
-def _plan_e(device: str, worker: list[str], opts: argparse.Namespace) -> PartPlan:
-    from .sanitizer import CHECKS, SKIP_WHY, STRATEGIES
-
-    notes = ([f"TORCH_CUDA_SANITIZER=1 in 4 spawned ranks (part (d)'s stand-in world) over {', '.join(STRATEGIES)}, "
-              "eager; torch.cuda.set_sync_debug_mode('warn') from step 2 with the trainer's non-finite guard; "
-              "max_memory_reserved / max_memory_allocated per run"] if device == "cuda" else [f"every row SKIP: {SKIP_WHY}"])
-    return PartPlan("e", f"CUDA sanitizer, sync debug mode and reserved memory on {device}", opts.timeout_e,
-                    list(CHECKS), worker, notes=notes)
+def _plan_tests(key: str, device: str, workdir: Path, timeout_s: int) -> PartPlan:
+    """Part (d) or (e): pytest on its test file, each test a row (``rows.py``) as it finishes."""
+    path, title, notes = STREAM_TESTS[key]
+    env = [f"PARO_STREAMS_DEVICE={device}", f"PARO_GPU_CHECK_PART={key}", f"PARO_GPU_CHECK_ROWS={workdir / f'{key}.jsonl'}"]
+    cmd = ["env", *env, sys.executable, "-m", "pytest", "-q", "-p", "tools.gpu_check.rows", "-p", "no:cacheprovider",
+           "-o", f"timeout={timeout_s}", path]
+    fill = dict(device=device, compiler="by inductor" if device == "cuda" else "with the passes' AOT backend",
+                cuda_delay=", behind a 2 ms sleep on its own stream; the model stalls the compute stream 0.5 ms per delay "
+                "point" if device == "cuda" else "")
+    notes = [n.format(**fill) for n in notes] + (["without CUDA every test SKIPs"] if key == "e" else [])
+    return PartPlan(key, title.format(device=device), timeout_s, [(f"{key}.tests", f"pytest {path}: every test passes")],
+                    cmd, notes=notes)
 
 
 def phase_order(side: list[str], alone: list[str]) -> str:

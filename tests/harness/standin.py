@@ -5,7 +5,7 @@ Why: NCCL refuses two ranks on one GPU, so on the one lent GPU nothing would mov
 between ranks, and a missing stream wait or a buffer freed early would change no number. These
 kernels replace torch's for the ``_c10d_functional`` ops the engine, DTensor and compiled graphs
 issue (``OPS``; registered with ``torch.library`` for one device's dispatch key by
-``StandIn.install``, only by the GPU check, never by the engine). Every result is the exact
+``StandIn.install``, only by the stream tests (tests/test_gpu_streams.py), never by the engine). Every result is the exact
 collective, computed by the synchronous gloo collective on host copies of the ranks' inputs, but:
 
 **Deferred completion (CPU and CUDA).** The op returns its output filled with poison (NaN; the
@@ -32,8 +32,8 @@ per process group:
   compiled graph):
   the *input* stream waits for S, then poisons the output and copies the input to pinned host
   memory (non_blocking). The input is read in stream order after S, so a side stream that did not
-  wait for the compute stream reads a stale input -- the check's model stalls the compute stream
-  (``workload.delay``) so that it lags the host.
+  wait for the compute stream reads a stale input -- the tests' model stalls the compute stream
+  (``stream_workload.delay``) so that it lags the host.
 * at ``wait()`` (current stream W; in the engine's eager path ``comm.on_side_stream`` calls
   ``wait_tensor`` inside the side-stream context, so W = S): the host waits for the input copy
   only (polling its event, which NCCL does not need; see below), runs the gloo collective, and the

@@ -1,16 +1,36 @@
-"""What parts (d) and (e) train: a small Llama with an uneven vocabulary, its data, the
-single-process reference, and the stalls that make the compute stream lag the host on CUDA.
+"""What the stream tests (tests/test_gpu_streams.py, tests/test_gpu_sanitizer.py) train and plant,
+on four ranks sharing one device as a 2 x 2 mesh, every collective through the stand-in kernels
+(``standin.py``): a small Llama with an uneven vocabulary, its data, the single-process
+reference, the stalls that make the compute stream lag the host on CUDA, the bugs planted on
+purpose, and the ranks' functions.
 
 The vocabulary has 258 rows, which 4 ranks do not divide, so the embedding and the output layer
 take the engine's uneven-shard (index) path; everything else divides. Every run is 3 optimizer
 steps of 2 accumulated micro-steps (AdamW, clipping at 0.5 so the clip scales), from the same
 seeded CPU init; rank r's micro-batch of (step, micro) is the same on every device, and the
 reference trains on the four ranks' micro-batches side by side.
+
+The planted bugs prove that the tests fail when the engine's stream protocol is broken:
+* ``missing-wait``: the consumer does not wait for a collective. ``comm.Pending.wait`` returns its
+  tensor as it is (on CPU without ``wait_tensor``, on CUDA without making the consumer's stream
+  wait for the side stream's event), and ``streams.CommStreams.wait`` does nothing (on CUDA the
+  consumer's wait of every PaRO-CC result too); on CPU, where PaRO-CC waits each phase on the
+  host, its phases skip ``wait_tensor`` (``paro_cc._wait``). The stand-in then hands the consumer
+  a poisoned (NaN) buffer: on CPU always, on CUDA while its result stream still sleeps. (NNN and
+  GGG move everything through PaRO-CC; the clip's all-reduce, which once caught them on CPU, is
+  DTensor's now: torch's ``clip_grad_norm_`` over the parameters.)
+* ``issue-wait`` (CUDA only: CPU has no streams): ``streams.CommStreams.issue`` enters the side
+  stream without making it wait for the compute stream first, so a collective reads its input
+  (a gradient, the clipped masters) before the lagging compute stream has written it.
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any, Callable, Optional
+import time
+import warnings
+from typing import Any, Callable, Iterator, Optional
+from unittest import mock
 
 import torch
 
@@ -236,3 +256,171 @@ def compare(ref: dict[str, Any], ranks: dict[int, dict[str, Any]], tol: tuple[fl
     ok = finite and loss_rel <= loss_rtol and norm_rel <= norm_rtol and param_diff <= atol and ranks_diff <= atol
     return {"ok": ok, "finite": finite, "loss_rel": loss_rel, "norm_rel": norm_rel, "param_diff": param_diff,
             "worst_param": worst, "ranks_diff": ranks_diff, "losses": losses}
+
+
+# ---- the planted bugs ----------------------------------------------------------------------------
+PLANTS = ("missing-wait", "issue-wait")
+CUDA_ONLY = ("issue-wait",)  # CPU has no streams
+
+
+def _pending_without_wait(self: Any) -> Any:
+    return self.tensor
+
+
+@contextlib.contextmanager
+def _issue_without_wait(self: Any, kind: str) -> Iterator[Any]:
+    side = self.stream(kind)
+    with torch.cuda.stream(side):
+        yield side
+
+
+@contextlib.contextmanager
+def planted(name: Optional[str], device: str) -> Iterator[None]:
+    """Run the body with the bug ``name`` planted in the engine (nothing for None)."""
+    if name is None:
+        yield
+        return
+    if name not in PLANTS or (name in CUDA_ONLY and device != "cuda"):
+        raise ValueError(f"plant {name!r} on {device}: valid {', '.join(p for p in PLANTS if device == 'cuda' or p not in CUDA_ONLY)}")
+    from paro_fsdp import comm, paro_cc, streams
+
+    with contextlib.ExitStack() as stack:
+        if name == "missing-wait":
+            stack.enter_context(mock.patch.object(comm.Pending, "wait", _pending_without_wait))
+            stack.enter_context(mock.patch.object(streams.CommStreams, "wait", staticmethod(lambda event: None)))
+            if device != "cuda":  # on CUDA the side streams' waits above are the consumer's
+                stack.enter_context(mock.patch.object(paro_cc, "_wait", lambda t: t))
+        else:
+            stack.enter_context(mock.patch.object(streams.CommStreams, "issue", _issue_without_wait))
+        yield
+
+
+# ---- inside a rank ----------------------------------------------------------------------------------
+#: on CUDA: the compute stream's stall (each delay op, before clipping and before the step) and
+#: how long every collective's result waits behind a sleep. The result delay must exceed the
+#: compute stream's lag between a collective's wait and its consumer (at most a stall and a tiny
+#: block): 4x. Both are short because four processes time-slice one GPU: ~140 results per GGG run
+DELAY_MS, RESULT_MS = 0.5, 2.0
+#: against the single-process reference: (loss rel, grad norm rel, parameter abs). CPU: the
+#: tolerances of the 4-rank CPU tests; CUDA: the reference runs on the same GPU, but with other
+#: GEMM shapes (4x the batch), so a little looser -- still far below what one stale or poisoned
+#: buffer does (NaN, or AdamW steps of ~1e-3 in the wrong direction)
+TOL = {"cpu": (1e-5, 1e-5, 2e-5), "cuda": (1e-4, 1e-4, 1e-4)}
+
+
+def rank_device(kind: str) -> torch.device:
+    """The device this rank runs on: GPU 0 for every rank (one GPU), or the CPU."""
+    if kind == "cuda":
+        torch.cuda.set_device(0)
+        torch.cuda.init()
+        return torch.device("cuda", 0)
+    return torch.device("cpu")
+
+
+def _mesh(device: torch.device) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (2, 2), mesh_dim_names=("inter", "intra"))
+
+
+def rank_cases(payload: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Every case of ``payload["cases"]`` ({id, strategy, compiled, plant}) on this rank, through
+    the stand-in (on CUDA behind its result delay, the compute stream stalled): per case the
+    result of ``train_sharded``, what the stand-in served and the seconds it took."""
+    from standin import StandIn
+
+    device = rank_device(payload["device"])
+    mesh = _mesh(device)
+    cpm = cycles_per_ms(device) if device.type == "cuda" else 0.0
+    standin = StandIn(device.type, int(RESULT_MS * cpm)).install()
+    out = {}
+    for case in payload["cases"]:
+        t0, before = time.monotonic(), standin.stats.snapshot()
+        with planted(case.get("plant"), device.type):
+            got = train_sharded(mesh, case["strategy"], device, delay_cycles=int(DELAY_MS * cpm),
+                                stall_cycles=int(DELAY_MS * cpm), compiled=case.get("compiled", False))
+        out[case["id"]] = {"seconds": time.monotonic() - t0, "standin": standin.stats.since(before), **got}
+    return out
+
+
+GUARD_FILE = "paro_fsdp/train/faults.py"  # NonFiniteGuard.allows_step: the one expected synchronisation
+SYNC_FROM_STEP = 1  # 0-based: from the second step on (the first allocates, compiles nothing, warms up)
+SYNC_MESSAGE = "synchronizing CUDA operation"
+
+
+class SyncCounter:
+    """Turns the sync debug mode on at step ``from_step`` (``hook(step)`` is called before each
+    step and once after the last) and records where each synchronising call was made."""
+
+    def __init__(self, from_step: int, last_step: int, set_mode: Optional[Callable[[Any], None]] = None) -> None:
+        self.from_step, self.last_step = from_step, last_step
+        self.set_mode = set_mode or torch.cuda.set_sync_debug_mode
+        self._catch: Any = None
+        self._log: list[Any] = []
+        self.sites: list[tuple[str, int]] = []
+
+    def hook(self, step: int) -> None:
+        if step == self.from_step:
+            self._catch = warnings.catch_warnings(record=True)
+            self._log = self._catch.__enter__()
+            warnings.simplefilter("always")
+            self.set_mode("warn")
+        elif step == self.last_step and self._catch is not None:
+            self.set_mode(0)
+            self._catch.__exit__(None, None, None)
+            self._catch = None
+            self.sites = [(w.filename, w.lineno) for w in self._log if SYNC_MESSAGE in str(w.message)]
+
+
+def classify_syncs(sites: list[tuple[str, int]], expected_file: str = GUARD_FILE) -> dict[str, Any]:
+    """Synchronising calls (each at the Python ``(file, line)`` that made it) split into the
+    expected ones (made in ``expected_file``, a path suffix) and the others, counted by site."""
+    expected, other = 0, {}
+    for filename, line in sites:
+        if filename.replace("\\", "/").endswith(expected_file):
+            expected += 1
+        else:
+            key = f"{filename}:{line}"
+            other[key] = other.get(key, 0) + 1
+    return {"expected": expected, "unexpected": sum(other.values()), "sites": other}
+
+
+def rank_sanitized(payload: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The sanitizer's cases on this rank (``TORCH_CUDA_SANITIZER=1`` set before the rank imported
+    torch): each case trained with the trainer's non-finite guard, the sync debug mode on from
+    ``SYNC_FROM_STEP``; per case the result, where it synchronised, the peak allocated and
+    reserved bytes. A sanitizer error propagates: it fails the world (the other ranks may be
+    stuck behind the racing one)."""
+    from standin import StandIn
+    from torch.cuda import _sanitizer as csan
+
+    from paro_fsdp.train.faults import NonFiniteGuard
+
+    device = rank_device("cuda")
+    mesh = _mesh(device)
+    StandIn("cuda").install()
+    out = {}
+    for case in payload["cases"]:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        counter = SyncCounter(SYNC_FROM_STEP, STEPS)
+        try:
+            with planted(case.get("plant"), "cuda"):
+                got = train_sharded(mesh, case["strategy"], device, step_hook=counter.hook,
+                                    guard=NonFiniteGuard("skip", 0))
+        except csan.CUDASanitizerErrors as exc:  # its message is a count: name the first race
+            raise RuntimeError(f"CUDASanitizerErrors: {str(exc.errors[0]).strip()[:600]}") from exc
+        out[case["id"]] = {"sanitizer": bool(csan.cuda_sanitizer.enabled), "syncs": counter.sites,
+                           "allocated": torch.cuda.max_memory_allocated(),
+                           "reserved": torch.cuda.max_memory_reserved(), **got}
+    return out
+
+
+def run_cases(device: str, cases: list[dict[str, Any]], target: str = "stream_workload:rank_cases",
+              env: Optional[dict[str, str]] = None, timeout: float = 600) -> dict[str, dict[int, dict[str, Any]]]:
+    """``cases`` on four ranks sharing ``device`` (``tools.local_world``: spawned on CUDA);
+    {case id: {rank: its result}}."""
+    from tools.local_world import run_local_world
+
+    per_rank = run_local_world(WORLD, target, {"device": device, "cases": cases}, timeout, device=device, env=env)
+    return {c["id"]: {r: per_rank[r][c["id"]] for r in range(WORLD)} for c in cases}
