@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 NPROC ?= 4
 CONFIG ?= train_configs/debug_paro.toml
 
-.PHONY: install test test-all test-compat train estimate bench bench-compiled bench-fsdp2 clean
+.PHONY: install lint test test-all test-compat train estimate bench bench-compiled bench-fsdp2 clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -15,6 +15,10 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 install: $(VENV)/.installed
+
+# pyflakes and pycodestyle over the whole repository (pyproject.toml [tool.ruff])
+lint: install
+	$(PY) -m ruff check .
 
 test: install
 	$(PY) -m pytest -q -m "not slow" tests
@@ -54,7 +58,7 @@ bench: install
 	$(PY) -m tools.bench --out-dir $(BENCH_OUT)/full
 	$(PY) -m tools.bench --quick --trainable 0.0625 --out-dir $(BENCH_OUT)/partial
 
-# Compiled PaRO on the emulator at 1 Gbit/s (issue 14): per strategy eager, compiled, each graph
+# Compiled PaRO on the emulator at 1 Gbit/s: per strategy eager, compiled, each graph
 # pass alone, all passes; FSDP2 eager and + per-block compile; a link timeline PNG per variant.
 # Root; roughly half an hour on 2 cores (21 compiled variants' first steps; an estimate).
 bench-compiled: install
