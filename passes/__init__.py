@@ -1,11 +1,25 @@
-"""Graph passes over the engine's collectives under torch.compile, run by inductor after its
-post-grad passes on every forward and backward graph.
+"""The compile story in one place: graph passes over the engine's collectives, and the one call
+that compiles a sharded model.
 
     import passes
-    record = passes.install(["bucketing", "reorder"])   # before torch.compile
-    model = torch.compile(paro_model)
+    record = passes.compile_model(model)   # after paro_shard / fully_shard, before the first step
     ...
-    print(record.report())          # each graph's collective schedule before and after
+    print(record.report())                  # each graph's collective schedule before and after
+
+``compile_model`` does, in order (each part switchable):
+  1. the graph passes registered with inductor (``install``) for this model's process groups,
+     run after its post-grad passes on every forward and backward graph;
+  2. the blocks compiled with their hooks inside their graphs (``paro_fsdp.traced.compile_block``):
+     a block's gather and its compute are one graph, the gather recomputed in backward, the last
+     micro-step's reduction to the OS level in the backward graph (scope "blocks", as torchtitan
+     compiles per block); or the whole model as torch's ``model.compile()`` does (scope "model");
+  3. the refresh of the working copies after each optimizer step as one graph
+     (``paro_fsdp.traced.compile_push``), whose all-gathers the bucketing pass merges.
+Why a call of this package and not the engine's: the engine never imports the passes (they sit
+above it). What torch users already write keeps working without it: ``block.compile()`` and
+``model.compile()`` on a sharded model compile the engine's way, without passes and with an eager
+push. The engine's side of tracing (the autograd Function that gathers and reduces, the gradient
+sinks, where the boundary runs) is ``paro_fsdp/traced.py``.
 
 Each pass is a small function of the graph, registered here by name and switchable one by one
 (from Python here, from the trainer's ``[compile] passes``). They run in the fixed order of
@@ -22,13 +36,16 @@ import glob
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
+import torch.nn as nn
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from paro_fsdp.mesh import MeshGroups
+from paro_fsdp.traced import compile_block, compile_push, isolate_compile_cache
 
 from .bucketing import bucket_collectives
 from .graph import GroupTable, collectives, group_table, phase_of
@@ -152,11 +169,20 @@ def install(names: Iterable[str] = ORDER, options: PassOptions | None = None, me
     return p
 
 
+def compile_for(model, compile_cfg, dump_folder: str) -> ParoPasses | None:
+    """The trainer's ``[compile]`` section applied to ``model`` by ``compile_model``:
+    ``compile_cfg`` has the trainer's ``passes``, ``backend``, ``scope``, ``push_graph``,
+    ``dump_schedule`` and ``max_prefetch_mb`` fields."""
+    c = compile_cfg
+    dump = os.path.join(dump_folder, "compile") if c.dump_schedule else None
+    bound = None if c.max_prefetch_mb < 0 else int(c.max_prefetch_mb * 2**20)
+    full = {"fullgraph": True} if c.scope == "blocks" else {}
+    return compile_model(model, c.passes, scope=c.scope, push=c.push_graph,
+                         options=PassOptions(max_prefetch_bytes=bound, dump_dir=dump), backend=c.backend, **full)
+
+
 def install_for(model, compile_cfg, dump_folder: str) -> ParoPasses | None:
-    """The trainer's ``[compile]`` section as graph passes for ``model`` (a ``paro_shard``
-    model): installed for inductor before the model is compiled, None for other backends (whose
-    graphs never reach inductor's post-grad passes). ``compile_cfg`` has the trainer's
-    ``passes``, ``backend``, ``dump_schedule`` and ``max_prefetch_mb`` fields."""
+    """Transitional: the trainer's passes only (``compile_for`` does it all); goes once its callers moved."""
     c = compile_cfg
     if c.backend != "inductor":
         return None
@@ -189,4 +215,44 @@ def uninstall() -> None:
     peak_memory.end()
 
 
-__all__ = ["ORDER", "PassOptions", "ParoPasses", "aot_backend", "install", "uninstall", "schedule", "schedule_of_code", "summary"]
+SCOPES = ("blocks", "model")
+
+
+def compile_model(model: nn.Module, passes: Iterable[str] = ORDER, *, scope: str = "blocks", push: bool = True,
+                  options: PassOptions | None = None, **compile_kwargs: Any) -> ParoPasses | None:
+    """Compile a sharded ``model`` for training; return the passes' record (None for a backend
+    other than inductor or "aot", whose graphs never reach the passes). ``compile_kwargs`` go to ``torch.compile`` (``backend``, ``fullgraph``, ...); backend
+    "aot" runs the passes on AOTAutograd's graphs without inductor codegen (seconds, not minutes). A
+    block that checkpoints its whole call (``checkpoint_in_graph`` attribute, as the trainer's)
+    checkpoints inside its graph instead."""
+    state = getattr(model, "_paro_state", None)
+    if state is None:
+        raise ValueError("compile_model needs a model returned by paro_shard or fully_shard; shard it first")
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
+    passes, record = list(passes), None
+    backend = compile_kwargs.get("backend", "inductor")
+    if backend == "aot":  # the passes on AOTAutograd's graphs, no inductor codegen (``aot_backend``)
+        record = ParoPasses(passes, options, meshes=[model.paro_mesh_groups()])
+        compile_kwargs["backend"] = aot_backend(record)
+    elif backend == "inductor":  # no pass named: it still records each graph's schedule
+        record = install(passes, options, meshes=[model.paro_mesh_groups()])
+    if dist.is_initialized():
+        isolate_compile_cache(dist.get_rank())
+    if scope == "model":
+        model.compile(**compile_kwargs)
+    else:
+        for block in (b.module for b in state.blocks if not b.is_root):
+            checkpointed = hasattr(block, "checkpoint_in_graph")
+            if checkpointed:
+                block.checkpoint_in_graph = True
+                # the block's hooks swap module parameters (a side effect) that the recomputation
+                # inside the graph must not replay
+                torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+            compile_block(block, checkpointed=checkpointed, **compile_kwargs)
+    if push:  # a loop over the groups' generators: not one full graph
+        compile_push(model, **{k: v for k, v in compile_kwargs.items() if k != "fullgraph"})
+    return record
+
+
+__all__ = ["ORDER", "SCOPES", "compile_model", "PassOptions", "ParoPasses", "aot_backend", "compile_for", "install", "uninstall", "schedule", "schedule_of_code", "summary"]

@@ -190,6 +190,28 @@ def test_compiled_push_to_p_is_one_graph_bucketed_per_dimension(mesh, strategy):
         assert totals(record, "forward", "after") == expect
 
 
+def test_compile_model_is_the_one_call(mesh):
+    """``passes.compile_model``: the passes, every block with its hooks in its graph, the push as
+    a graph, in one call; the blocks' gathers and reductions and the push reach the passes."""
+    with pytest.raises(ValueError, match="shard it first"):
+        passes.compile_model(torch.nn.Linear(2, 2))
+    torch._dynamo.reset()
+    model = paro_shard(make_model(args=TINY), mesh, "IIG")
+    with pytest.raises(ValueError, match="scope must be one of"):
+        passes.compile_model(model, scope="layers")
+    record = passes.compile_model(model, ["bucketing"], backend="aot", fullgraph=True)
+    assert record.names == ["bucketing"] and model._paro_state.compiled_push is not None
+    assert all(getattr(b, "_compiled_call_impl", None) is not None for b in model.layers)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    model(batch(0, 0, 0, TINY)).loss.backward()
+    for m in opt.param_groups[0]["params"]:  # the fake world's reductions leave garbage
+        m.grad = torch.ones_like(m)
+    opt.step()
+    phases = [r.phase for r in record.records]
+    assert phases.count("forward") == len(model.layers) + 1 and "backward" in phases  # blocks, then the push
+    assert totals(record, "forward", "after")["all_gather/inter"] == 1  # every group's push merged
+
+
 def test_reorder_overlaps_the_boundary_reduction_with_later_blocks(mesh):
     """IIG's last micro-step: each block's inter reduce-scatter (to OS = G) is issued once its
     intra one is done (after only the layout copies of its input) and waits only after later

@@ -65,26 +65,18 @@ def checkpoint_blocks(model: Llama) -> None:
 
 def compile_model(model, how: dict):
     """``how``: {"scope": "model" | "blocks", "backend": "aot" | "inductor", "passes": [...],
-    "options": {...}}. Returns the callable to train with and the passes' record. "aot" runs the
-    passes on AOTAutograd's graphs without inductor codegen (passes.aot_backend)."""
+    "options": {...}}: ``passes.compile_model`` without the compiled push. Returns the model and
+    the passes' record. "aot" runs the passes on AOTAutograd's graphs without inductor codegen."""
     import passes
-    from paro_fsdp.traced import compile_block, isolate_compile_cache
 
-    isolate_compile_cache(dist.get_rank())
-    record = passes.ParoPasses(how.get("passes", passes.ORDER), passes.PassOptions(**how.get("options", {})),
-                               meshes=[model.paro_mesh_groups()])
-    if how.get("backend", "aot") == "aot":
-        backend = passes.aot_backend(record)
-    else:
-        for key, value in record.inductor_options().items():
-            setattr(torch._inductor.config, key, value)
+    backend = how.get("backend", "aot")
+    if backend == "inductor":
         torch._inductor.config.force_disable_caches = True  # a cache hit would skip the passes
-        backend = "inductor"
-    if how.get("scope", "model") == "blocks":  # the trainer's way: the engine's hooks in each block's graph
-        for block in model.layers:
-            compile_block(block, backend=backend, fullgraph=True)
-        return model, record
-    return torch.compile(model, backend=backend), record
+    scope = how.get("scope", "model")
+    record = passes.compile_model(model, how.get("passes", passes.ORDER), scope=scope, push=False,
+                                  options=passes.PassOptions(**how.get("options", {})), backend=backend,
+                                  **({"fullgraph": True} if scope == "blocks" else {}))
+    return model, record
 
 
 def adamw(model) -> torch.optim.AdamW:
