@@ -1,6 +1,6 @@
 """The strategy advisor (paro_fsdp/cost/, tools/advisor.py, tools/calibrate.py).
 
-What must hold (issue 5): the cost model's byte counts equal the engine's measured CommStats and
+What must hold: the cost model's byte counts equal the engine's measured CommStats and
 its model-state memory equals memory_report, for every strategy, on the fake 64-rank mesh and on
 4 real gloo ranks (one spawn); its activation formula equals what autograd saves; bad input gets
 a clear error naming the problem; and the paper's qualitative findings hold with the shipped

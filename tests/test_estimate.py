@@ -116,7 +116,7 @@ UNEVEN = LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=1000,
 
 
 def test_a_1024_rank_world_costs_about_what_a_64_rank_one_does():
-    """Issue 11: ``--world 1024`` had not finished after 14 minutes. The layout's work for sizes the
+    """``--world 1024`` once had not finished after 14 minutes. The layout's work for sizes the
     world size does not divide was per rank (DTensor's offsets asked rank by rank, one copy per
     rank and tensor in every NESTED move); it is per tensor now, so 16 times the ranks costs about
     the same CPU time (it used to grow with the world size: 1024 ranks were 10x and more)."""

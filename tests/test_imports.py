@@ -149,7 +149,7 @@ def test_the_engine_imports_neither_passes_nor_the_trainer():
     assert {m: t for m, t in bad.items() if t} == {}
 
 
-# ---- tools/ and train.py (issue 15, part A): nothing imports tools/; the engine stands alone ----
+# ---- tools/ and train.py: nothing imports tools/; the engine stands alone ----
 
 
 def _file_imports(path: Path) -> list[tuple[int, str]]:

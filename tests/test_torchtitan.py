@@ -1,4 +1,4 @@
-"""PaRO inside torchtitan 0.3's real Trainer (issue 12) on CPU: a single-rank torchtitan FSDP2
+"""PaRO inside torchtitan 0.3's real Trainer on CPU: a single-rank torchtitan FSDP2
 run is the reference (the 4 ranks' batches side by side); PaRO on a 2x2 gloo world must agree
 with it and across strategies to 1e-5, under activation checkpointing, gradient accumulation
 and regex optimizer param groups, resume exactly, continue after model-only loads, and

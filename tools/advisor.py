@@ -35,6 +35,7 @@ from paro_fsdp.models.llama import FLAVORS
 from paro_fsdp.strategy import ALL_STRATEGIES, Strategy
 from paro_fsdp.cost.cluster import AdvisorError, Cluster, GiB, load_cluster
 from paro_fsdp.cost.model import ModelSpec, custom_model, model_spec
+from paro_fsdp.dtypes import DTYPES
 from paro_fsdp.cost.predict import ACTIVATION_CHECKPOINT_MODES, NAMED_STRATEGIES, Prediction, format_table, rank_strategies
 
 DEFAULT_SWEEP = {"gpus": "16,32,64,128", "inter-gbps": "50,100,200,400,800,1600,3200,6400"}
@@ -204,8 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--micro-batch", type=int, default=2, help="sequences per GPU per micro-step")
     g.add_argument("--grad-accum", type=int, default=4, help="micro-steps A per optimizer step")
     g.add_argument("--seq-len", type=int, default=2048)
-    g.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="parameter dtype")
-    g.add_argument("--reduce-dtype", default=None, choices=["bf16", "fp16", "fp32"], help="gradient dtype (default --dtype)")
+    g.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="parameter dtype")
+    g.add_argument("--reduce-dtype", default=None, choices=sorted(DTYPES), help="gradient dtype (default --dtype)")
     g.add_argument("--activation-checkpoint", default="auto", choices=ACTIVATION_CHECKPOINT_MODES,
                    help="auto: per strategy, only when it does not fit without")
     g.add_argument("--no-reshard-after-forward", action="store_true",

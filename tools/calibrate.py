@@ -29,6 +29,7 @@ from typing import Optional, Sequence
 
 from paro_fsdp.cost.calibrate import calibrate_in_process
 from paro_fsdp.cost.cluster import Cluster, cluster_to_toml
+from paro_fsdp.dtypes import DTYPES, short_name
 from paro_fsdp.models.llama import LlamaArgs, flavor
 from tools.local_world import run_local_world
 
@@ -79,7 +80,7 @@ def run(args: argparse.Namespace) -> Optional[Cluster]:
     else:
         model_args = LlamaArgs(**PROBE, max_seq_len=args.seq_len)
     sizes = [float(x) for x in args.sizes_mib.split(",")] if args.sizes_mib else None
-    cluster = calibrate_in_process(mesh, model_args, args.micro_batch, args.seq_len, args.dtype, sizes, args.reps,
+    cluster = calibrate_in_process(mesh, model_args, args.micro_batch, args.seq_len, short_name(args.dtype), sizes, args.reps,
                                    name=Path(args.out).stem if args.out else "calibrated")
     if dist.get_rank() == 0:
         text = cluster_to_toml(cluster, [
@@ -109,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default=None, help="flavor whose block shape sets achieved_tflops (default: llama7b on GPU, a small probe on CPU)")
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("--sizes-mib", default=None, help="buffer sizes, comma-separated MiB (default 0.0625,0.5,2,8 on CPU; up to 64 on GPU)")
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions per size (median)")
     return ap

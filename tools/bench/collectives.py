@@ -31,6 +31,7 @@ import statistics
 import sys
 import time
 
+from paro_fsdp.dtypes import DTYPES, dtype_of
 from tools.emulate.emulator import Emulator, EmulatorError, check_privileges, local_tx_bytes
 from tools.emulate.launch import ResultTee, launch, worker_or_driver
 
@@ -53,7 +54,7 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kinds", default=",".join(KINDS))
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--chunk-mb", type=float, default=8.0, help="PaRO-CC target chunk size (of the whole message)")
     p.add_argument("--max-chunks", type=int, default=8)
     p.add_argument("--quick", action="store_true", help="sizes 1,4,16 MiB and 3 reps")
@@ -80,7 +81,7 @@ def worker(args: argparse.Namespace) -> None:
     n, rank = info.n, dist.get_rank()
     ops = torch.ops._c10d_functional
     gname = info.group_names["global"]
-    dtype = getattr(torch, args.dtype)
+    dtype = dtype_of(args.dtype)
     esize = torch.empty((), dtype=dtype).element_size()
     comm = MeshComm(info.groups)
     cc = ParoCC(comm, chunk_bytes=int(args.chunk_mb * 2**20), max_chunks=args.max_chunks)

@@ -4,7 +4,7 @@ on the trainer's debug model and batch (4 CPU gloo ranks as 2 groups x 2), cold 
     python -m tools.bench.compile_time                       # IIG, scope model and blocks, FSDP2
     python -m tools.bench.compile_time --variants paro-blocks,fsdp2 --strategy GGG
 
-Why: compiling pays only if the first step does not eat the gain (issue 14: cold within 2x of
+Why: compiling pays only if the first step does not eat the gain (the bar: cold within 2x of
 FSDP2 + per-block compile, warm within 15 s). Each variant runs in fresh processes twice over one
 inductor cache folder (per-rank subfolders, as the trainer makes them): "cold" starts from an
 empty folder, "warm" from what the cold run left, as a restarted job would. Variants run one

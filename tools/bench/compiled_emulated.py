@@ -6,7 +6,7 @@ variants on the emulator" says what the columns mean).
     sudo .venv/bin/python -m tools.bench --compiled --quick --backend aot --rounds 1   # a smoke
     sudo .venv/bin/python -m tools.bench --compiled --compile-cache /tmp/c  # twice: warm first steps
 
-Why: compiling must pay for itself on the link it is meant for (issue 14). Per strategy
+Why: compiling must pay for itself on the link it is meant for. Per strategy
 (``--variants``): ``eager``; ``compiled`` (``torch.compile(model)``, ``traced.compile_push`` for
 the push to P; no graph pass: the traced path emits PaRO-CC's phases itself); ``bucketing`` /
 ``reorder`` (that pass alone); ``all`` (``passes.ORDER``). Per FSDP2 baseline (``--baselines``):

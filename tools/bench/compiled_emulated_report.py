@@ -1,6 +1,6 @@
 """The report of ``compiled_emulated.py`` (``python -m tools.bench --compiled``): the table, the
-targets of issue 14, the recompile reasons, and one timeline PNG per variant (the profiler's rows
-of rank 0 over the node-0 uplink's throughput, sampled from the kernel's tx counter).
+targets compiling must meet, the recompile reasons, and one timeline PNG per variant (the
+profiler's rows of rank 0 over the node-0 uplink's throughput, sampled from the kernel's tx counter).
 
 Pure functions of the rows the worker measured (no torch), so the formatting is tested alone.
 """
@@ -14,7 +14,7 @@ MODES = ("eager", "compiled", "bucketing", "reorder", "all")
 MODE_LABEL = {"eager": "eager", "compiled": "compiled", "bucketing": "compiled+bucketing", "reorder": "compiled+reorder",
               "all": "compiled+all passes"}
 BASELINE_LABEL = {"fsdp2-zero3": "FSDP2 ZeRO-3", "fsdp2-hsdp": "FSDP2 HSDP", "fsdp2-hpz": "FSDP2 raf=m"}
-#: issue 14, item 2: compiled + all passes against eager and against compiled without passes
+#: compiled + all passes against eager and against compiled without passes: (at least, at most)
 TARGETS = {"GGG": (1.10, 1.25), "IGG": (1.10, 1.25), "IIG": (1.00, None), "NIG": (1.00, None), "NII": (1.00, None)}
 
 

@@ -75,8 +75,8 @@ BASELINES = ("fsdp2-zero3", "fsdp2-hsdp", "fsdp2-hpz", "ddp")
 DTYPES = ("fp32", "bf16")
 
 
-#: defaults that differ with --compiled (compiled_emulated.py): issue 14's setup (~8M parameters,
-#: micro-batch 4 x 64, A = 2, 1 Gbit/s), in 2 layers to keep each variant's cold compile short
+#: defaults that differ with --compiled (compiled_emulated.py): ~8M parameters, micro-batch
+#: 4 x 64, A = 2, 1 Gbit/s, in 2 layers to keep each variant's cold compile short
 DEFAULTS = {
     False: dict(strategies=",".join(STRATEGIES), baselines=",".join(BASELINES), accum="1,4", inter_rate="200mbit",
                 dim=128, layers=4, heads=4, kv_heads=2, ffn=352, vocab=1024, seq=128, batch=2, out_dir="outputs/bench"),

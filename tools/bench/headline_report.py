@@ -80,7 +80,7 @@ def format_report(rows: list[dict], meta: dict, budget_mib: float | None) -> str
             hidden = f"{hid:6.0%}" if hid is not None else "     -"
             out.append(f"{_label(r):<24} {accum:>2} {r['tokens_per_s']:8.0f} {vs} {r['state_bytes'] / mib:9.2f} "
                        f"{intra} {inter} {r['step_s']:7.3f} {unsh} {link} {over} {hidden} {pred}")
-        # the verdicts the issue asks for
+        # the verdicts: which strategy wins where
         ok = [r for r in sub if not r["error"]]
         hsdp = next((r for r in ok if r["name"] == "fsdp2-hsdp"), None)
         budget = budget_mib * mib if budget_mib else (hsdp["state_bytes"] if hsdp else None)
