@@ -287,7 +287,9 @@ def test_cli_table_plot_and_sweeps(tmp_path, capsys):
     assert "thousand tokens/s" in capsys.readouterr().out and png.stat().st_size > 10_000
     assert main(["--model", "llama7b", "--sweep", "gpus", "--values", "16,32,64,128", "--no-plot"]) == 0
     out = capsys.readouterr().out
-    assert "thousand tokens/s" in out and len([ln for ln in out.splitlines() if re.match(r"^\s+(16|32|64|128) ", ln)]) == 4
+    assert (
+        "thousand tokens/s" in out and len([ln for ln in out.splitlines() if re.match(r"^\s+(16|32|64|128) ", ln)]) == 4
+    )
     assert main(["--params", "30e9", "--layers", "60", "--hidden", "6656", "--gpus", "128", "--no-plot"]) == 0
     assert "30B" in capsys.readouterr().out
 
@@ -305,7 +307,7 @@ def test_cli_plot_goes_to_out_dir_not_the_working_directory(tmp_path, monkeypatc
     assert main(args) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["figs", "outputs"]
     assert (tmp_path / "outputs" / "advisor" / "advisor_llama7b_16gpus.png").stat().st_size > 10_000
-    assert f"plot: outputs/advisor/advisor_llama7b_16gpus.png" in capsys.readouterr().out
+    assert "plot: outputs/advisor/advisor_llama7b_16gpus.png" in capsys.readouterr().out
 
 
 def test_choose_strategy_for_the_trainer():

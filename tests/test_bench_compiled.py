@@ -13,7 +13,14 @@ from tools.bench.headline import _args
 
 def test_compiled_defaults_and_checks():
     a = _args(["--compiled"])
-    assert (a.strategies, a.accum, a.inter_rate, a.layers, a.batch, a.seq) == ("GGG,IGG,IIG,NIG,NII", "2", "1gbit", 2, 4, 64)
+    assert (a.strategies, a.accum, a.inter_rate, a.layers, a.batch, a.seq) == (
+        "GGG,IGG,IIG,NIG,NII",
+        "2",
+        "1gbit",
+        2,
+        4,
+        64,
+    )
     assert a.out_dir == "outputs/bench/compiled" and a.variants == "eager,compiled,bucketing,reorder,all"
     q = _args(["--compiled", "--quick", "--dim", "64"])
     assert (q.strategies, q.rounds, q.warmup, q.dim) == ("GGG,IIG", 2, 0, 64)
@@ -25,11 +32,25 @@ def test_compiled_defaults_and_checks():
 
 
 def _row(group, mode, tps, kind="paro", **kw):
-    return {"kind": kind, "group": group, "mode": mode, "tokens_per_s": tps, "first_s": 0.2 if mode == "eager" else 90.0,
-            "loss": 5.5, "error": None, "inter_bytes": 3 * 2**20, "link_util": 0.5,
-            "compiles": {"first_graphs": 0 if mode == "eager" else 5, "later_graphs": 0,
-                         "first_recompiles": 0 if mode == "eager" else 2, "later_recompiles": 0},
-            "timeline": {"inter_busy_fraction": 0.8, "link_busy_fraction": 0.4, "overlap_fraction": 0.1}, **kw}
+    return {
+        "kind": kind,
+        "group": group,
+        "mode": mode,
+        "tokens_per_s": tps,
+        "first_s": 0.2 if mode == "eager" else 90.0,
+        "loss": 5.5,
+        "error": None,
+        "inter_bytes": 3 * 2**20,
+        "link_util": 0.5,
+        "compiles": {
+            "first_graphs": 0 if mode == "eager" else 5,
+            "later_graphs": 0,
+            "first_recompiles": 0 if mode == "eager" else 2,
+            "later_recompiles": 0,
+        },
+        "timeline": {"inter_busy_fraction": 0.8, "link_busy_fraction": 0.4, "overlap_fraction": 0.1},
+        **kw,
+    }
 
 
 def test_table_ratios_targets_and_reasons():

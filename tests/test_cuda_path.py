@@ -88,7 +88,9 @@ def test_sharding_frees_every_original_parameter(fake_world, strategy):
     model = paro_shard(model, mesh, strategy)
     gc.collect()
     alive = [r() for r in originals if r() is not None]
-    assert not alive, f"{len(alive)} of {len(originals)} original parameters still alive, e.g. shape {tuple(alive[0].shape)}"
+    assert not alive, (
+        f"{len(alive)} of {len(originals)} original parameters still alive, e.g. shape {tuple(alive[0].shape)}"
+    )
     assert all(p.device.type == "cpu" for p in model.parameters())
 
 

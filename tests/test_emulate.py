@@ -19,7 +19,15 @@ import time
 
 import pytest
 
-from tools.emulate.emulator import UNSHAPED, Emulator, EmulatorError, list_namespaces, parse_delay, parse_rate, set_link_rate
+from tools.emulate.emulator import (
+    UNSHAPED,
+    Emulator,
+    EmulatorError,
+    list_namespaces,
+    parse_delay,
+    parse_rate,
+    set_link_rate,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -62,12 +70,19 @@ def _transfer(emu: Emulator, server_node: int, client_node: int, nbytes: int, tm
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
     host = emu.addr(server_node)
-    server = subprocess.Popen(emu.exec_argv(server_node, [sys.executable, str(script), "server", host, str(port), str(nbytes)]),
-                              stdout=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        emu.exec_argv(server_node, [sys.executable, str(script), "server", host, str(port), str(nbytes)]),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert server.stdout.readline().strip() == "ready"
-        out = subprocess.run(emu.exec_argv(client_node, [sys.executable, str(script), "client", host, str(port), str(nbytes)]),
-                             capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            emu.exec_argv(client_node, [sys.executable, str(script), "client", host, str(port), str(nbytes)]),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 0, out.stderr
         return float(out.stdout.strip())
     finally:
@@ -148,7 +163,9 @@ def test_cli_cleans_up_on_success_failure_and_sigint(tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 3 and time.time() - t0 < 20, (bad.returncode, bad.stderr)
     # Ctrl-C in the middle of a run
-    p = subprocess.Popen(base + ["--", "sh", "-c", "echo started; sleep 30"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        base + ["--", "sh", "-c", "echo started; sleep 30"], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
     assert p.stdout.readline().strip() == "started"
     p.send_signal(signal.SIGINT)
     assert p.wait(timeout=30) == 128 + signal.SIGINT

@@ -294,7 +294,11 @@ def fake_cuda_rank_sanitized(payload: dict) -> dict:
 
     from paro_fsdp.train import faults
 
-    real_mesh, real_standin, real_guard = device_mesh.init_device_mesh, standin.StandIn, faults.NonFiniteGuard.allows_step
+    real_mesh, real_standin, real_guard = (
+        device_mesh.init_device_mesh,
+        standin.StandIn,
+        faults.NonFiniteGuard.allows_step,
+    )
     mode = [0]
 
     def guard(self, *args):

@@ -45,7 +45,9 @@ def reference(device):
 
 @pytest.fixture(scope="module")
 def runs(device):
-    cases = [{"id": s, "strategy": s} for s in STRATEGIES] + [{"id": "compiled", "strategy": COMPILED, "compiled": True}]
+    cases = [{"id": s, "strategy": s} for s in STRATEGIES] + [
+        {"id": "compiled", "strategy": COMPILED, "compiled": True}
+    ]
     return sw.run_cases(device, cases)
 
 

@@ -201,7 +201,9 @@ def test_folders_import_only_downward():
     graph = import_graph(REPOSITORY)
     for depth in (1, 2):
         found = cycles(rooms(graph, depth))
-        assert found == [], f"folders importing each other (depth {depth}): " + "; ".join(" <-> ".join(c) for c in found)
+        assert found == [], f"folders importing each other (depth {depth}): " + "; ".join(
+            " <-> ".join(c) for c in found
+        )
 
 
 def test_the_engine_source_imports_no_tools_nor_train_script():

@@ -36,7 +36,13 @@ from paro_fsdp.strategy import ALL_STRATEGIES, Strategy
 from paro_fsdp.cost.cluster import AdvisorError, Cluster, GiB, load_cluster
 from paro_fsdp.cost.model import ModelSpec, custom_model, model_spec
 from paro_fsdp.dtypes import DTYPES
-from paro_fsdp.cost.predict import ACTIVATION_CHECKPOINT_MODES, NAMED_STRATEGIES, Prediction, format_table, rank_strategies
+from paro_fsdp.cost.predict import (
+    ACTIVATION_CHECKPOINT_MODES,
+    NAMED_STRATEGIES,
+    Prediction,
+    format_table,
+    rank_strategies,
+)
 
 DEFAULT_SWEEP = {"gpus": "16,32,64,128", "inter-gbps": "50,100,200,400,800,1600,3200,6400"}
 
@@ -134,7 +140,9 @@ def format_sweep(rows: list[dict[str, Any]], what: str, shown: Sequence[str]) ->
             p = r["preds"].get(s)
             cells.append(f"{'OOM' if p is None or not p.fits else f'{p.tokens_per_s / 1e3:.1f}':>8}")
         vs = f"{r['best_vs_ggg']:6.2f}x" if r["best_vs_ggg"] else "    -  "
-        lines.append(f"{r['value']:>9g} {r['inter_gbs_per_gpu']:8.3g} | " + " ".join(cells) + f" | {r['best'] or '-':>5} {vs}")
+        lines.append(
+            f"{r['value']:>9g} {r['inter_gbs_per_gpu']:8.3g} | " + " ".join(cells) + f" | {r['best'] or '-':>5} {vs}"
+        )
     return "\n".join(lines)
 
 
@@ -161,7 +169,9 @@ def plot_sweep(rows: list[dict[str, Any]], what: str, shown: Sequence[str], clus
         eq = cluster.node_gbps_equivalent(cluster.intra.bandwidth_gbs)
         for a in (ax, ax2):
             a.axvline(eq, color="tab:purple", lw=0.8, ls=":")
-        ax.text(eq, ax.get_ylim()[0], " inter = intra per GPU", color="tab:purple", fontsize=7, rotation=90, va="bottom")
+        ax.text(
+            eq, ax.get_ylim()[0], " inter = intra per GPU", color="tab:purple", fontsize=7, rotation=90, va="bottom"
+        )
     ax.set_ylabel("predicted tokens/s (all GPUs)")
     ax2.set_ylabel("best / GGG")
     ax2.set_xlabel("GPUs" if what == "gpus" else "inter-node bandwidth per node (Gb/s)")
@@ -209,8 +219,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--reduce-dtype", default=None, choices=sorted(DTYPES), help="gradient dtype (default --dtype)")
     g.add_argument("--activation-checkpoint", default="auto", choices=ACTIVATION_CHECKPOINT_MODES,
                    help="auto: per strategy, only when it does not fit without")
-    g.add_argument("--no-reshard-after-forward", action="store_true",
-                   help="blocks stay gathered from forward to backward (what the trainer needs with activation checkpointing today)")
+    g.add_argument(
+        "--no-reshard-after-forward",
+        action="store_true",
+        help="blocks stay gathered from forward to backward (what the trainer needs with activation "
+        "checkpointing today)",
+    )
     g.add_argument("--strategies", default=None, help="comma-separated subset (default: all 27)")
     g = ap.add_argument_group("cluster")
     g.add_argument("--cluster", default="a100_ib.toml", help="a TOML file or a preset of paro_fsdp/cost/clusters/")
@@ -218,8 +232,14 @@ def build_parser() -> argparse.ArgumentParser:
     g = ap.add_argument_group("output")
     g.add_argument("--plot", default=None, help="PNG path (default <out-dir>/advisor_<model>_<gpus>gpus[_sweep].png)")
     g.add_argument("--no-plot", action="store_true")
-    g.add_argument("--out-dir", default="outputs/advisor", help="folder for the plot when --plot names no path (default: outputs/advisor)")
-    g.add_argument("--sweep", choices=sorted(DEFAULT_SWEEP), default=None, help="throughput over GPU counts or inter bandwidth")
+    g.add_argument(
+        "--out-dir",
+        default="outputs/advisor",
+        help="folder for the plot when --plot names no path (default: outputs/advisor)",
+    )
+    g.add_argument(
+        "--sweep", choices=sorted(DEFAULT_SWEEP), default=None, help="throughput over GPU counts or inter bandwidth"
+    )
     g.add_argument("--values", default=None, help="sweep values, comma-separated")
     g.add_argument("--json", action="store_true", help="print the ranked predictions as JSON")
     return ap
@@ -272,13 +292,16 @@ def _run(a: argparse.Namespace) -> int:
     kw = dict(n=a.gpus, micro_batch=a.micro_batch, grad_accum=a.grad_accum, seq_len=a.seq_len, dtype=a.dtype,
               reduce_dtype=a.reduce_dtype, activation_checkpoint=a.activation_checkpoint,
               reshard_after_forward=not a.no_reshard_after_forward)
-    desc = (f"{spec.name}: {spec.psi / 1e9:.2f}B params, {spec.psi_trainable / spec.psi:.1%} trainable "
-            f"({spec.trainable_layers}/{spec.n_layers} layers{', root too' if spec.root_trainable else ''}); "
-            f"{a.micro_batch} x {a.seq_len} tokens per micro-step, A = {a.grad_accum}, {a.dtype}/{a.reduce_dtype or a.dtype}; "
-            f"cluster {cluster.name}: {cluster.gpus_per_node} GPUs/node, {cluster.memory_gib:g} GiB, "
-            f"{cluster.achieved_tflops:g} TFLOP/s achieved, intra {cluster.intra.bandwidth_gbs:g} GB/s/GPU, "
-            f"inter {cluster.inter.bandwidth_gbs:.3g} GB/s/GPU"
-            + (f" ({cluster.node_gbps:g} Gb/s/node)" if cluster.node_gbps else ""))
+    desc = (
+        f"{spec.name}: {spec.psi / 1e9:.2f}B params, {spec.psi_trainable / spec.psi:.1%} trainable "
+        f"({spec.trainable_layers}/{spec.n_layers} layers{', root too' if spec.root_trainable else ''}); "
+        f"{a.micro_batch} x {a.seq_len} tokens per micro-step, A = {a.grad_accum}, "
+        f"{a.dtype}/{a.reduce_dtype or a.dtype}; "
+        f"cluster {cluster.name}: {cluster.gpus_per_node} GPUs/node, {cluster.memory_gib:g} GiB, "
+        f"{cluster.achieved_tflops:g} TFLOP/s achieved, intra {cluster.intra.bandwidth_gbs:g} GB/s/GPU, "
+        f"inter {cluster.inter.bandwidth_gbs:.3g} GB/s/GPU"
+        + (f" ({cluster.node_gbps:g} Gb/s/node)" if cluster.node_gbps else "")
+    )
     if a.sweep:
         values = _parse_values(a.values or DEFAULT_SWEEP[a.sweep], a.sweep)
         if a.sweep == "inter-gbps" and a.values is None:  # up to where inter equals intra per GPU
@@ -314,8 +337,12 @@ def _run(a: argparse.Namespace) -> int:
     else:
         ggg = next((p for p in preds if p.strategy == "GGG"), None)
         vs = f", {ggg.step_time / best.step_time:.2f}x ZeRO-3 (GGG)" if ggg and ggg.fits else ""
-        print(f"recommended: {best.strategy} ({best.known_as}){' with activation checkpointing' if best.activation_checkpoint else ''}: "
-              f"{best.step_time:.3f} s/step, {best.tokens_per_s:,.0f} tokens/s{vs}, {best.memory['total'] / GiB:.1f} GiB per GPU")
+        print(
+            f"recommended: {best.strategy} "
+            f"({best.known_as}){' with activation checkpointing' if best.activation_checkpoint else ''}: "
+            f"{best.step_time:.3f} s/step, {best.tokens_per_s:,.0f} tokens/s{vs}, {best.memory['total'] / GiB:.1f} "
+            "GiB per GPU"
+        )
         close = [p for p in preds if p.fits and p is not best and p.step_time <= 1.01 * best.step_time]
         if close:  # a near-tie is a choice the model cannot make: show the cheapest in memory too
             lean = min(close + [best], key=lambda p: p.memory["total"])

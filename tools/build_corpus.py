@@ -83,7 +83,12 @@ def build(max_bytes: int = 1_500_000) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--max-bytes", type=int, default=1_500_000)
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "paro_fsdp" / "train" / "corpus" / "python_stdlib_docstrings.txt"))
+    parser.add_argument(
+        "--out",
+        default=str(
+            Path(__file__).resolve().parents[1] / "paro_fsdp" / "train" / "corpus" / "python_stdlib_docstrings.txt"
+        ),
+    )
     args = parser.parse_args(argv)
     text = build(args.max_bytes)
     Path(args.out).write_text(text, encoding="utf-8")

@@ -80,15 +80,27 @@ def run(args: argparse.Namespace) -> Optional[Cluster]:
     else:
         model_args = LlamaArgs(**PROBE, max_seq_len=args.seq_len)
     sizes = [float(x) for x in args.sizes_mib.split(",")] if args.sizes_mib else None
-    cluster = calibrate_in_process(mesh, model_args, args.micro_batch, args.seq_len, short_name(args.dtype), sizes, args.reps,
-                                   name=Path(args.out).stem if args.out else "calibrated")
+    cluster = calibrate_in_process(
+        mesh,
+        model_args,
+        args.micro_batch,
+        args.seq_len,
+        short_name(args.dtype),
+        sizes,
+        args.reps,
+        name=Path(args.out).stem if args.out else "calibrated",
+    )
     if dist.get_rank() == 0:
-        text = cluster_to_toml(cluster, [
-            "Measured by python -m tools.calibrate; read by python -m tools.advisor --cluster THIS_FILE.",
-            "bandwidth_gbs: ring bus bandwidth per rank (GB/s = 1e9 B/s) while every rank communicates;",
-            "latency_us: per ring step; achieved_tflops: a transformer block's forward + backward at",
-            f"dim {model_args.dim}, ffn {model_args.ffn_dim}, micro-batch {args.micro_batch} x seq {args.seq_len}, {args.dtype}.",
-        ])
+        text = cluster_to_toml(
+            cluster,
+            [
+                "Measured by python -m tools.calibrate; read by python -m tools.advisor --cluster THIS_FILE.",
+                "bandwidth_gbs: ring bus bandwidth per rank (GB/s = 1e9 B/s) while every rank communicates;",
+                "latency_us: per ring step; achieved_tflops: a transformer block's forward + backward at",
+                f"dim {model_args.dim}, ffn {model_args.ffn_dim}, micro-batch {args.micro_batch} x seq "
+                f"{args.seq_len}, {args.dtype}.",
+            ],
+        )
         if args.out:
             Path(args.out).write_text(text)
         print(_summary(cluster))
@@ -107,11 +119,19 @@ def build_parser() -> argparse.ArgumentParser:
                     help="ranks per group m (default: LOCAL_WORLD_SIZE under torchrun, nproc/2 when spawning)")
     ap.add_argument("--nproc", type=int, default=4, help="without torchrun: local gloo ranks to spawn")
     ap.add_argument("--backend", default=None, help="nccl / gloo (default: nccl when GPUs are visible)")
-    ap.add_argument("--model", default=None, help="flavor whose block shape sets achieved_tflops (default: llama7b on GPU, a small probe on CPU)")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="flavor whose block shape sets achieved_tflops (default: llama7b on GPU, a small probe on CPU)",
+    )
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    ap.add_argument("--sizes-mib", default=None, help="buffer sizes, comma-separated MiB (default 0.0625,0.5,2,8 on CPU; up to 64 on GPU)")
+    ap.add_argument(
+        "--sizes-mib",
+        default=None,
+        help="buffer sizes, comma-separated MiB (default 0.0625,0.5,2,8 on CPU; up to 64 on GPU)",
+    )
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions per size (median)")
     return ap
 

@@ -76,7 +76,13 @@ def find_chromium() -> Optional[str]:
 def render(chromium: str, url: str, screenshot: Optional[str] = None, budget_ms: int = 20000) -> str:
     """The DOM of ``url`` after its scripts ran for ``budget_ms`` of virtual time."""
     with tempfile.TemporaryDirectory() as profile:
-        base = [chromium, *FLAGS, f"--user-data-dir={profile}", "--window-size=1600,1200", f"--virtual-time-budget={budget_ms}"]
+        base = [
+            chromium,
+            *FLAGS,
+            f"--user-data-dir={profile}",
+            "--window-size=1600,1200",
+            f"--virtual-time-budget={budget_ms}",
+        ]
         dom = subprocess.run(base + ["--dump-dom", url], capture_output=True, text=True, timeout=180).stdout
         if screenshot:
             subprocess.run(base + [f"--screenshot={screenshot}", url], capture_output=True, timeout=180)
@@ -105,7 +111,9 @@ class Chromium:
         os.close(reply_w)
         self._buf, self._id = b"", 0
 
-    def send(self, method: str, params: Optional[dict] = None, session: Optional[str] = None, timeout: float = 60) -> dict:
+    def send(
+        self, method: str, params: Optional[dict] = None, session: Optional[str] = None, timeout: float = 60
+    ) -> dict:
         self._id += 1
         msg: dict[str, Any] = {"id": self._id, "method": method, "params": params or {}}
         if session:
@@ -133,7 +141,9 @@ class Chromium:
         return self.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
 
     def evaluate(self, session: str, expression: str) -> Any:
-        r = self.send("Runtime.evaluate", {"expression": expression, "returnByValue": True, "awaitPromise": True}, session)
+        r = self.send(
+            "Runtime.evaluate", {"expression": expression, "returnByValue": True, "awaitPromise": True}, session
+        )
         return r.get("result", {}).get("value")
 
     def screenshot(self, session: str, path: str) -> None:
@@ -215,7 +225,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--logdir", required=True, help="the trainer's job.dump_folder")
     ap.add_argument("--screenshot-dir", default=None)
-    ap.add_argument("--plugin-path", default=None, help="extra sys.path entries (os.pathsep-separated) for TensorBoard plugins")
+    ap.add_argument(
+        "--plugin-path", default=None, help="extra sys.path entries (os.pathsep-separated) for TensorBoard plugins"
+    )
     ap.add_argument("--budget-ms", type=int, default=20000, help="virtual time for the page's scripts")
     a = ap.parse_args(argv)
 
@@ -301,8 +313,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             # relies on HTML Imports, which current Chromium removed; the traces are plain Chrome
             # trace JSON, viewable in Perfetto or chrome://tracing, and drawn per step in the
             # Images tab (timeline/rank<r>).
-            print(f"browser: PyTorch Profiler page {'renders its overview' if rendered else 'shows its run/worker/span selectors but not its charts (needs internet Google Charts; Trace view needs HTML Imports)'}"
-                  + (f"; screenshot {shot}" if shot else ""))
+            seen = "renders its overview" if rendered else (
+                "shows its run/worker/span selectors but not its charts "
+                "(needs internet Google Charts; Trace view needs HTML Imports)")
+            print(f"browser: PyTorch Profiler page {seen}" + (f"; screenshot {shot}" if shot else ""))
         else:
             print("profiler plugin: not installed (torch-tb-profiler); traces are drawn per step in the Images tab "
                   "(timeline/rank<r>) and open in Perfetto or chrome://tracing")

@@ -76,11 +76,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(json.dumps(rows, indent=1))
         return 0
     r0 = rows[0]
-    print(f"{a.model}: Psi = {r0['psi'] / 1e9:.3f} B params, Psi' = {r0['psi_trainable'] / 1e9:.3f} B "
-          f"({r0['psi_trainable'] / r0['psi']:.1%} trainable), kept gathered fwd->bwd (root) = {r0['psi_kept'] / 1e6:.1f} M; "
-          f"n = {a.world}, m = {a.group}, A = {a.grad_accum}, P {a.dtype}, G {a.reduce_dtype or a.dtype}, OS fp32 AdamW; "
-          f"layers run: {r0.get('layers_run', '-')}")
-    print("per rank: model-state memory after the step (memory_report); bytes sent per optimizer step (comm_stats, ring cost)")
+    print(
+        f"{a.model}: Psi = {r0['psi'] / 1e9:.3f} B params, Psi' = {r0['psi_trainable'] / 1e9:.3f} B "
+        f"({r0['psi_trainable'] / r0['psi']:.1%} trainable), kept gathered fwd->bwd (root) = "
+        f"{r0['psi_kept'] / 1e6:.1f} M; "
+        f"n = {a.world}, m = {a.group}, A = {a.grad_accum}, P {a.dtype}, G {a.reduce_dtype or a.dtype}, OS fp32 AdamW; "
+        f"layers run: {r0.get('layers_run', '-')}"
+    )
+    print(
+        "per rank: model-state memory after the step (memory_report); bytes sent per optimizer step (comm_stats, "
+        "ring cost)"
+    )
     print(format_table(rows))
     print(f"(flat collectives over all ranks: {r0.get('global_bytes', 0):.3f} bytes, formula "
           f"{r0.get('formula_global_bytes', 0):.3f}; the clip's norm all-reduce is DTensor's, counted by neither)")

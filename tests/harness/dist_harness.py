@@ -25,13 +25,17 @@ def target_of(fn: Callable[[Any], Any]) -> str:
     """``"module:function"`` for a module-level function the ranks can import."""
     module = sys.modules.get(fn.__module__)
     if module is None or getattr(module, fn.__name__, None) is not fn:
-        raise ValueError(f"{fn.__qualname__} is not a top-level function of an imported module: ranks import it by name")
+        raise ValueError(
+            f"{fn.__qualname__} is not a top-level function of an imported module: ranks import it by name"
+        )
     folder = os.path.dirname(os.path.abspath(module.__file__))
     if folder not in sys.path:
         sys.path.append(folder)
     return f"{fn.__module__}:{fn.__name__}"
 
 
-def run_world(world: int, target: Union[str, Callable[[Any], Any]], payload: Any = None, timeout: float = 900) -> list[Any]:
+def run_world(
+    world: int, target: Union[str, Callable[[Any], Any]], payload: Any = None, timeout: float = 900
+) -> list[Any]:
     """``target(payload)`` on ``world`` gloo ranks; every rank's result, in rank order."""
     return run_local_world(world, target if isinstance(target, str) else target_of(target), payload, timeout)

@@ -56,7 +56,9 @@ def cases() -> dict[str, Callable[[str], bytes]]:
     out: dict[str, Callable[[str], bytes]] = {}
     for proto in range(6):
         out[f"p{proto}-GLOBAL-dotted"] = lambda s, p=proto: finish(p, reduce_call(p, global_op(*DOTTED), command(s)))
-        out[f"p{proto}-GLOBAL-posix.system"] = lambda s, p=proto: finish(p, reduce_call(p, global_op(*PLAIN), command(s)))
+        out[f"p{proto}-GLOBAL-posix.system"] = lambda s, p=proto: finish(
+            p, reduce_call(p, global_op(*PLAIN), command(s))
+        )
         # the os module itself, a plain (undotted) attribute of an allowed module
         out[f"p{proto}-GLOBAL-module-attribute"] = lambda s, p=proto: finish(p, global_op(META, "os"))
         # INST: MARK args INST module name -> module.name(*args)
@@ -67,7 +69,9 @@ def cases() -> dict[str, Callable[[str], bytes]]:
             p, global_op("torch", "Size") + _tuple1(p, reduce_call(p, global_op(*PLAIN), command(s))) + b"R")
     for proto in range(1, 6):
         # OBJ: MARK class args OBJ -> class(*args)
-        out[f"p{proto}-OBJ-dotted"] = lambda s, p=proto: finish(p, b"(" + global_op(*DOTTED) + _text(p, command(s)) + b"o")
+        out[f"p{proto}-OBJ-dotted"] = lambda s, p=proto: finish(
+            p, b"(" + global_op(*DOTTED) + _text(p, command(s)) + b"o"
+        )
     for proto in range(2, 6):
         # NEWOBJ on an allowed class whose argument would run the command
         out[f"p{proto}-NEWOBJ-allowed-class-hostile-argument"] = lambda s, p=proto: finish(

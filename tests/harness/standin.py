@@ -5,8 +5,9 @@ Why: NCCL refuses two ranks on one GPU, so on the one lent GPU nothing would mov
 between ranks, and a missing stream wait or a buffer freed early would change no number. These
 kernels replace torch's for the ``_c10d_functional`` ops the engine, DTensor and compiled graphs
 issue (``OPS``; registered with ``torch.library`` for one device's dispatch key by
-``StandIn.install``, only by the stream tests (tests/test_gpu_streams.py), never by the engine). Every result is the exact
-collective, computed by the synchronous gloo collective on host copies of the ranks' inputs, but:
+``StandIn.install``, only by the stream tests (tests/test_gpu_streams.py), never by the engine).
+Every result is the exact collective, computed by the synchronous gloo collective on host copies
+of the ranks' inputs, but:
 
 **Deferred completion (CPU and CUDA).** The op returns its output filled with poison (NaN; the
 dtype's minimum for integers; True for bool) and registers a ``dist.Work`` for it

@@ -252,7 +252,11 @@ def compare(ref: dict[str, Any], ranks: dict[int, dict[str, Any]], tol: tuple[fl
     worst = max(diffs, key=lambda k: diffs[k] if math.isfinite(diffs[k]) else math.inf, default="")
     ranks_diff = _worst([float((r["params"][k] - first["params"][k]).abs().max()) for r in ranks.values()
                          for k in first["params"]])
-    finite = all(math.isfinite(v) for v in losses + first["norms"]) and math.isfinite(param_diff) and math.isfinite(ranks_diff)
+    finite = (
+        all(math.isfinite(v) for v in losses + first["norms"])
+        and math.isfinite(param_diff)
+        and math.isfinite(ranks_diff)
+    )
     ok = finite and loss_rel <= loss_rtol and norm_rel <= norm_rtol and param_diff <= atol and ranks_diff <= atol
     return {"ok": ok, "finite": finite, "loss_rel": loss_rel, "norm_rel": norm_rel, "param_diff": param_diff,
             "worst_param": worst, "ranks_diff": ranks_diff, "losses": losses}
@@ -281,7 +285,10 @@ def planted(name: Optional[str], device: str) -> Iterator[None]:
         yield
         return
     if name not in PLANTS or (name in CUDA_ONLY and device != "cuda"):
-        raise ValueError(f"plant {name!r} on {device}: valid {', '.join(p for p in PLANTS if device == 'cuda' or p not in CUDA_ONLY)}")
+        raise ValueError(
+            f"plant {name!r} on {device}: valid "
+            f"{', '.join(p for p in PLANTS if device == 'cuda' or p not in CUDA_ONLY)}"
+        )
     from paro_fsdp import comm, paro_cc, streams
 
     with contextlib.ExitStack() as stack:

@@ -98,17 +98,34 @@ def compare(out: dict[str, Any], n: int, m: int) -> tuple[str, list[dict[str, An
             abs(got[k]["bytes"] - e["bytes"]) <= 1e-9 * max(1.0, e["bytes"]) and got[k]["count"] == e["count"]
             for k, e in expected.items())
         mem_ok = all(abs(r["memory"][k] - p.memory[k]) < 1e-6 for k in ("P", "G", "OS"))
-        rows.append({"strategy": name, "predicted_s": p.step_time, "measured_s": r["measured_s"], "median_s": r["median_s"],
-                     "ratio": r["measured_s"] / p.step_time, "compute_s": p.compute, "exposed_s": p.exposed_comm,
-                     "comm_total_s": p.comm_total, "optimizer_s": p.optimizer, "bytes_match": bytes_ok,
-                     "memory_match": mem_ok})
-    head = (f"{'strat':5} {'predicted s':>11} {'measured s':>10} {'meas/pred':>9} {'median s':>9} | {'compute':>8} {'exposed':>8} "
-            f"{'all comm':>8} {'optim':>7} | bytes  state-mem")
+        rows.append(
+            {
+                "strategy": name,
+                "predicted_s": p.step_time,
+                "measured_s": r["measured_s"],
+                "median_s": r["median_s"],
+                "ratio": r["measured_s"] / p.step_time,
+                "compute_s": p.compute,
+                "exposed_s": p.exposed_comm,
+                "comm_total_s": p.comm_total,
+                "optimizer_s": p.optimizer,
+                "bytes_match": bytes_ok,
+                "memory_match": mem_ok,
+            }
+        )
+    head = (
+        f"{'strat':5} {'predicted s':>11} {'measured s':>10} {'meas/pred':>9} {'median s':>9} | {'compute':>8} "
+        f"{'exposed':>8} "
+        f"{'all comm':>8} {'optim':>7} | bytes  state-mem"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['strategy']:5} {r['predicted_s']:11.4f} {r['measured_s']:10.4f} {r['ratio']:9.2f} {r['median_s']:9.4f} | "
-                     f"{r['compute_s']:8.4f} {r['exposed_s']:8.4f} {r['comm_total_s']:8.4f} {r['optimizer_s']:7.4f} | "
-                     f"{'equal' if r['bytes_match'] else 'DIFFER':6} {'equal' if r['memory_match'] else 'DIFFER'}")
+        lines.append(
+            f"{r['strategy']:5} {r['predicted_s']:11.4f} {r['measured_s']:10.4f} {r['ratio']:9.2f} "
+            f"{r['median_s']:9.4f} | "
+            f"{r['compute_s']:8.4f} {r['exposed_s']:8.4f} {r['comm_total_s']:8.4f} {r['optimizer_s']:7.4f} | "
+            f"{'equal' if r['bytes_match'] else 'DIFFER':6} {'equal' if r['memory_match'] else 'DIFFER'}"
+        )
     ratios = [r["ratio"] for r in rows]
     pred_order = [r["strategy"] for r in sorted(rows, key=lambda r: r["predicted_s"])]
     meas_order = [r["strategy"] for r in sorted(rows, key=lambda r: r["measured_s"])]
@@ -122,7 +139,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--group-size", type=int, default=2)
     ap.add_argument("--strategies", default=DEFAULT_STRATEGIES)
-    ap.add_argument("--steps", type=int, default=5, help="timed rounds (one optimizer step per strategy each), after a warm-up round")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=5,
+        help="timed rounds (one optimizer step per strategy each), after a warm-up round",
+    )
     ap.add_argument("--reps", type=int, default=3, help="calibration repetitions per size")
     ap.add_argument("--sizes-mib", default="0.0625,0.5,2,8")
     ap.add_argument("--out", default=None, help="also write the calibrated cluster TOML here")
@@ -135,12 +157,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     wall = time.perf_counter()
     out = run_local_world(a.nproc, "tools.bench.advisor_check:_rank_main", payload)[0]
     c = out["cluster"]
-    print(f"check model: dim {CHECK.dim}, {CHECK.n_layers} layers, ffn {CHECK.ffn_dim}, vocab {CHECK.vocab_size}, fp32; "
-          f"micro-batch {MICRO_BATCH} x {SEQ_LEN} tokens, A = {GRAD_ACCUM}; {a.nproc} gloo ranks = "
-          f"{a.nproc // a.group_size} groups x {a.group_size}")
-    print(f"calibrated in {out['calibration_s']:.1f} s: achieved {c.achieved_tflops * 1e3:.1f} GFLOP/s per rank, "
-          f"memory {c.memory_bandwidth_gbs:.2f} GB/s, overlap {c.overlap:.2f}; intra AG {c.intra.bandwidth_gbs:.3f} GB/s "
-          f"{c.intra.latency_us:.0f} us/step, inter AG {c.inter.bandwidth_gbs:.3f} GB/s {c.inter.latency_us:.0f} us/step")
+    print(
+        f"check model: dim {CHECK.dim}, {CHECK.n_layers} layers, ffn {CHECK.ffn_dim}, vocab {CHECK.vocab_size}, fp32; "
+        f"micro-batch {MICRO_BATCH} x {SEQ_LEN} tokens, A = {GRAD_ACCUM}; {a.nproc} gloo ranks = "
+        f"{a.nproc // a.group_size} groups x {a.group_size}"
+    )
+    print(
+        f"calibrated in {out['calibration_s']:.1f} s: achieved {c.achieved_tflops * 1e3:.1f} GFLOP/s per rank, "
+        f"memory {c.memory_bandwidth_gbs:.2f} GB/s, overlap {c.overlap:.2f}; intra AG {c.intra.bandwidth_gbs:.3f} GB/s "
+        f"{c.intra.latency_us:.0f} us/step, inter AG {c.inter.bandwidth_gbs:.3f} GB/s {c.inter.latency_us:.0f} us/step"
+    )
     table, _ = compare(out, a.nproc, a.group_size)
     print(table)
     if a.out:

@@ -136,8 +136,13 @@ def worker(args: argparse.Namespace) -> None:
             row = {"kind": kind, "size_mb": size_mb, "bytes": nbytes}
             for v in variants:
                 t = statistics.median(times[v])
-                row[v] = {"t": t, "busbw_gbps": nbytes * factor / t * 8 / 1e9,
-                          "tx_mib": {k: statistics.median(s[k] for s in sent[v]) / 2**20 for k in (sent[v][0] if sent[v] else {})}}
+                row[v] = {
+                    "t": t,
+                    "busbw_gbps": nbytes * factor / t * 8 / 1e9,
+                    "tx_mib": {
+                        k: statistics.median(s[k] for s in sent[v]) / 2**20 for k in (sent[v][0] if sent[v] else {})
+                    },
+                }
             if "flat" in variants and "paro" in variants:
                 row["ratio"] = row["flat"]["t"] / row["paro"]["t"]
             rows.append(row)
@@ -189,7 +194,9 @@ def driver(args: argparse.Namespace, argv: list[str]) -> int:
                    str(args.max_chunks), "--ranks-per-node", str(args.ranks_per_node)]
     results = []
     for topology in args.topologies.split(","):
-        print(f"\n== topology {topology}: {args.nodes} nodes x {args.ranks_per_node} ranks, {args.inter_rate}", flush=True)
+        print(
+            f"\n== topology {topology}: {args.nodes} nodes x {args.ranks_per_node} ranks, {args.inter_rate}", flush=True
+        )
         print(_header(args.variants.split(","), False), flush=True)
         tee = ResultTee(RESULT_TAG)
         with Emulator(args.nodes, args.ranks_per_node, args.inter_rate, args.inter_delay, topology) as emu:

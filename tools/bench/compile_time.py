@@ -165,7 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--breakdown", action="store_true", help="print rank 0's compile time per phase")
-    ap.add_argument("--no-push-graph", action="store_true", help="PaRO: leave the push to P after each optimizer step eager")
+    ap.add_argument(
+        "--no-push-graph", action="store_true", help="PaRO: leave the push to P after each optimizer step eager"
+    )
     ap.add_argument("--cold-only", action="store_true")
     ns = ap.parse_args(argv)
     variants = tuple(v for v in ns.variants.split(",") if v)

@@ -11,8 +11,13 @@ import re
 from typing import Sequence
 
 MODES = ("eager", "compiled", "bucketing", "reorder", "all")
-MODE_LABEL = {"eager": "eager", "compiled": "compiled", "bucketing": "compiled+bucketing", "reorder": "compiled+reorder",
-              "all": "compiled+all passes"}
+MODE_LABEL = {
+    "eager": "eager",
+    "compiled": "compiled",
+    "bucketing": "compiled+bucketing",
+    "reorder": "compiled+reorder",
+    "all": "compiled+all passes",
+}
 BASELINE_LABEL = {"fsdp2-zero3": "FSDP2 ZeRO-3", "fsdp2-hsdp": "FSDP2 HSDP", "fsdp2-hpz": "FSDP2 raf=m"}
 #: compiled + all passes against eager and against compiled without passes: (at least, at most)
 TARGETS = {"GGG": (1.10, 1.25), "IGG": (1.10, 1.25), "IIG": (1.00, None), "NIG": (1.00, None), "NII": (1.00, None)}
@@ -41,7 +46,9 @@ def parse_recompile(message: str) -> tuple[str, list[tuple[str, str]]]:
     that failed, its first failed guard)]); source comments and user stacks dropped."""
     lines = message.splitlines()
     head = re.match(r"Recompiling function (\S+) in (.+):(\d+)", lines[0] if lines else "")
-    where = f"{head.group(1)} ({os.path.basename(head.group(2))}:{head.group(3)})" if head else (lines[0] if lines else "?")
+    where = (
+        f"{head.group(1)} ({os.path.basename(head.group(2))}:{head.group(3)})" if head else (lines[0] if lines else "?")
+    )
     failed = []
     for line in lines[1:]:
         m = re.match(r"\s*- (\d+/\d+): (.*)", line)
@@ -94,7 +101,9 @@ def format_table(rows: list[dict], meta: dict) -> str:
             out.append(f"{label(r):<32} failed: {r['error'][:90]}")
             continue
         eager = by.get((r["group"], "eager")) if r["mode"] != "eager" else None
-        comp = by.get((r["group"], "compiled")) if r["kind"] == "paro" and r["mode"] not in ("eager", "compiled") else None
+        comp = (
+            by.get((r["group"], "compiled")) if r["kind"] == "paro" and r["mode"] not in ("eager", "compiled") else None
+        )
         c = r["compiles"]
         graphs = f"{c['first_graphs']}+{c['later_graphs']}"
         recomp = f"{c['first_recompiles']}+{c['later_recompiles']}"
@@ -119,7 +128,8 @@ def _targets(by: dict) -> list[str]:
         if not full or full.get("error") or not eager or eager.get("error"):
             continue
         ok = full["tokens_per_s"] / eager["tokens_per_s"] >= vs_eager
-        text = f"PaRO {s} compiled+all passes: {full['tokens_per_s'] / eager['tokens_per_s']:.2f}x eager (target >= {vs_eager:.2f}x)"
+        ratio = full["tokens_per_s"] / eager["tokens_per_s"]
+        text = f"PaRO {s} compiled+all passes: {ratio:.2f}x eager (target >= {vs_eager:.2f}x)"
         if vs_comp and comp and not comp.get("error"):
             ok = ok and full["tokens_per_s"] / comp["tokens_per_s"] >= vs_comp
             text += f", {full['tokens_per_s'] / comp['tokens_per_s']:.2f}x compiled (target >= {vs_comp:.2f}x)"
@@ -142,8 +152,14 @@ def write_timeline_png(path: str, rows: dict[str, list[tuple[float, float]]], du
 
     names = [r for r in ROWS if r in ("compute", "intra", "inter") or rows.get(r)]
     with_link = bool(series and series[0])
-    fig, axes = plt.subplots(2 if with_link else 1, 1, figsize=(12, 0.55 * len(names) + (3.4 if with_link else 1.6)),
-                             sharex=True, squeeze=False, gridspec_kw={"height_ratios": [len(names), 2.2] if with_link else [1]})
+    fig, axes = plt.subplots(
+        2 if with_link else 1,
+        1,
+        figsize=(12, 0.55 * len(names) + (3.4 if with_link else 1.6)),
+        sharex=True,
+        squeeze=False,
+        gridspec_kw={"height_ratios": [len(names), 2.2] if with_link else [1]},
+    )
     ax = axes[0][0]
     for y, name in enumerate(reversed(names)):
         ax.broken_barh([(a, b - a) for a, b in rows.get(name, [])], (y - 0.4, 0.8), facecolors=COLORS[name])

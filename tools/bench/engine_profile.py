@@ -138,7 +138,9 @@ def profile_runners(cfg: Any, pairs: list, steps: int) -> None:
         print(f"\n{'op (self CPU ms, one step, rank 0)':<44} {'PaRO':>9} {'#':>5} {'FSDP2':>9} {'#':>5}")
         stats = {label: {e.key: (e.self_cpu_time_total / 1e3, e.count) for e in t} for label, t in tables.items()}
         keys_op = set(stats["paro"]) | set(stats["fsdp2"])
-        top = sorted(keys_op, key=lambda k: -max(stats["paro"].get(k, (0, 0))[0], stats["fsdp2"].get(k, (0, 0))[0]))[:22]
+        top = sorted(keys_op, key=lambda k: -max(stats["paro"].get(k, (0, 0))[0], stats["fsdp2"].get(k, (0, 0))[0]))[
+            :22
+        ]
         for k in top:
             p, f = stats["paro"].get(k, (0.0, 0)), stats["fsdp2"].get(k, (0.0, 0))
             print(f"  {k[:42]:<42} {p[0]:>9.2f} {p[1]:>5} {f[0]:>9.2f} {f[1]:>5}")

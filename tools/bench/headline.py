@@ -104,9 +104,13 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
                         "leave in flight (PaRO's last push): one push in K runs exposed")
     for flag in ("dim", "layers", "heads", "kv-heads", "ffn", "vocab", "seq", "batch"):
         p.add_argument(f"--{flag}", type=int, default=None, help=f"* ({DEFAULTS[False][flag.replace('-', '_')]})")
-    p.add_argument("--model", default="llama", choices=("llama", "mlp"),
-                   help="mlp: residual Linear-GELU-Linear blocks of --dim x --ffn, --layers of them (workload.MLPStack); "
-                        "full training, fp32, no advisor")
+    p.add_argument(
+        "--model",
+        default="llama",
+        choices=("llama", "mlp"),
+        help="mlp: residual Linear-GELU-Linear blocks of --dim x --ffn, --layers of them (workload.MLPStack); "
+        "full training, fp32, no advisor",
+    )
     p.add_argument("--dtype", default="fp32", choices=DTYPES,
                    help="parameter / gradient dtype (fp32 master weights and optimizer states either way)")
     p.add_argument("--trainable", type=float, default=1.0,

@@ -91,9 +91,11 @@ def format_report(rows: list[dict], meta: dict, budget_mib: float | None) -> str
                 bp = max(fit_p, key=lambda r: r["tokens_per_s"])
                 bb = max(fit_b, key=lambda r: r["tokens_per_s"])
                 verdict = "beats" if bp["tokens_per_s"] > bb["tokens_per_s"] else "does NOT beat"
-                out.append(f"budget {budget / mib:.2f} MiB/rank: best PaRO {bp['name']} ({bp['tokens_per_s']:.0f} tok/s) "
-                           f"{verdict} best baseline {_label(bb)} ({bb['tokens_per_s']:.0f} tok/s): "
-                           f"{bp['tokens_per_s'] / bb['tokens_per_s']:.2f}x")
+                out.append(
+                    f"budget {budget / mib:.2f} MiB/rank: best PaRO {bp['name']} ({bp['tokens_per_s']:.0f} tok/s) "
+                    f"{verdict} best baseline {_label(bb)} ({bb['tokens_per_s']:.0f} tok/s): "
+                    f"{bp['tokens_per_s'] / bb['tokens_per_s']:.2f}x"
+                )
         for r in ok:
             target = LIMIT_TARGETS.get(r["name"]) if r["kind"] == "paro" else None
             if target and limit_of(r):

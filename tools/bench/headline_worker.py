@@ -270,13 +270,26 @@ def worker(args: argparse.Namespace) -> None:
             rows.append(row)
     if rank == 0:
         ref = make_model()
-        meta = {"n": n, "m": m, "topology": os.environ.get("PARO_EMU_TOPOLOGY", "none"),
-                "rate": os.environ.get("PARO_EMU_RATE", "?"), "params": sum(p.numel() for p in ref.parameters()),
-                "trainable_params": sum(p.numel() for p in trainable(ref)), "dtype": args.dtype, "model_kind": args.model,
-                "model": vars(args) | {}, "calibrate_s": t_cal, "run_s": t_run,
-                "cluster": None if cluster is None else {"intra_gbs": cluster.intra.bandwidth_gbs,
-                                                          "inter_gbs": cluster.inter.bandwidth_gbs,
-                                                          "tflops": cluster.achieved_tflops}}
+        meta = {
+            "n": n,
+            "m": m,
+            "topology": os.environ.get("PARO_EMU_TOPOLOGY", "none"),
+            "rate": os.environ.get("PARO_EMU_RATE", "?"),
+            "params": sum(p.numel() for p in ref.parameters()),
+            "trainable_params": sum(p.numel() for p in trainable(ref)),
+            "dtype": args.dtype,
+            "model_kind": args.model,
+            "model": vars(args) | {},
+            "calibrate_s": t_cal,
+            "run_s": t_run,
+            "cluster": None
+            if cluster is None
+            else {
+                "intra_gbs": cluster.intra.bandwidth_gbs,
+                "inter_gbs": cluster.inter.bandwidth_gbs,
+                "tflops": cluster.achieved_tflops,
+            },
+        }
         print(format_report(rows, meta, args.budget_mib), flush=True)
         print(RESULT_TAG + json.dumps({"meta": meta, "rows": rows}), flush=True)
     dist.barrier()

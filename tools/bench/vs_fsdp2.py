@@ -153,7 +153,9 @@ def build_pairs(cfg: BenchConfig) -> list[Pair]:
     mesh2d = init_device_mesh("cpu", (WORLD // GROUP, GROUP), mesh_dim_names=("dp_replicate", "dp_shard"))
     pairs = []
     for accum in cfg.accums:
-        pairs.append(Pair("GGG vs FSDP2 ZeRO-3", accum, paro_runner(cfg, "GGG", accum), fsdp2_runner(cfg, mesh1d, accum)))
+        pairs.append(
+            Pair("GGG vs FSDP2 ZeRO-3", accum, paro_runner(cfg, "GGG", accum), fsdp2_runner(cfg, mesh1d, accum))
+        )
         pairs.append(Pair("III vs FSDP2 HSDP", accum, paro_runner(cfg, "III", accum), fsdp2_runner(cfg, mesh2d, accum)))
     return pairs
 
@@ -185,12 +187,15 @@ def report(pairs: list[Pair], cfg: BenchConfig, wall: float) -> None:
           f"vocab={a.vocab_size} ({n_params / 1e6:.2f}M params), micro-batch {cfg.batch}x{cfg.seq} per rank, "
           f"{WORLD} gloo ranks, mesh {WORLD // GROUP}x{GROUP}, fp32, 1 thread/rank")
     print(f"timing: median over {cfg.rounds} interleaved steps after {cfg.warmup} warmup, max over ranks\n")
-    head = f"{'config':<22} {'A':>2} {'PaRO ms':>9} {'FSDP2 ms':>9} {'ratio':>6}  {'loss PaRO':>10} {'loss FSDP2':>10} {'max|dloss|':>10}"
+    head = (f"{'config':<22} {'A':>2} {'PaRO ms':>9} {'FSDP2 ms':>9} {'ratio':>6}  "
+            f"{'loss PaRO':>10} {'loss FSDP2':>10} {'max|dloss|':>10}")
     print(head)
     print("-" * len(head))
     for config, accum, tp, tf, ratio, lp, lf, dmax in rows:
         flag = "" if ratio <= 1.10 else "  > 1.10x"
-        print(f"{config:<22} {accum:>2} {tp:>9.1f} {tf:>9.1f} {ratio:>6.3f}  {lp:>10.6f} {lf:>10.6f} {dmax:>10.2e}{flag}")
+        print(
+            f"{config:<22} {accum:>2} {tp:>9.1f} {tf:>9.1f} {ratio:>6.3f}  {lp:>10.6f} {lf:>10.6f} {dmax:>10.2e}{flag}"
+        )
     print(f"\nbench wall time (rank 0, after process-group init): {wall:.1f} s")
 
 

@@ -208,7 +208,9 @@ class ResultTee(io.RawIOBase):
     def tagged(self) -> list[str]:
         """The payloads (after the tag) of every tagged line, in order."""
         n = len(self.tag)
-        return [line[n:] for line in self.buf.decode(errors="replace").splitlines() if line.startswith(self.tag.decode())]
+        return [
+            line[n:] for line in self.buf.decode(errors="replace").splitlines() if line.startswith(self.tag.decode())
+        ]
 
 
 def worker_or_driver(argv: list[str] | None, parse: Callable[[list[str]], Any], worker: Callable[[Any], None],

@@ -128,6 +128,8 @@ def version_check(torch_version: str, cuda_version: Optional[str], supported: tu
     return {"ok": inside and cuda_ok, "why": why, "range": f"{lo[0]}.{lo[1]}..{hi[0]}.{hi[1]}"}
 
 
-def check(part: str, cid: str, name: str, status: str, measured: str = "", limit: str = "", **data: Any) -> dict[str, Any]:
+def check(
+    part: str, cid: str, name: str, status: str, measured: str = "", limit: str = "", **data: Any
+) -> dict[str, Any]:
     """One row of the table (and of the JSON)."""
     return {"part": part, "id": cid, "name": name, "status": status, "measured": measured, "limit": limit, "data": data}

@@ -95,7 +95,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                     f"mode, reserved memory); default {','.join(PARTS)}")
     ap.add_argument("--workdir", default=str(REPO / "outputs" / "gpu_check"),
                     help="logs, trainer outputs and per-part results (default: outputs/gpu_check)")
-    ap.add_argument("--dry-run", action="store_true", help="print the plan and its commands, run nothing (no GPU needed)")
+    ap.add_argument(
+        "--dry-run", action="store_true", help="print the plan and its commands, run nothing (no GPU needed)"
+    )
     ap.add_argument("--peak-tflops", type=float, default=None, help="the GPU's dense bf16 peak TFLOP/s for MFU "
                     "(default: by device name; H100/H200 989)")
     ap.add_argument("--c-layers", type=int, default=None, help="layers of part (c)'s model (default 16: ~1B)")

@@ -85,9 +85,12 @@ class MemoryMeter:
                 torch.cuda.reset_peak_memory_stats()
                 yield
                 torch.cuda.synchronize()
-                meter.phases[name] = {"start": start, "peak": torch.cuda.max_memory_allocated() - meter._base,
-                                      "end": torch.cuda.memory_allocated() - meter._base,
-                                      "reserved": float(torch.cuda.max_memory_reserved())}  # absolute, the allocator's pool
+                meter.phases[name] = {
+                    "start": start,
+                    "peak": torch.cuda.max_memory_allocated() - meter._base,
+                    "end": torch.cuda.memory_allocated() - meter._base,
+                    "reserved": float(torch.cuda.max_memory_reserved()),
+                }  # absolute, the allocator's pool
             else:
                 with torch.profiler.record_function(f"gpu_check::{name}"):
                     yield
@@ -158,7 +161,9 @@ def unsharded_working_set(args: Any, batch: int, seq: int, device: str, dtype: A
     return {"working_set": peak, "param_bytes": float(params), "activations_and_temporaries": peak - params}
 
 
-def memory_case(mesh: Any, device: str, strategy: str, args: Any, batch: int, seq: int, working_set: float) -> dict[str, Any]:
+def memory_case(
+    mesh: Any, device: str, strategy: str, args: Any, batch: int, seq: int, working_set: float
+) -> dict[str, Any]:
     """Peak allocated bytes of the second training step of ``strategy`` (bf16 P and G, fused
     AdamW over ``model.parameters()``, torch's ``clip_grad_norm_``) against ``expected_peak`` of
     its ``memory_report``."""
@@ -167,7 +172,10 @@ def memory_case(mesh: Any, device: str, strategy: str, args: Any, batch: int, se
     from paro_fsdp import MixedPrecision, paro_shard
     from paro_fsdp.models.llama import Llama
 
-    tokens = [torch.randint(0, args.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    tokens = [
+        torch.randint(0, args.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(i))
+        for i in range(2)
+    ]
     with MemoryMeter(device) as meter:
         with meter.phase("build"):
             with torch.device("meta"):
@@ -195,9 +203,19 @@ def memory_case(mesh: Any, device: str, strategy: str, args: Any, batch: int, se
     ph = meter.phases
     exp = expected_peak(report, working_set)
     within = memory_within(ph["step2"]["peak"], exp["expected"])
-    del model, opt
+    model = opt = None  # freed before empty_cache (the closure above holds them too)
     if device == "cuda":
         torch.cuda.empty_cache()
-    return {"strategy": strategy, "report": report, "resident": ph["step2"]["start"], "peak": ph["step2"]["peak"],
-            "peak_step1": ph["step1"]["peak"], "build_peak": ph["build"]["peak"], "reserved": ph["step2"].get("reserved"),
-            "g_held": float(g_held), "resident_states": float(report["P"] + report["OS"] + g_held), **exp, **within}
+    return {
+        "strategy": strategy,
+        "report": report,
+        "resident": ph["step2"]["start"],
+        "peak": ph["step2"]["peak"],
+        "peak_step1": ph["step1"]["peak"],
+        "build_peak": ph["build"]["peak"],
+        "reserved": ph["step2"].get("reserved"),
+        "g_held": float(g_held),
+        "resident_states": float(report["P"] + report["OS"] + g_held),
+        **exp,
+        **within,
+    }

@@ -38,13 +38,18 @@ def render_details(checks: list[dict[str, Any]]) -> str:
     for c in checks:
         d = c.get("data") or {}
         if isinstance(d.get("report"), dict):
-            out.append(f"{c['id']} memory_report: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in d["report"].items())
-                       + f"; measured peak {fmt_bytes(d.get('peak', 0))}, resident after a step {fmt_bytes(d.get('resident', 0))}")
+            out.append(
+                f"{c['id']} memory_report: "
+                + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in d["report"].items())
+                + f"; measured peak {fmt_bytes(d.get('peak', 0))}, "
+                f"resident after a step {fmt_bytes(d.get('resident', 0))}"
+            )
     tput = [c for c in checks if c["part"] == "c" and "tokens_per_s" in (c.get("data") or {})]
     if tput:
         if out:
             out.append("")
-        out.append(f"{'variant':<22}{'tok/s':>10}{'ms/step':>9}{'MFU':>7}{'vs FSDP2 eager':>16}{'1st step s':>12}{'peak mem':>12}")
+        out.append(f"{'variant':<22}{'tok/s':>10}{'ms/step':>9}{'MFU':>7}{'vs FSDP2 eager':>16}"
+                   f"{'1st step s':>12}{'peak mem':>12}")
         for c in tput:
             d = c["data"]
             m = f"{100 * d['mfu']:.1f}%" if d.get("mfu") is not None else "n/a"

@@ -44,5 +44,13 @@ def pytest_runtest_logreport(report: Any) -> None:
 def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
     if _emit is not None:
         ok = int(exitstatus) == 0
-        _emit(check(_part, f"{_part}.tests", "pytest: the session", PASS if ok else FAIL,
-                    f"{session.testscollected} tests, {session.testsfailed} failed" + ("" if ok else f", exit {int(exitstatus)}")))
+        _emit(
+            check(
+                _part,
+                f"{_part}.tests",
+                "pytest: the session",
+                PASS if ok else FAIL,
+                f"{session.testscollected} tests, {session.testsfailed} failed"
+                + ("" if ok else f", exit {int(exitstatus)}"),
+            )
+        )

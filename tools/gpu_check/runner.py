@@ -52,8 +52,14 @@ def version_row(device: str) -> dict[str, Any]:
     try:
         from paro_fsdp._compat import SUPPORTED_TORCH
     except Exception as exc:  # noqa: BLE001 - the row says why
-        return check("v", "v.torch", name, FAIL, f"{measured}; paro_fsdp does not import: {type(exc).__name__}: {exc}"[:300],
-                     "paro_fsdp._compat.SUPPORTED_TORCH")
+        return check(
+            "v",
+            "v.torch",
+            name,
+            FAIL,
+            f"{measured}; paro_fsdp does not import: {type(exc).__name__}: {exc}"[:300],
+            "paro_fsdp._compat.SUPPORTED_TORCH",
+        )
     v = version_check(torch.__version__, cuda, SUPPORTED_TORCH, device)
     return check("v", "v.torch", name, PASS if v["ok"] else FAIL, measured + (f"; {v['why']}" if v["why"] else ""),
                  f"torch {v.get('range', '?')}" + (", a CUDA build" if device == "cuda" else ""))
@@ -121,7 +127,9 @@ def _run_phases(phases: list[list[PartPlan]], workdir: Path, env: dict[str, str]
             result.unlink(missing_ok=True)
             log_path = workdir / f"{p.key}.log"
             log = open(log_path, "w", encoding="utf-8")
-            proc = subprocess.Popen(p.worker, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            proc = subprocess.Popen(
+                p.worker, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
             running[p.key] = (p, proc, time.monotonic(), log_path, log)
             print(f"({p.key}) started: {p.title} (timeout {p.timeout_s} s, log {log_path})", flush=True)
         while running:

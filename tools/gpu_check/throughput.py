@@ -105,7 +105,11 @@ def worker_c(emit: Emitter, device_type: str, layers: Optional[int], peak_tflops
             from paro_fsdp.traced import compile_push
 
             cfg = JobConfig()
-            cfg.compile.enable, cfg.compile.scope, cfg.job.dump_folder = True, "blocks", str(REPO / "outputs" / "gpu_check")
+            cfg.compile.enable, cfg.compile.scope, cfg.job.dump_folder = (
+                True,
+                "blocks",
+                str(REPO / "outputs" / "gpu_check"),
+            )
             passes.install_for(model, cfg.compile, cfg.job.dump_folder)
             apply_compile(model, cfg)
             compile_push(model)  # the refresh of the working copies after each step as one graph
@@ -199,7 +203,21 @@ def worker_c(emit: Emitter, device_type: str, layers: Optional[int], peak_tflops
                 + ("" if finite else "; non-finite loss")
                 + ("" if same_start["ok"] else f"; first loss {first:.4f} vs FSDP2 {ref_first:.4f}")
                 + ("" if base.get("losses") else "; no FSDP2 eager reference"))
-        emit(check("c", f"c.{vid}", title, PASS if ok else FAIL, text, "runs; first loss = FSDP2's (rel 1e-2)",
-                   ratio_vs_fsdp2_eager=ratio, n_params=n_params, n_layers=args.n_layers, tokens_per_step=tokens_per_step,
-                   flops_per_token=fpt, peak_flops=peak, **r))
+        emit(
+            check(
+                "c",
+                f"c.{vid}",
+                title,
+                PASS if ok else FAIL,
+                text,
+                "runs; first loss = FSDP2's (rel 1e-2)",
+                ratio_vs_fsdp2_eager=ratio,
+                n_params=n_params,
+                n_layers=args.n_layers,
+                tokens_per_step=tokens_per_step,
+                flops_per_token=fpt,
+                peak_flops=peak,
+                **r,
+            )
+        )
     dist.destroy_process_group()

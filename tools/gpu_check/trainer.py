@@ -76,16 +76,31 @@ def worker_a(emit: Emitter, device: str, workdir: Path) -> None:
             text = why or (f"max rel diff {cmp['max_rel']:.1e} over {cmp['steps']} steps (step {cmp['worst_step']}); "
                            f"loss {gpu.get(1, float('nan')):.4f} -> {gpu.get(A_STEPS, float('nan')):.4f}"
                            + (f"; missing steps {cmp['missing']}" if cmp["missing"] else ""))
-            emit(check("a", "a.fp32", f"fp32 losses NCCL = gloo CPU ({A_STEPS} steps)", PASS if ok else FAIL, text,
-                       f"rel <= {LOSS_RTOL:g}", compare=cmp, gloo=ref, nccl=gpu, runs={k: done[k] for k in ("fp32_gloo", "fp32_nccl")}))
+            emit(
+                check(
+                    "a",
+                    "a.fp32",
+                    f"fp32 losses NCCL = gloo CPU ({A_STEPS} steps)",
+                    PASS if ok else FAIL,
+                    text,
+                    f"rel <= {LOSS_RTOL:g}",
+                    compare=cmp,
+                    gloo=ref,
+                    nccl=gpu,
+                    runs={k: done[k] for k in ("fp32_gloo", "fp32_nccl")},
+                )
+            )
         if "a.bf16" not in emitted and "bf16_nccl" in done:
             emitted.add("a.bf16")
             why = failed("bf16_nccl")
             got = losses("bf16_nccl")
             fall = loss_falls(got)
             ok = why is None and fall["ok"] and len(got) == A_STEPS
-            text = why or (f"loss {fall['first']:.4f} -> {fall['last']:.4f} (mean of first / last 3 of {len(got)} steps)"
-                           if fall["first"] is not None else fall["why"])
+            text = why or (
+                f"loss {fall['first']:.4f} -> {fall['last']:.4f} (mean of first / last 3 of {len(got)} steps)"
+                if fall["first"] is not None
+                else fall["why"]
+            )
             emit(check("a", "a.bf16", "bf16 params + grads train (loss falls)", PASS if ok else FAIL, text,
                        "falls >= 5%, all finite", falls=fall, losses=got, run=done["bf16_nccl"]))
         if "a.compile" not in emitted and {"compile_nccl", "fp32_nccl"} <= done.keys():
@@ -107,8 +122,10 @@ def worker_a(emit: Emitter, device: str, workdir: Path) -> None:
             cmp = compare_losses(first, resumed, LOSS_RTOL, steps=steps)
             extra = sorted(set(resumed) - set(steps))
             ok = why is None and cmp["ok"] and not extra
-            text = why or (f"steps {min(resumed, default=0)}..{max(resumed, default=0)}: max rel diff {cmp['max_rel']:.1e}"
-                           + (f"; unexpected steps {extra} (did not resume?)" if extra else ""))
+            text = why or (
+                f"steps {min(resumed, default=0)}..{max(resumed, default=0)}: max rel diff {cmp['max_rel']:.1e}"
+                + (f"; unexpected steps {extra} (did not resume?)" if extra else "")
+            )
             emit(check("a", "a.resume", f"resume from step {A_RESUME_FROM} reproduces {A_RESUME_FROM + 1}..{A_STEPS}",
                        PASS if ok else FAIL, text, f"rel <= {LOSS_RTOL:g}", compare=cmp, resumed=resumed,
                        run=done["resume_nccl"]))
