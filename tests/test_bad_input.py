@@ -49,7 +49,9 @@ def files(tmp_path_factory) -> dict[str, str]:
     (root / "tiny.txt").write_text("hi")
     (root / "broken.jsonl").write_text('{"text": "ok"}\n{"text": \n')
     (root / "config.toml").write_text("[training]\nstep = 10\n")
-    return {k: str(root / k) for k in ("empty", "notes", "tiny.txt", "broken.jsonl", "config.toml")} | {"root": str(root)}
+    return {k: str(root / k) for k in ("empty", "notes", "tiny.txt", "broken.jsonl", "config.toml")} | {
+        "root": str(root)
+    }
 
 
 def test_every_bad_input_is_one_line(files, capsys, fresh_env):

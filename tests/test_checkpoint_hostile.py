@@ -35,8 +35,13 @@ OPCODE = {"GLOBAL": "GLOBAL", "STACK_GLOBAL": "STACK_GLOBAL", "INST": "INST", "O
 
 
 def _states() -> dict:
-    return {"optimizer": {"master": {"w": torch.arange(6.0).reshape(2, 3)}, "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95)}]},
-            "train_state": {"step": 2}}
+    return {
+        "optimizer": {
+            "master": {"w": torch.arange(6.0).reshape(2, 3)},
+            "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95)}],
+        },
+        "train_state": {"step": 2},
+    }
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +145,9 @@ def test_a_storage_entry_outside_the_folder_is_refused(sound, tmp_path):
     for info in metadata.storage_data.values():
         info.relative_path = "../../elsewhere/__0_0.distcp"
     folder = _hostile(sound, tmp_path, pickle.dumps(metadata, protocol=4))
-    with pytest.raises(CheckpointError, match=r"storage entry '\.\./\.\./elsewhere/__0_0\.distcp' lies outside the checkpoint folder"):
+    with pytest.raises(
+        CheckpointError, match=r"storage entry '\.\./\.\./elsewhere/__0_0\.distcp' lies outside the checkpoint folder"
+    ):
         SafeReader(folder).read_metadata()
 
 
@@ -159,7 +166,9 @@ def test_values_are_deserialised_with_weights_only_and_nothing_else(sound, monke
     state["optimizer"]["param_groups"] = [{"lr": 0.0, "betas": (0.0, 0.0)}]
     state["train_state"]["step"] = 0
     safe_load(state, sound)
-    assert state["optimizer"]["param_groups"] == [{"lr": 1e-3, "betas": (0.9, 0.95)}] and state["train_state"]["step"] == 2
+    assert (
+        state["optimizer"]["param_groups"] == [{"lr": 1e-3, "betas": (0.9, 0.95)}] and state["train_state"]["step"] == 2
+    )
     assert calls and all(c is True for c in calls), calls
 
 

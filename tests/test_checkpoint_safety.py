@@ -3,7 +3,6 @@ unpickler, and the project never calls one (single process, no distributed world
 from __future__ import annotations
 
 import ast
-import os
 import pickle
 from pathlib import Path
 
@@ -53,21 +52,44 @@ def test_crafted_value_is_refused_unrun(tmp_path):
 
 
 def test_plain_values_and_metadata_still_load(tmp_path):
-    saved = {"w": torch.arange(4.0), "meta": {"step": 7, "betas": (0.9, 0.95), "names": ["a"]}, "rng": torch.get_rng_state()}
+    saved = {
+        "w": torch.arange(4.0),
+        "meta": {"step": 7, "betas": (0.9, 0.95), "names": ["a"]},
+        "rng": torch.get_rng_state(),
+    }
     dcp.save(saved, checkpoint_id=str(tmp_path))
-    state = {"w": torch.zeros(4), "meta": {"step": 0, "betas": (0.0, 0.0), "names": []}, "rng": torch.zeros_like(saved["rng"])}
+    state = {
+        "w": torch.zeros(4),
+        "meta": {"step": 0, "betas": (0.0, 0.0), "names": []},
+        "rng": torch.zeros_like(saved["rng"]),
+    }
     dcp.load(state, storage_reader=SafeReader(str(tmp_path)), planner=SafeLoadPlanner())
-    assert torch.equal(state["w"], saved["w"]) and state["meta"] == saved["meta"] and torch.equal(state["rng"], saved["rng"])
+    assert (
+        torch.equal(state["w"], saved["w"])
+        and state["meta"] == saved["meta"]
+        and torch.equal(state["rng"], saved["rng"])
+    )
 
 
 def test_shape_problem_names_what_differs(tmp_path):
-    big = {"optimizer": {"master": {"layers.0.w": torch.ones(2, 3), "layers.1.w": torch.ones(2, 3), "out.w": torch.ones(5, 3)}}}
+    big = {
+        "optimizer": {
+            "master": {"layers.0.w": torch.ones(2, 3), "layers.1.w": torch.ones(2, 3), "out.w": torch.ones(5, 3)}
+        }
+    }
     dcp.save(big, checkpoint_id=str(tmp_path))
     meta = SafeReader(str(tmp_path)).read_metadata()
     assert shape_problem(meta, big) is None
     small = {"optimizer": {"master": {"layers.0.w": torch.ones(2, 3), "out.w": torch.ones(5, 3)}}}
-    assert shape_problem(meta, small) == "it holds 1 tensors this model lacks, e.g. optimizer.master.layers.1.w (a larger model)"
-    wide = {"optimizer": {"master": {"layers.0.w": torch.ones(2, 4), "layers.1.w": torch.ones(2, 3), "out.w": torch.ones(5, 3)}}}
+    assert (
+        shape_problem(meta, small)
+        == "it holds 1 tensors this model lacks, e.g. optimizer.master.layers.1.w (a larger model)"
+    )
+    wide = {
+        "optimizer": {
+            "master": {"layers.0.w": torch.ones(2, 4), "layers.1.w": torch.ones(2, 3), "out.w": torch.ones(5, 3)}
+        }
+    }
     assert shape_problem(meta, wide) == "optimizer.master.layers.0.w is [2, 3] there, [2, 4] here"
     vocab = {"optimizer": {"master": {**big["optimizer"]["master"], "x.output.weight": torch.ones(7, 3)}}}
     assert "it has no tensor optimizer.master.x.output.weight" in shape_problem(meta, vocab)
@@ -132,7 +154,12 @@ def test_every_checkpoint_load_goes_through_safe_load():
 def test_a_full_disk_is_named_whichever_rank_saw_it():
     """A full disk reaches one rank as ENOSPC and another as torch's zip writer's short-write
     check; the save error names the disk, not the zip writer (seen on a CI machine)."""
-    exc = CheckpointException("save", {0: (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"), None),
-                                      1: (OSError(28, "No space left on device"), None)})
+    exc = CheckpointException(
+        "save",
+        {
+            0: (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"), None),
+            1: (OSError(28, "No space left on device"), None),
+        },
+    )
     assert first_line(exc).startswith("rank 0: RuntimeError: ")
     assert first_line(exc, prefer=OSError) == "rank 1: OSError: [Errno 28] No space left on device"

@@ -34,13 +34,17 @@ def order_cases(payload: dict) -> dict:
             call(batch(rank, 0, 0)).loss.backward()
             opt.step()
             opt.zero_grad()
-        check = CollectiveOrderCheck(group_dims(model.paro_mesh_groups(), dist.group.WORLD.group_name), "step 2", group=check_group)
+        check = CollectiveOrderCheck(
+            group_dims(model.paro_mesh_groups(), dist.group.WORLD.group_name), "step 2", group=check_group
+        )
         try:
             with check:
                 loss = call(batch(rank, 1, 0)).loss
                 loss.backward()
                 if plant == "extra" and rank == 3:  # one rank reduces something the others do not
-                    torch.ops._c10d_functional.all_reduce(torch.ones(3), "sum", model.paro_mesh_groups().group_names["intra"])
+                    torch.ops._c10d_functional.all_reduce(
+                        torch.ones(3), "sum", model.paro_mesh_groups().group_names["intra"]
+                    )
                 if plant == "shape" and rank == 2:
                     model._paro_state.comm.all_gather(torch.ones(5), "intra")
                 clip(model, 1.0)
@@ -84,5 +88,7 @@ def test_a_rank_that_differs_stops_every_rank_in_one_line(results, name, culprit
     for rank, r in enumerate(results):
         status, text = r[name]
         assert status == "error", (rank, text)
-        assert "\n" not in text and f"rank {culprit} issues {what}" in text and "stopped before it could hang" in text, text
+        assert (
+            "\n" not in text and f"rank {culprit} issues {what}" in text and "stopped before it could hang" in text
+        ), text
     assert len({r[name] for r in results}) == 1  # the same line everywhere

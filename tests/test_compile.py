@@ -23,7 +23,6 @@ from dist_harness import run_world
 from paro_fsdp import ALL_STRATEGIES, paro_shard
 from paro_fsdp._compat import G_N_BOUNDARY_GRAPH_FALLS_BACK
 from paro_fsdp.models.llama import LlamaArgs
-from passes.graph import collectives
 from paro_fsdp.train.estimate import fake_mesh, release_fake_world
 from workloads import ODD, TINY, batch, make_model, reference
 
@@ -140,7 +139,9 @@ def _g_n_falls_back(strategy: str, boundary_in_graph: bool) -> bool:
 def test_last_micro_step_reduces_to_the_os_level_inside_backward(mesh, strategy):
     record, model = compile_step(mesh, strategy, last=True)
     if _g_n_falls_back(strategy, True):  # torch 2.14 runs that frame eagerly; fails once torch fixes it
-        assert dict(counters["graph_break"]), "torch fixed the G = N boundary graph: drop _compat.G_N_BOUNDARY_GRAPH_FALLS_BACK"
+        assert dict(counters["graph_break"]), (
+            "torch fixed the G = N boundary graph: drop _compat.G_N_BOUNDARY_GRAPH_FALLS_BACK"
+        )
         return
     assert dict(counters["graph_break"]) == {}
     blocks = len(model._paro_state.blocks)
@@ -148,7 +149,9 @@ def test_last_micro_step_reduces_to_the_os_level_inside_backward(mesh, strategy)
     expect = _merged(_each("reduce_scatter", strategy[1], blocks), _each("all_gather", strategy[0], blocks - 1))
     assert totals(record, "forward", "before") == _each("all_gather", strategy[0], blocks)
     # ... and, per block, the boundary's
-    assert totals(record, "backward", "before") == _merged(expect, {k: v * blocks for k, v in BOUNDARY[strategy].items()})
+    assert totals(record, "backward", "before") == _merged(
+        expect, {k: v * blocks for k, v in BOUNDARY[strategy].items()}
+    )
     # the graph's result reached the parameters' .grad: nothing is left at the G level
     assert all(g.grads.name == "EMPTY" for g in model._paro_state.groups if g.trainable)
     assert all(p.grad is not None and p.grad.shape == p.shape and p.grad.placements == p.placements
@@ -160,7 +163,8 @@ PUSH = {
     "IIG": {"all_gather/inter": 1},  # OS = G -> P = I
     "NII": {"all_gather/intra": 1},  # OS = I -> P = N
     "NNG": {"all_gather/inter": 1, "all_gather/intra": 1},  # OS = G -> P = N: PaRO-CC
-    "GGG": {},  # fp32 P = OS: one storage, nothing to push (P = G from OS = I is a slice, OS = N a slice of whole tensors)
+    # fp32 P = OS: one storage, nothing to push (P = G from OS = I is a slice, OS = N a slice of whole tensors)
+    "GGG": {},
 }
 
 
@@ -275,7 +279,10 @@ def test_global_collectives_follow_the_engines_paro_cc_chunking(mesh):
         _merged(totals(record, "forward", what="bytes"), totals(record, "backward", what="bytes"))
     # below the model's flat_below_bytes each is one flat collective over all 8 ranks, as in eager
     flat, _ = compile_step(mesh, "GGG", [], flat_below_bytes=1 << 30)
-    assert _merged(totals(flat, "forward"), totals(flat, "backward")) == {"all_gather/global": 5, "reduce_scatter/global": 3}
+    assert _merged(totals(flat, "forward"), totals(flat, "backward")) == {
+        "all_gather/global": 5,
+        "reduce_scatter/global": 3,
+    }
     fwd, bwd = _eager_bytes(mesh, "GGG", flat_below_bytes=1 << 30)
     for phase, eager in (("forward", fwd), ("backward", bwd)):
         assert {k: v * 7 / 8 for k, v in totals(flat, phase, what="bytes").items()} == pytest.approx(eager)
@@ -310,11 +317,17 @@ def test_uneven_layout_indices_are_graph_inputs_on_the_device(device):
         graphs.append(gm)
         return make_boxed_func(gm.forward)
 
-    args = [torch.randn(n, device=device) for n in (info.n * lay.sum_g, info.m * lay.sum_i, lay.sum_i, info.g * lay.sum_g)]
+    args = [
+        torch.randn(n, device=device) for n in (info.n * lay.sum_g, info.m * lay.sum_i, lay.sum_i, info.g * lay.sum_g)
+    ]
     torch._dynamo.reset()
     got = torch.compile(_uneven_moves, backend=aot_autograd(fw_compiler=capture), fullgraph=True)(lay, *args)
     nodes = list(graphs[0].graph.nodes)
-    made = [n.format_node() for n in nodes if n.op == "call_function" and getattr(n.meta.get("val"), "dtype", None) == torch.int64]
+    made = [
+        n.format_node()
+        for n in nodes
+        if n.op == "call_function" and getattr(n.meta.get("val"), "dtype", None) == torch.int64
+    ]
     assert made == []  # no index built or copied in the graph
     assert all(n.meta["val"].device == torch.device(device) for n in nodes if n.op == "placeholder")
     if device == "cpu":
@@ -335,7 +348,10 @@ def test_bucketing_pass_merges_groups_of_a_block(mesh):
     assert totals(record, "forward") == {"all_gather/intra": 1 + layers}
     # backward: both groups' gathers are recomputed (reshard after forward; the root stays
     # gathered), and the reductions and recomputed gathers of both groups merge per block
-    assert totals(record, "backward", "before") == {"all_gather/intra": 2 * layers, "reduce_scatter/intra": 1 + 2 * layers}
+    assert totals(record, "backward", "before") == {
+        "all_gather/intra": 2 * layers,
+        "reduce_scatter/intra": 1 + 2 * layers,
+    }
     assert totals(record, "backward") == {"all_gather/intra": layers, "reduce_scatter/intra": 1 + layers}
     for r in record.records:  # one collective per block and kind
         keys = [(e.kind, e.block) for e in r.after]
@@ -441,7 +457,9 @@ def test_passes_run_inside_inductor_and_their_order_survives_it(mesh):
     after = {k for r in record.records for k in passes.summary(r.after)}
     assert after == {"all_gather/inter", "all_gather/intra", "reduce_scatter/inter", "reduce_scatter/intra"}
     chosen = [(e.kind, e.dim, e.overlap > 0) for r in record.records for e in r.after]
-    ran = [(e.kind, e.dim, e.overlap > 0) for code in record.codes for e in passes.schedule_of_code(code, record.groups)]
+    ran = [
+        (e.kind, e.dim, e.overlap > 0) for code in record.codes for e in passes.schedule_of_code(code, record.groups)
+    ]
     assert [c[:2] for c in ran] == [c[:2] for c in chosen]  # the same collectives in the same sequence
     # every overlap the pass chose survives (inductor may add some: 2.14's scheduler moves compute
     # between one inter all-gather's issue and wait that the pass left adjacent)
@@ -464,10 +482,17 @@ NIGHTLY = [(s, 2, {"passes": ALL}, "tiny") for s in ALL_STRATEGIES] + [
     ("IIG", 2, {"passes": ALL, "ac": True}, "tiny"),  # activation checkpointing under compile
     ("TWO_GROUPS", 2, {"passes": ALL}, "tiny"),  # two groups per block, bucketed
     ("GGG", 1, {"passes": ALL, "cc_chunk_bytes": 512}, "odd"),  # uneven, PaRO-CC chunked
-    ("GGG", 1, {"passes": ALL, "backend": "inductor"}, "tiny"),  # inductor's codegen (also test_passes_run_inside_inductor, make test-all)
+    (
+        "GGG",
+        1,
+        {"passes": ALL, "backend": "inductor"},
+        "tiny",
+    ),  # inductor's codegen (also test_passes_run_inside_inductor, make test-all)
     # three blocks: reorder defers the first block's intra reduce-scatter wait past the next
     # block's backward (every micro-step for GGG, the boundary's for IIG)
-    ("GGG", 2, {"passes": ALL}, "three"), ("IIG", 2, {"passes": ALL}, "three")]
+    ("GGG", 2, {"passes": ALL}, "three"),
+    ("IIG", 2, {"passes": ALL}, "three"),
+]
 MODELS = {"tiny": TINY, "odd": ODD, "three": THREE}
 
 

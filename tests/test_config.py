@@ -37,9 +37,19 @@ def test_cli_before_config_file_still_wins(tmp_path):
 
 
 def test_bools_lists_tables_and_none():
-    cfg, _ = parse_args(["--metrics.enable_tensorboard", "--checkpoint.enable", "false", "--training.deterministic=true",
-                         "--lr_scheduler.decay_ratio", "none",
-                         "--parallelism.paro_policy", "output.*=NIG, tok_embeddings.*=NIG"], world_size=1)
+    cfg, _ = parse_args(
+        [
+            "--metrics.enable_tensorboard",
+            "--checkpoint.enable",
+            "false",
+            "--training.deterministic=true",
+            "--lr_scheduler.decay_ratio",
+            "none",
+            "--parallelism.paro_policy",
+            "output.*=NIG, tok_embeddings.*=NIG",
+        ],
+        world_size=1,
+    )
     assert cfg.metrics.enable_tensorboard is True and cfg.checkpoint.enable is False and cfg.training.deterministic
     assert cfg.lr_scheduler.decay_ratio is None
     assert cfg.parallelism.paro_policy == {"output.*": "NIG", "tok_embeddings.*": "NIG"}
@@ -48,7 +58,9 @@ def test_bools_lists_tables_and_none():
 
 
 def test_policy_table_in_toml(tmp_path):
-    path = _write(tmp_path, '[parallelism]\nparo_strategy = "GGG"\n[parallelism.paro_policy]\n"layers.*.attention.*" = "IIG"\n')
+    path = _write(
+        tmp_path, '[parallelism]\nparo_strategy = "GGG"\n[parallelism.paro_policy]\n"layers.*.attention.*" = "IIG"\n'
+    )
     cfg, _ = parse_args(["--job.config_file", path], world_size=4)
     assert cfg.parallelism.paro_policy == {"layers.*.attention.*": "IIG"}
 
@@ -72,24 +84,41 @@ def test_print_config_round_trips(tmp_path):
         (["--optimizer.name", "SGD"], 'optimizer.name = "SGD" is not a valid choice; valid: one of "AdamW", "Adam"'),
         (["--model.flavor", "llama8b"], "valid: debug, llama7b, llama13b, llama65b"),
         (["--parallelism.paro_strategy", "IIX"], "is not a PaRO strategy; valid: three letters of N, I, G"),
-        (["--parallelism.paro_policy", "output.*=ZZZ"], "parallelism.paro_policy.output.* = \"ZZZ\""),
-        (["--parallelism.paro_group_size", "3"], "paro_group_size = 3 does not divide the world size 4; valid: -1 (ranks per node) or one of [1, 2, 4]"),
-        (["--parallelism.paro_flat_below_mb", "-1"], "paro_flat_below_mb = -1.0 is invalid; valid: 0 (never flat) or a positive size in MiB"),
-        (["--training.local_batch_size", "2", "--training.global_batch_size", "12"],
-         "global_batch_size = 12 is not a multiple of training.local_batch_size (2) x data-parallel ranks (4) = 8; valid: -1 or a multiple of 8"),
-        (["--compile.passes", "bucketing,reoder"], "compile.passes has unknown pass(es) ['reoder']; valid: any of ['bucketing', 'reorder']"),
+        (["--parallelism.paro_policy", "output.*=ZZZ"], 'parallelism.paro_policy.output.* = "ZZZ"'),
+        (
+            ["--parallelism.paro_group_size", "3"],
+            "paro_group_size = 3 does not divide the world size 4; valid: -1 (ranks per node) or one of [1, 2, 4]",
+        ),
+        (
+            ["--parallelism.paro_flat_below_mb", "-1"],
+            "paro_flat_below_mb = -1.0 is invalid; valid: 0 (never flat) or a positive size in MiB",
+        ),
+        (
+            ["--training.local_batch_size", "2", "--training.global_batch_size", "12"],
+            "global_batch_size = 12 is not a multiple of training.local_batch_size (2) x data-parallel ranks (4) = "
+            "8; valid: -1 or a multiple of 8",
+        ),
+        (
+            ["--compile.passes", "bucketing,reoder"],
+            "compile.passes has unknown pass(es) ['reoder']; valid: any of ['bucketing', 'reorder']",
+        ),
         (["--compile.passes", "bucketing,hierarchical"], "compile.passes: 'hierarchical' is no longer a pass"),
         (["--compile.backend", "tvm"], "compile.backend = 'tvm' is invalid; valid: inductor, aot_eager, eager"),
         (["--activation_checkpoint.mode", "selective"], 'valid: one of "none", "full"'),
-        (["--training.dataset", "jsonl"], "training.dataset_path is required when training.dataset = \"jsonl\""),
+        (["--training.dataset", "jsonl"], 'training.dataset_path is required when training.dataset = "jsonl"'),
         (["--training.steps"], "--training.steps needs a value; valid: an integer"),
         (["stray"], "unexpected argument 'stray'"),
         (["--job.config_file", "/nonexistent.toml"], "does not exist; valid: the path of a TOML file"),
         (["--lr_scheduler.min_lr_factor", "2"], "min_lr_factor = 2.0 is out of range; valid: a number in [0, 1]"),
-        (["--parallelism.paro_strategy", "auto", "--parallelism.paro_policy", "output.*=GGG"],
-         'paro_strategy = "auto" cannot be combined with parallelism.paro_policy'),
-        (["--profiling.traced_micro_steps", "-1"], "profiling.traced_micro_steps = -1 is invalid; valid: 0 (trace every "
-                                                  "micro-step) or a count >= 1 (the first ones and the last"),
+        (
+            ["--parallelism.paro_strategy", "auto", "--parallelism.paro_policy", "output.*=GGG"],
+            'paro_strategy = "auto" cannot be combined with parallelism.paro_policy',
+        ),
+        (
+            ["--profiling.traced_micro_steps", "-1"],
+            "profiling.traced_micro_steps = -1 is invalid; valid: 0 (trace every "
+            "micro-step) or a count >= 1 (the first ones and the last",
+        ),
     ],
 )
 def test_errors_name_key_and_choices(argv, needle):
@@ -115,7 +144,9 @@ def test_toml_errors(tmp_path):
 
 def test_activation_checkpoint_combinations():
     parse_args(["--activation_checkpoint.mode", "full"], world_size=4)  # with re-sharding after forward
-    parse_args(["--activation_checkpoint.mode", "full", "--parallelism.paro_reshard_after_forward", "false"], world_size=4)
+    parse_args(
+        ["--activation_checkpoint.mode", "full", "--parallelism.paro_reshard_after_forward", "false"], world_size=4
+    )
     parse_args(["--activation_checkpoint.mode", "full", "--parallelism.paro_strategy", "NNG"], world_size=4)
 
 
@@ -146,24 +177,61 @@ def test_shipped_configs_parse(path):
 
 def test_expected_configs_exist():
     names = {p.name for p in CONFIGS}
-    assert {"debug_paro.toml", "llama7b_paro.toml", "llama13b_paro.toml", "llama65b_paro.toml", "llama7b_zero3.toml"} <= names
+    assert {
+        "debug_paro.toml",
+        "llama7b_paro.toml",
+        "llama13b_paro.toml",
+        "llama65b_paro.toml",
+        "llama7b_zero3.toml",
+    } <= names
 
 
 def test_train_py_exits_2_with_one_line():
     env = dict(os.environ, WORLD_SIZE="4")
-    proc = subprocess.run([sys.executable, "train.py", "--job.config_file", "train_configs/debug_paro.toml",
-                           "--training.global_batch_size", "30"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "--job.config_file",
+            "train_configs/debug_paro.toml",
+            "--training.global_batch_size",
+            "30",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("train.py: error: training.global_batch_size = 30"), proc.stderr
-    proc = subprocess.run([sys.executable, "train.py", "--job.config_file", "train_configs/debug_paro.toml", "--print-config"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "train.py", "--job.config_file", "train_configs/debug_paro.toml", "--print-config"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0 and 'paro_strategy = "IIG"' in proc.stdout
 
 
 def test_train_py_estimate():
-    proc = subprocess.run([sys.executable, "train.py", "--job.config_file", "train_configs/debug_paro.toml", "--estimate",
-                           "--world", "4"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "--job.config_file",
+            "train_configs/debug_paro.toml",
+            "--estimate",
+            "--world",
+            "4",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "4 ranks = 2 groups x 2" in proc.stdout
     rows = [ln for ln in proc.stdout.splitlines() if ln.startswith(("IIG ", "GGG "))]

@@ -39,7 +39,9 @@ def _buckets(strategy: str, trainable_layers: int) -> list[Bucket]:
     ]
 
 
-def _check_against_ledger(row: dict, strategy: str, accum: int, trainable_layers: int, flat_below_bytes: int = 0) -> None:
+def _check_against_ledger(
+    row: dict, strategy: str, accum: int, trainable_layers: int, flat_below_bytes: int = 0
+) -> None:
     psi = ROOT + ARGS.n_layers * LAYER
     psi_t = psi if trainable_layers == ARGS.n_layers else trainable_layers * LAYER
     assert (row["psi"], row["psi_trainable"], row["psi_kept"]) == (psi, psi_t, ROOT)
@@ -51,7 +53,9 @@ def _check_against_ledger(row: dict, strategy: str, accum: int, trainable_layers
     for dim in ("intra", "inter", "global") if not flat_below_bytes else ():  # the spec's: all hierarchical
         assert row[f"{dim}_bytes"] == pytest.approx(fb[dim], rel=1e-12, abs=1e-9), (strategy, dim)
     # counts too, bucket by bucket: every collective the engine issued, of each kind and dim
-    expected = traffic_of(_buckets(strategy, trainable_layers), N, M, accum, flat_below_bytes=flat_below_bytes).as_dict()
+    expected = traffic_of(
+        _buckets(strategy, trainable_layers), N, M, accum, flat_below_bytes=flat_below_bytes
+    ).as_dict()
     got = row["collectives"]
     assert set(got) == set(expected), strategy
     for key, e in expected.items():

@@ -28,11 +28,36 @@ from dist_harness import run_world  # noqa: E402
 from tools.local_world import Torchrun as Launch, losses_by_attempt  # noqa: E402
 
 # the debug model, 4 ranks = 2 groups x 2 (IIG), no accumulation, every step logged
-ARGS = ["--model.flavor", "debug", "--training.seq_len", "32", "--training.local_batch_size", "2",
-        "--training.global_batch_size", "8", "--training.mixed_precision_param", "float32",
-        "--training.mixed_precision_reduce", "float32", "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "2",
-        "--lr_scheduler.decay_type", "constant", "--parallelism.paro_strategy", "IIG", "--parallelism.paro_group_size", "2",
-        "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false", "--comm.backend", "gloo"]
+ARGS = [
+    "--model.flavor",
+    "debug",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--training.global_batch_size",
+    "8",
+    "--training.mixed_precision_param",
+    "float32",
+    "--training.mixed_precision_reduce",
+    "float32",
+    "--optimizer.lr",
+    "3e-3",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--lr_scheduler.decay_type",
+    "constant",
+    "--parallelism.paro_strategy",
+    "IIG",
+    "--parallelism.paro_group_size",
+    "2",
+    "--metrics.log_freq",
+    "1",
+    "--metrics.enable_tensorboard",
+    "false",
+    "--comm.backend",
+    "gloo",
+]
 STEPS = 12
 
 
@@ -106,7 +131,17 @@ def world4(tmp: str) -> dict[str, Any]:
     _poison_embedding(t, {2, 3, 4}, rank=0)
     out["nan/consecutive"] = _error(t.train)
     # a master that overflowed in the update is never saved
-    t = _trainer(["--training.steps", "2", "--job.dump_folder", f"{tmp}/inf", "--checkpoint.enable", "--checkpoint.interval", "1"])
+    t = _trainer(
+        [
+            "--training.steps",
+            "2",
+            "--job.dump_folder",
+            f"{tmp}/inf",
+            "--checkpoint.enable",
+            "--checkpoint.interval",
+            "1",
+        ]
+    )
     step = t.optimizer.step
 
     def step_then_overflow():
@@ -120,7 +155,15 @@ def world4(tmp: str) -> dict[str, Any]:
     out["inf/save"] = (_error(t.train), sorted(os.listdir(f"{tmp}/inf/checkpoint")))
 
     # damaged checkpoints: each load fails with one line naming the file and the earlier step
-    ck = ["--training.steps", "4", "--job.dump_folder", f"{tmp}/ck", "--checkpoint.enable", "--checkpoint.interval", "2"]
+    ck = [
+        "--training.steps",
+        "4",
+        "--job.dump_folder",
+        f"{tmp}/ck",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "2",
+    ]
     t = _trainer(ck)
     trained = t.train()
     final = _masters(t)
@@ -167,8 +210,13 @@ def world4(tmp: str) -> dict[str, Any]:
     mounted = [False]
     if rank0:
         os.makedirs(disk)
-        mounted[0] = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(size * 1.6) // 4096 * 4096}", "tmpfs", disk],
-                                    capture_output=True).returncode == 0
+        mounted[0] = (
+            subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", f"size={int(size * 1.6) // 4096 * 4096}", "tmpfs", disk],
+                capture_output=True,
+            ).returncode
+            == 0
+        )
     dist.broadcast_object_list(mounted, src=0)
     if mounted[0]:
         full = ["--training.steps", "4", "--job.dump_folder", disk, "--checkpoint.enable", "--checkpoint.interval", "2",
@@ -209,7 +257,15 @@ def _bad_folders(tmp: str, sound: str) -> dict[str, Any]:
             shutil.copytree(sound, f"{tmp}/{name}/checkpoint")
             damage(f"{tmp}/{name}/checkpoint/step-4")
         dist.barrier()
-        return ["--training.steps", "4", "--job.dump_folder", f"{tmp}/{name}", "--checkpoint.enable", "--checkpoint.interval", "2"]
+        return [
+            "--training.steps",
+            "4",
+            "--job.dump_folder",
+            f"{tmp}/{name}",
+            "--checkpoint.enable",
+            "--checkpoint.interval",
+            "2",
+        ]
 
     def hostile(folder: str) -> None:
         data = cases()["p4-GLOBAL-dotted"](f"{tmp}/hostile/ran-$$")  # $$: the pid of each rank's shell
@@ -220,8 +276,18 @@ def _bad_folders(tmp: str, sound: str) -> dict[str, Any]:
 
     args = copy("hostile", hostile)
     out["hostile/resume"] = _error(lambda: _trainer(args))
-    out["hostile/initial"] = _error(lambda: _trainer(["--training.steps", "1", "--job.dump_folder", f"{tmp}/hostile_init",
-                                                      "--checkpoint.initial_load_path", f"{tmp}/hostile/checkpoint/step-4"]))
+    out["hostile/initial"] = _error(
+        lambda: _trainer(
+            [
+                "--training.steps",
+                "1",
+                "--job.dump_folder",
+                f"{tmp}/hostile_init",
+                "--checkpoint.initial_load_path",
+                f"{tmp}/hostile/checkpoint/step-4",
+            ]
+        )
+    )
     dist.barrier()
     out["hostile/ran"] = sorted(n for n in os.listdir(f"{tmp}/hostile") if n.startswith("ran-"))
 
@@ -302,7 +368,11 @@ def test_killed_while_saving_then_hung_rank_restarts_and_continues_exactly(world
         said = [line for line in window if "train.py: error" in line]
         assert all(line.startswith("train.py: error: rank ") and line.count("train.py:") == 1 for line in said), said
         ranks = sorted(int(line.split()[3]) for line in said)
-        assert sorted(set(ranks) - {gone}) == sorted(survivors) and ranks.count(gone) <= 1 and len(set(ranks)) == len(ranks), said
+        assert (
+            sorted(set(ranks) - {gone}) == sorted(survivors)
+            and ranks.count(gone) <= 1
+            and len(set(ranks)) == len(ranks)
+        ), said
         assert not [line for line in window if "Traceback" in line or "terminate called" in line], window
     attempts = losses_by_attempt(f"{dump}/metrics.jsonl")
     assert [min(a) for a in attempts] == [1, 5, 9] and max(attempts[-1]) == STEPS
@@ -366,7 +436,9 @@ print("waiting", flush=True)
 store.wait(["never"])
 """
     for mode in ("blocked", "said"):
-        proc = subprocess.Popen([sys.executable, "-c", script, mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", script, mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         assert proc.stdout.readline().strip() == "waiting"
         time.sleep(0.3)
         proc.send_signal(signal.SIGTERM)
@@ -453,7 +525,9 @@ def test_latest_without_metadata_is_named_moved_aside_and_kept(world):
 def test_latest_without_manifest_is_refused_naming_the_flag(world):
     msg = world["nomanifest/refused"]
     assert msg.startswith("CheckpointError: checkpoint ") and "step-4 has no paro_manifest.json" in msg, msg
-    assert "load it unverified with --checkpoint.verify false, or load an earlier one with --checkpoint.load_step 2" in msg
+    assert (
+        "load it unverified with --checkpoint.verify false, or load an earlier one with --checkpoint.load_step 2" in msg
+    )
     assert world["nomanifest/unverified"] == 4
 
 

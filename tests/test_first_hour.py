@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -34,12 +33,41 @@ from tools.local_world import losses_by_attempt  # noqa: E402
 
 DEBUG = "train_configs/debug_paro.toml"
 # the debug model, 4 ranks = 2 groups x 2 (IIG), every step logged, a constant lr after warmup
-ARGS = ["--model.flavor", "debug", "--training.seq_len", "32", "--training.local_batch_size", "2",
-        "--training.global_batch_size", "8", "--training.mixed_precision_param", "float32",
-        "--training.mixed_precision_reduce", "float32", "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "2",
-        "--lr_scheduler.decay_type", "constant", "--parallelism.paro_strategy", "IIG", "--parallelism.paro_group_size", "2",
-        "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false", "--comm.backend", "gloo",
-        "--training.steps", "10000", "--checkpoint.enable", "--checkpoint.interval", "1000"]
+ARGS = [
+    "--model.flavor",
+    "debug",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--training.global_batch_size",
+    "8",
+    "--training.mixed_precision_param",
+    "float32",
+    "--training.mixed_precision_reduce",
+    "float32",
+    "--optimizer.lr",
+    "3e-3",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--lr_scheduler.decay_type",
+    "constant",
+    "--parallelism.paro_strategy",
+    "IIG",
+    "--parallelism.paro_group_size",
+    "2",
+    "--metrics.log_freq",
+    "1",
+    "--metrics.enable_tensorboard",
+    "false",
+    "--comm.backend",
+    "gloo",
+    "--training.steps",
+    "10000",
+    "--checkpoint.enable",
+    "--checkpoint.interval",
+    "1000",
+]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 for _key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "MAKELEVEL"):
     ENV.pop(_key, None)
@@ -54,8 +82,9 @@ class Proc:
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env or ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True)
         self.lines: list[str] = []
-        self._reader = threading.Thread(target=lambda: self.lines.extend(line.rstrip("\n") for line in self.proc.stdout),
-                                        daemon=True)
+        self._reader = threading.Thread(
+            target=lambda: self.lines.extend(line.rstrip("\n") for line in self.proc.stdout), daemon=True
+        )
         self._reader.start()
 
     def wait_for(self, pattern: str, timeout: float = 240) -> re.Match:
@@ -85,17 +114,30 @@ class Proc:
 
 
 def _torchrun(argv: list[str], nproc: int = 4) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "train.py", *argv]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "train.py",
+        *argv,
+    ]
 
 
 # ---- 1. nothing is deleted before the config is valid ---------------------------------------------
 def test_make_train_checks_the_config_before_torchrun_and_deletes_nothing_itself():
-    out = subprocess.run(["make", "-n", "train", "NPROC=3"], cwd=REPO, capture_output=True, text=True, timeout=60).stdout
+    out = subprocess.run(
+        ["make", "-n", "train", "NPROC=3"], cwd=REPO, capture_output=True, text=True, timeout=60
+    ).stdout
     lines = [ln for ln in out.splitlines() if "train.py" in ln]
     assert "rm -rf" not in out, out
     assert len(lines) == 2 and "--check-config --world 3" in lines[0] and "torchrun" in lines[1], out
     assert lines[1].rstrip().endswith("--job.fresh"), out  # the debug config afresh: the trainer does it, once valid
-    resumed = subprocess.run(["make", "-n", "train", "RESUME=1"], cwd=REPO, capture_output=True, text=True, timeout=60).stdout
+    resumed = subprocess.run(
+        ["make", "-n", "train", "RESUME=1"], cwd=REPO, capture_output=True, text=True, timeout=60
+    ).stdout
     assert "--job.fresh" not in resumed, resumed
 
 
@@ -136,7 +178,9 @@ def test_python_without_torchrun_names_the_torchrun_command():
     assert proc.returncode == 2, proc
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("train.py: error: train.py was started without torchrun"), line
-    assert line.endswith(f"run it under torchrun: torchrun --standalone --nproc-per-node 4 train.py --job.config_file {DEBUG}")
+    assert line.endswith(
+        f"run it under torchrun: torchrun --standalone --nproc-per-node 4 train.py --job.config_file {DEBUG}"
+    )
 
 
 # ---- 5. a dataset path is never ignored -----------------------------------------------------------
@@ -148,7 +192,9 @@ def test_dataset_path_implies_its_format(tmp_path):
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "c.jsonl").write_text('{"text": "hello"}\n')
     for path, want in (("a.txt", "text"), ("b.jsonl", "jsonl"), ("docs", "jsonl")):
-        cfg, _ = parse_args(["--job.config_file", str(REPO / DEBUG), "--training.dataset_path", str(tmp_path / path)], 4)
+        cfg, _ = parse_args(
+            ["--job.config_file", str(REPO / DEBUG), "--training.dataset_path", str(tmp_path / path)], 4
+        )
         assert (cfg.training.dataset, cfg.training.dataset_path) == (want, str(tmp_path / path))
     with pytest.raises(ConfigError, match="--training.dataset embedded"):
         parse_args(["--training.dataset", "embedded", "--training.dataset_path", str(tmp_path / "a.txt")], 4)
@@ -164,8 +210,18 @@ def test_debug_config_does_not_profile_and_traces_are_bounded(tmp_path):
     cfg, _ = parse_args(["--job.config_file", str(REPO / DEBUG)], 4)
     p, c = cfg.profiling, cfg.checkpoint
     assert not p.enable_profiling and c.interval % p.profile_freq  # when enabled, traced steps are not save steps
-    cfg, _ = parse_args(["--job.dump_folder", str(tmp_path), "--profiling.enable_profiling", "--profiling.profile_freq", "1",
-                         "--profiling.keep_latest_k", "2"], 1)
+    cfg, _ = parse_args(
+        [
+            "--job.dump_folder",
+            str(tmp_path),
+            "--profiling.enable_profiling",
+            "--profiling.profile_freq",
+            "1",
+            "--profiling.keep_latest_k",
+            "2",
+        ],
+        1,
+    )
     with build_profiler(cfg, 0, torch.device("cpu"), 0) as prof:
         for _ in range(5):
             torch.ones(8).sum()
@@ -235,8 +291,14 @@ def stopped(tmp_path_factory) -> dict:
 
 
 def _stop_line(lines: list[str], name: str) -> re.Match:
-    said = [re.search(rf"^\[paro\] stopped by {name} \(\d of 4 ranks got it\) at step (\d+)/10000, which every rank finished; saved (\S+) in "
-                      r"([\d.]+) s; resume with: (.*)$", ln) for ln in lines]
+    said = [
+        re.search(
+            rf"^\[paro\] stopped by {name} \(\d of 4 ranks got it\) at step (\d+)/10000, "
+            r"which every rank finished; saved (\S+) in ([\d.]+) s; resume with: (.*)$",
+            ln,
+        )
+        for ln in lines
+    ]
     said = [m for m in said if m]
     assert len(said) == 1, "\n".join(lines[-40:])
     return said[0]
@@ -249,7 +311,9 @@ def test_sigterm_to_torchrun_saves_the_step_reached_and_names_the_command(stoppe
     assert step >= 4 and step % 1000 and a["kept"] == [f"step-{step}"]  # not an interval step: the one it stopped at
     assert m.group(2).endswith(f"/a/checkpoint/step-{step}")
     dump = stopped["tmp"] / "a"
-    assert m.group(4) == "torchrun --standalone --nproc-per-node 4 train.py " + " ".join(ARGS + ["--job.dump_folder", str(dump)])
+    assert m.group(4) == "torchrun --standalone --nproc-per-node 4 train.py " + " ".join(
+        ARGS + ["--job.dump_folder", str(dump)]
+    )
     assert not [ln for ln in a["lines"] if "train.py: error" in ln or "SIGKILL" in ln], a["lines"]
     assert a["rc"] == 1  # torchrun's own status after a SIGTERM (it re-raises SignalException): not the workers'
     assert a["s"] < 25, a["s"]  # well inside torchrun's 30 s before SIGKILL

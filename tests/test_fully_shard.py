@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from dist_harness import run_world
-from workloads import TINY, batch, make_model
+from workloads import batch, make_model
 
 STEPS, A, LR, MAX_NORM = 4, 2, 1e-2, 0.5
 
@@ -47,7 +47,9 @@ def _build(impl: str, strategy: str | None, mesh_shape: tuple[int, ...]):
     return model, opt, sched
 
 
-def _train(model, opt, sched, steps: range, loss_of=None, accum: int = A, max_norm: float = MAX_NORM) -> list[tuple[float, float]]:
+def _train(
+    model, opt, sched, steps: range, loss_of=None, accum: int = A, max_norm: float = MAX_NORM
+) -> list[tuple[float, float]]:
     """The FSDP2 way: the last micro-step syncs, torch's clip over the parameters, the user's
     optimizer and schedule. ``loss_of(model, rank, step, micro)``: default, the tiny Llama's."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -140,12 +142,16 @@ def test_same_script_same_numbers_as_fsdp2(runs, impl, strategy, mesh):
         assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
         assert abs(norm - ref_norm) <= 1e-5 * abs(ref_norm), (norm, ref_norm)
     for name, value in ref["params"].items():
-        torch.testing.assert_close(got["params"][name], value, rtol=1e-4, atol=1e-5)  # Adam amplifies 1e-7 gradient noise on tiny gradients
+        torch.testing.assert_close(
+            got["params"][name], value, rtol=1e-4, atol=1e-5
+        )  # Adam amplifies 1e-7 gradient noise on tiny gradients
     assert got["osd_keys"] == ref["osd_keys"]  # optimizer state keyed by FQN, as FSDP2's
     assert got["grads_cleared"]
 
 
-@pytest.mark.parametrize("impl,strategy,mesh", CASES, ids=[f"{i}-{s or 'default'}-{'x'.join(map(str, m))}" for i, s, m in CASES])
+@pytest.mark.parametrize(
+    "impl,strategy,mesh", CASES, ids=[f"{i}-{s or 'default'}-{'x'.join(map(str, m))}" for i, s, m in CASES]
+)
 def test_get_state_dict_resume_retraces_the_steps(runs, impl, strategy, mesh):
     got = runs[(impl, strategy, mesh)]
     for (loss, norm), (ref_loss, ref_norm) in zip(got["resumed"], got["losses"][STEPS // 2:]):
@@ -184,7 +190,6 @@ def held_bytes(_: Any = None) -> dict[str, int]:
     """Bytes a rank holds after an optimizer step (parameters, gradients, optimizer states and,
     for PaRO, every engine buffer), fp32 full shard on a 1D mesh: torch's FSDP2 against PaRO's
     default (GGG), whose parameter is its P storage."""
-    from torch.distributed.device_mesh import init_device_mesh
 
     out = {}
     for impl in ("torch", "paro"):
@@ -219,14 +224,26 @@ def test_fp32_ggg_holds_zero3_bytes():
     assert got["paro"] <= got["torch"] * 1.02, got  # padding of the flat shards aside
 
 
-@pytest.mark.parametrize("kwargs,fix", [
-    ({"shard_placement_fn": lambda p: None}, "strategy="),
-    ({"reshard_after_forward": 2}, "pass True or False"),
-    ({"offload_policy": __import__("torch.distributed.fsdp", fromlist=["CPUOffloadPolicy"]).CPUOffloadPolicy()}, "offload"),
-    ({"ignored_params": {torch.nn.Parameter(torch.zeros(1))}}, "requires_grad=False"),
-    ({"mp_policy": __import__("torch.distributed.fsdp", fromlist=["MixedPrecisionPolicy"]).MixedPrecisionPolicy(
-        param_dtype=torch.float16)}, "torch.bfloat16"),
-])
+@pytest.mark.parametrize(
+    "kwargs,fix",
+    [
+        ({"shard_placement_fn": lambda p: None}, "strategy="),
+        ({"reshard_after_forward": 2}, "pass True or False"),
+        (
+            {"offload_policy": __import__("torch.distributed.fsdp", fromlist=["CPUOffloadPolicy"]).CPUOffloadPolicy()},
+            "offload",
+        ),
+        ({"ignored_params": {torch.nn.Parameter(torch.zeros(1))}}, "requires_grad=False"),
+        (
+            {
+                "mp_policy": __import__(
+                    "torch.distributed.fsdp", fromlist=["MixedPrecisionPolicy"]
+                ).MixedPrecisionPolicy(param_dtype=torch.float16)
+            },
+            "torch.bfloat16",
+        ),
+    ],
+)
 def test_fsdp2_options_paro_cannot_honour_fail_in_one_line(kwargs, fix):
     """Nothing is silently ignored: each refusal is one line naming what to do instead, before
     anything is sharded."""

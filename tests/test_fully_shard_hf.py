@@ -136,7 +136,11 @@ def test_the_script_with_its_import_changed_matches_fsdp2(runs, case):
     got = runs[case]
     _close(got["losses"], ref["losses"])
     _close(got["resumed"], got["losses"][STEPS // 2:])  # get_state_dict save and resume
-    assert got["architectures"] == ref["architectures"] == ["LlamaForCausalLM" if case[2] == "llama" else "Qwen2ForCausalLM"]
+    assert (
+        got["architectures"]
+        == ref["architectures"]
+        == ["LlamaForCausalLM" if case[2] == "llama" else "Qwen2ForCausalLM"]
+    )
     assert got["dtypes"] == ["torch.float32"]
     assert got["full"].keys() == ref["full"].keys() and len(ref["full"]) > 10
     for name, value in ref["full"].items():

@@ -175,7 +175,7 @@ def test_uneven_moves_on_48_ranks_are_a_few_ops_per_tensor(fake_48_ranks):
     from paro_fsdp.mesh import MeshInfo
 
     inf = MeshInfo.from_mesh(fake_48_ranks)
-    g, m, n = inf.g, inf.m, inf.n
+    g, m = inf.g, inf.m
     assert (g, m, inf.k, inf.l) == (6, 8, 0, 0)
     shapes = [torch.Size(s) for s in [(11008, 8), (4096, 8), (96, 3), (67,), ()]]  # (96, 3): n divides
     fulls = [torch.randn(s) for s in shapes]

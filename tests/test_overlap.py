@@ -7,6 +7,7 @@ Exactness of every strategy on both boundaries is test_paro_shard_strategies.py'
 from __future__ import annotations
 
 import pytest
+import torch
 
 from dist_harness import run_world
 
@@ -75,16 +76,23 @@ def rank_main(payload: dict) -> dict:
             order: list[str] = []  # the groups whose boundary started, in order
             queue, fill = state.boundary.queue, state.boundary.fill
             state.boundary.queue = lambda g, s, n: (order.append(g.name), queue(g, s, n))[1]
-            state.boundary.fill = lambda **k: (fill(**k), started.append(sum(e.started for e in state.boundary.entries)))
+            state.boundary.fill = lambda **k: (
+                fill(**k),
+                started.append(sum(e.started for e in state.boundary.entries)),
+            )
             case: dict = {}
             for step in range(2):
                 for a in range(2):
                     model.set_requires_gradient_sync(a == 1)
                     model(batch(rank, step, a)).loss.backward()
                 if step == 0:
-                    case["inter_after_backward"] = stats.count("reduce_scatter", "inter") + stats.count("all_reduce", "inter")
+                    case["inter_after_backward"] = stats.count("reduce_scatter", "inter") + stats.count(
+                        "all_reduce", "inter"
+                    )
                     case["max_started"] = max(started)
-                    case["grads_after_backward"] = all(p.grad is not None for p in model.parameters() if p.requires_grad)
+                    case["grads_after_backward"] = all(
+                        p.grad is not None for p in model.parameters() if p.requires_grad
+                    )
                 torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
                 before = working_copy(model)
                 opt.step()
@@ -95,7 +103,10 @@ def rank_main(payload: dict) -> dict:
                     case["p_stale"] = torch.equal(working_copy(model), before)
                     seen: list[int] = []
                     model.set_requires_gradient_sync(False)
-                    hooks = [b.register_forward_pre_hook(lambda *_: seen.append(len(state.pushes)), prepend=True) for b in model.layers]
+                    hooks = [
+                        b.register_forward_pre_hook(lambda *_: seen.append(len(state.pushes)), prepend=True)
+                        for b in model.layers
+                    ]
                     model(batch(rank, 9, 0)).loss.backward()  # an extra micro-step: the pushes land in its forward
                     for h in hooks:
                         h.remove()
@@ -111,7 +122,9 @@ def rank_main(payload: dict) -> dict:
             opt.step()
             case["queued_before_state_dict"] = len(state.pushes)
             wk = model.state_dict()["layers.0.attention.wk.weight"]
-            case["state_dict_current"] = wk is not None and torch.equal(wk.to_local(), model.layers[0].attention.wk.weight.to_local())
+            case["state_dict_current"] = wk is not None and torch.equal(
+                wk.to_local(), model.layers[0].attention.wk.weight.to_local()
+            )
             case["queued_after_state_dict"] = len(state.pushes)
             opt.zero_grad()
             # two reducing backwards add their gradients, as FSDP2's
@@ -123,8 +136,11 @@ def rank_main(payload: dict) -> dict:
                 opt.zero_grad()
             model(batch(rank, 6, 0)).loss.backward()
             model(batch(rank, 6, 1)).loss.backward()
-            case["second_backward_adds"] = all(torch.allclose(p.grad.to_local(), grads[0][n] + grads[1][n], rtol=1e-5, atol=1e-7)
-                                               for n, p in model.named_parameters() if p.requires_grad)
+            case["second_backward_adds"] = all(
+                torch.allclose(p.grad.to_local(), grads[0][n] + grads[1][n], rtol=1e-5, atol=1e-7)
+                for n, p in model.named_parameters()
+                if p.requires_grad
+            )
             opt.zero_grad()
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
                 model(batch(rank, 7, 0)).loss.backward()

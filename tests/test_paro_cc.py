@@ -134,13 +134,19 @@ def suite(payload: dict) -> dict:
         ok &= torch.equal(alt.reduce_scatter(y).wait(), ops.wait_tensor(ops.reduce_scatter_tensor(y, "sum", n, gname)))
         ok &= torch.equal(alt.all_reduce(y[:7]).wait(), ops.wait_tensor(ops.all_reduce(y[:7].clone(), "sum", gname)))
         nested = flat_to_nested(ops.wait_tensor(ops.all_gather_into_tensor(x, n, gname)), n // m_alt, m_alt)
-        ok &= _assembled(alt.all_gather(x, order="nested", parts=True).wait(), 6).equal(nested.view(m_alt, n // m_alt, 6))
+        ok &= _assembled(alt.all_gather(x, order="nested", parts=True).wait(), 6).equal(
+            nested.view(m_alt, n // m_alt, 6)
+        )
         out[f"one_level_{m_alt}"] = ok
     # ledger: a 4-chunk all-gather of a (1000,) fp32 shard records 4 inter + 4 intra all-gathers
     stats.reset()
     cc.all_gather(torch.ones(1000), chunks=4).wait()
-    out["stats"] = {"count_inter": stats.count("all_gather", "inter"), "count_intra": stats.count("all_gather", "intra"),
-                    "bytes_inter": stats.bytes(dim="inter"), "bytes_intra": stats.bytes(dim="intra")}
+    out["stats"] = {
+        "count_inter": stats.count("all_gather", "inter"),
+        "count_intra": stats.count("all_gather", "intra"),
+        "bytes_inter": stats.bytes(dim="inter"),
+        "bytes_intra": stats.bytes(dim="intra"),
+    }
     # all-reduce: chunks are whole rows of m, so a size m divides is counted exactly
     stats.reset()
     cc.all_reduce(torch.ones(m * 300), chunks=3).wait()
@@ -194,11 +200,21 @@ def _side_stream_checks(info, plain, n: int) -> dict:
     x = torch.arange(1000.0) + info.k * info.m + info.l
     out = {}
     for kind, call, phases in (
-        ("all_gather", lambda c: c.all_gather(x, order="nested", chunks=4), {("all_gather", "inter"): 4, ("all_gather", "intra"): 4}),
-        ("reduce_scatter", lambda c: c.reduce_scatter(torch.cat([x] * n), order="nested", chunks=4),
-         {("reduce_scatter", "intra"): 4, ("reduce_scatter", "inter"): 4}),
-        ("all_reduce", lambda c: c.all_reduce(x, chunks=3),
-         {("reduce_scatter", "intra"): 3, ("all_reduce", "inter"): 3, ("all_gather", "intra"): 3}),
+        (
+            "all_gather",
+            lambda c: c.all_gather(x, order="nested", chunks=4),
+            {("all_gather", "inter"): 4, ("all_gather", "intra"): 4},
+        ),
+        (
+            "reduce_scatter",
+            lambda c: c.reduce_scatter(torch.cat([x] * n), order="nested", chunks=4),
+            {("reduce_scatter", "intra"): 4, ("reduce_scatter", "inter"): 4},
+        ),
+        (
+            "all_reduce",
+            lambda c: c.all_reduce(x, chunks=3),
+            {("reduce_scatter", "intra"): 3, ("all_reduce", "inter"): 3, ("all_gather", "intra"): 3},
+        ),
     ):
         stats.reset()
         waited = rec.waited

@@ -185,8 +185,11 @@ def load_cases(root: str) -> dict[str, Any]:
         hf_models.save_folder("llama", folder, seed=5)
     dist.barrier()
     out: dict[str, Any] = {}
-    for tag, strategy, lora, mp in (("fp32", "IIG", False, None), ("bf16", "IIG", False, MixedPrecision(param_dtype=torch.bfloat16)),
-                                    ("lora", "ING", True, None)):
+    for tag, strategy, lora, mp in (
+        ("fp32", "IIG", False, None),
+        ("bf16", "IIG", False, MixedPrecision(param_dtype=torch.bfloat16)),
+        ("lora", "ING", True, None),
+    ):
         model = hf.build_meta(hf.read_config(folder))
         if lora:
             model = hf.add_lora(model, rank=4, target_modules=LORA["target_modules"])
@@ -223,8 +226,10 @@ def checkpointing_cases(cases: list[tuple[str, bool]]) -> dict[tuple[str, bool],
             frame = traceback.extract_tb(exc.__traceback__)[-1]
             out[(strategy, reentrant)] = {"error": f"{type(exc).__name__}: {exc} (at {frame.filename}:{frame.lineno})"}
             continue
-        out[(strategy, reentrant)] = {"losses": losses,
-                                      "params": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}}
+        out[(strategy, reentrant)] = {
+            "losses": losses,
+            "params": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()},
+        }
     return out
 
 

@@ -63,10 +63,16 @@ def module_dict_cases(_: Any = None) -> dict[str, Any]:
     mesh = init_paro_mesh(2)
     out: dict[str, Any] = {}
     model, opt = sharded(mesh, "IIG", dict_model())
-    out["dict_default"] = {"blocks": [b.name for b in model._paro_state.blocks], "losses": train_steps(model, opt, STEPS)}
+    out["dict_default"] = {
+        "blocks": [b.name for b in model._paro_state.blocks],
+        "losses": train_steps(model, opt, STEPS),
+    }
     m = dict_model()
     model, opt = sharded(mesh, "GGG", m, blocks=m.layers)
-    out["dict_explicit"] = {"blocks": [b.name for b in model._paro_state.blocks], "losses": train_steps(model, opt, STEPS)}
+    out["dict_explicit"] = {
+        "blocks": [b.name for b in model._paro_state.blocks],
+        "losses": train_steps(model, opt, STEPS),
+    }
     try:
         paro_shard(make_model(), mesh, "IIG", blocks=[m.layers["0"], "layers.1"])
     except TypeError as e:

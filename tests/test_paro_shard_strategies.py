@@ -87,7 +87,11 @@ def profile_cases(cases: list[tuple[str, int, int]]) -> dict[tuple, dict[str, An
     group size, so use a mesh whose two dimensions differ in size."""
     from paro_fsdp import ParoOptimizer, init_paro_mesh, paro_shard
 
-    kinds = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter", "all_reduce": "all_reduce"}
+    kinds = {
+        "all_gather_into_tensor": "all_gather",
+        "reduce_scatter_tensor": "reduce_scatter",
+        "all_reduce": "all_reduce",
+    }
     out = {}
     for strategy, group_size, accum in cases:
         mesh = init_paro_mesh(group_size)
@@ -109,7 +113,9 @@ def profile_cases(cases: list[tuple[str, int, int]]) -> dict[tuple, dict[str, An
                 for s in e.input_shapes[0]:
                     numel *= s
                 # all_reduce records no group size: only the scalar grad-norm one (global) is expected
-                k = {"all_gather_into_tensor": e.concrete_inputs[1], "reduce_scatter_tensor": e.concrete_inputs[2]}.get(name, g * m if numel == 1 else 0)
+                k = {"all_gather_into_tensor": e.concrete_inputs[1], "reduce_scatter_tensor": e.concrete_inputs[2]}.get(
+                    name, g * m if numel == 1 else 0
+                )
                 if k == 0:
                     seen["all_reduce/unknown"] = seen.get("all_reduce/unknown", 0.0) + 1
                     continue
@@ -122,7 +128,10 @@ def profile_cases(cases: list[tuple[str, int, int]]) -> dict[tuple, dict[str, An
                 key = f"{kinds[name]}/{dim_of[k]}"
                 seen[key] = seen.get(key, 0.0) + 4 * sent  # fp32
         stats = model.comm_stats()
-        out[(strategy, group_size, accum)] = {"profiler": seen, "engine": {key: stats.bytes(*key.split("/")) for key in stats.as_dict()}}
+        out[(strategy, group_size, accum)] = {
+            "profiler": seen,
+            "engine": {key: stats.bytes(*key.split("/")) for key in stats.as_dict()},
+        }
     return out
 
 
@@ -273,7 +282,9 @@ def test_activation_checkpointing_is_exact(results, refs, strategy, group, accum
 
 
 @compat
-@pytest.mark.parametrize("case", CHUNKED, ids=[f"{s}-A{a}-{'c' + str(c) if c else 'unchunked'}-{mod}" for s, _, a, c, mod in CHUNKED])
+@pytest.mark.parametrize(
+    "case", CHUNKED, ids=[f"{s}-A{a}-{'c' + str(c) if c else 'unchunked'}-{mod}" for s, _, a, c, mod in CHUNKED]
+)
 def test_global_collectives_through_paro_cc_chunks_and_uneven_shards(world_results, refs, odd_ref, case):
     """Global collectives run as PaRO-CC chunks: same numbers as the reference, and (even
     shards) the same bytes as the spec's ledger; only the count of collectives grows."""

@@ -56,8 +56,10 @@ def _steps(prof, grad_accum: int, steps: int) -> None:
         prof.step()
 
 
-@pytest.mark.parametrize("traced, kept", [(2, [0, 5]), (3, [0, 1, 5]), (1, [5]), (0, list(range(6))), (6, list(range(6))),
-                                          (9, list(range(6)))])
+@pytest.mark.parametrize(
+    "traced, kept",
+    [(2, [0, 5]), (3, [0, 1, 5]), (1, [5]), (0, list(range(6))), (6, list(range(6))), (9, list(range(6)))],
+)
 def test_a_traced_step_records_its_first_micro_steps_and_the_last(tmp_path, traced, kept):
     profiler, seen = _profiler(tmp_path, "--profiling.traced_micro_steps", str(traced))
     with profiler as prof:
@@ -116,7 +118,9 @@ def test_trainer_traces_the_first_and_last_micro_steps_and_the_boundary(tmp_path
         # micro-step 0 before the pause, micro-step 3 and the boundary (the optimizer step) after the resume
         assert order[:pause].count(forward) == order[:pause].count(backward) == 1
         assert order[resume:].count(forward) == order[resume:].count(backward) == 1
-        assert order[resume:].count("Optimizer.step#AdamW.step") == 1 and "Optimizer.step#AdamW.step" not in order[:resume]
+        assert (
+            order[resume:].count("Optimizer.step#AdamW.step") == 1 and "Optimizer.step#AdamW.step" not in order[:resume]
+        )
         # the timeline leaves the untraced time out: the pause is one cut, the step lasts the traced time
         with open(result[2]) as f:
             trace = json.load(f)

@@ -71,8 +71,10 @@ def test_soak_2000_steps_nothing_grows(tmp_path):
         rss0, fds0, pgs0 = settled[0][1:4]
         rss_end, fds_max, pgs_max = settled[-1][1], max(s[2] for s in settled), max(s[3] for s in settled)
         growth = (rss_end - rss0) / rss0
-        lines.append(f"rank {rank}: rss {rss0:.1f} -> {rss_end:.1f} MiB ({100 * growth:+.2f}%), open files {fds0} -> max "
-                     f"{fds_max}, process groups {pgs0} -> max {pgs_max}, {r['seconds']:.0f} s")
+        lines.append(
+            f"rank {rank}: rss {rss0:.1f} -> {rss_end:.1f} MiB ({100 * growth:+.2f}%), open files {fds0} -> max "
+            f"{fds_max}, process groups {pgs0} -> max {pgs_max}, {r['seconds']:.0f} s"
+        )
         assert growth < 0.05, lines[-1]
         assert fds_max <= fds0 + 2 and pgs_max == pgs0, lines[-1]  # +2: a checkpoint file open at the sample
         assert max(s[4] for s in r["samples"]) <= 4  # 3 kept, a 4th only between its rename and the prune

@@ -5,7 +5,10 @@ import torch
 from paro_fsdp import ALL_STRATEGIES, Level, Strategy
 from paro_fsdp.strategy import resolve_policy
 
-NAMED = [(n, torch.nn.Parameter(torch.zeros(2))) for n in ("emb.weight", "layers.0.wq.weight", "layers.0.norm.weight", "out.weight")]
+NAMED = [
+    (n, torch.nn.Parameter(torch.zeros(2)))
+    for n in ("emb.weight", "layers.0.wq.weight", "layers.0.norm.weight", "out.weight")
+]
 
 
 def test_all_27_parse_and_round_trip():

@@ -132,8 +132,12 @@ def test_closing_trace_without_work_is_skipped():
 
 def test_group_dims_follow_the_mesh_shape():
     names = {"intra": "3", "inter": "1", "global": "4"}
-    assert T.group_dims(SimpleNamespace(g=2, m=2, group_names=names), "0") == {"0": "global", "4": "global", "3": "intra",
-                                                                               "1": "inter"}
+    assert T.group_dims(SimpleNamespace(g=2, m=2, group_names=names), "0") == {
+        "0": "global",
+        "4": "global",
+        "3": "intra",
+        "1": "inter",
+    }
     # one group: the flat collectives only cross the intra link; one rank per group: only the inter one
     assert T.group_dims(SimpleNamespace(g=1, m=4, group_names=names), "0") == {"0": "intra", "4": "intra", "3": "intra"}
     assert T.group_dims(SimpleNamespace(g=4, m=1, group_names=names), "0") == {"0": "inter", "4": "inter", "1": "inter"}

@@ -238,8 +238,15 @@ def world(payload: dict) -> dict[str, Any]:
             _drop_step(folder, 4)
             out[case] = train(config(strategy="IIG", folder=folder, resume=True))
         elif case == "bf16":  # torchtitan's default precision: bf16 P, fp32 masters; saves steps 2 and 4
-            out[case] = train(config(strategy="IIG", seed_from=seed, folder=os.path.join(root, "paro_bf16"), save_every=2,
-                                     dtype="bfloat16"))
+            out[case] = train(
+                config(
+                    strategy="IIG",
+                    seed_from=seed,
+                    folder=os.path.join(root, "paro_bf16"),
+                    save_every=2,
+                    dtype="bfloat16",
+                )
+            )
         elif case == "resume_bf16":
             folder = os.path.join(root, "paro_bf16")
             _drop_step(folder, 4)
@@ -495,8 +502,10 @@ def test_per_block_compile_keeps_the_engine_hooks_in_the_block_graph(fake_world,
     ac_config = {None: None, "full": FullAC.Config(), "selective": SelectiveAC.Config()}[ac]
     training = SimpleNamespace(mixed_precision_param="float32", mixed_precision_reduce="float32")
     # torchtitan's apply_compile sets dynamo options for the process, its AC the LRU cache: undone after
-    with torch._dynamo.config.patch(capture_scalar_outputs=False, skip_fwd_side_effects_in_bwd_under_checkpoint=False), \
-            mock.patch("torchtitan.distributed.activation_checkpoint._disable_dynamo_lru_cache"):
+    with (
+        torch._dynamo.config.patch(capture_scalar_outputs=False, skip_fwd_side_effects_in_bwd_under_checkpoint=False),
+        mock.patch("torchtitan.distributed.activation_checkpoint._disable_dynamo_lru_cache"),
+    ):
         model = parallelize_paro(model, parallel_dims=SimpleNamespace(tp_enabled=False), training=training,
                                  parallelism=SimpleNamespace(), compile_config=cc, ac_config=ac_config,
                                  dump_folder="", paro=ParoConfig(strategy="GGG", group_size=4))

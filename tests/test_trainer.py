@@ -124,20 +124,50 @@ def world4_first(tmp: str) -> dict[str, Any]:
     # (and comm.check_collective_order: step 2, the first after compiling, compared across ranks)
     log = io.StringIO()
     with contextlib.redirect_stdout(log):
-        trainer, losses = _run(["--parallelism.paro_strategy", "IIG", "--parallelism.paro_group_size", "2",
-                                "--training.steps", "3", "--compile.enable", "--compile.backend", "aot_eager",
-                                "--metrics.enable_tensorboard", "--profiling.enable_profiling", "--profiling.profile_freq", "2",
-                                "--job.dump_folder", f"{tmp}/compiled", "--comm.check_collective_order", "true"])
+        trainer, losses = _run(
+            [
+                "--parallelism.paro_strategy",
+                "IIG",
+                "--parallelism.paro_group_size",
+                "2",
+                "--training.steps",
+                "3",
+                "--compile.enable",
+                "--compile.backend",
+                "aot_eager",
+                "--metrics.enable_tensorboard",
+                "--profiling.enable_profiling",
+                "--profiling.profile_freq",
+                "2",
+                "--job.dump_folder",
+                f"{tmp}/compiled",
+                "--comm.check_collective_order",
+                "true",
+            ]
+        )
     out["compiled/IIG"] = {"losses": losses, "comm": trainer.model.comm_stats().as_dict(),
                            "order": [x for x in log.getvalue().splitlines() if "collective order" in x]}
     # a per-tensor policy and bf16 parameters
-    _, losses = _run(["--parallelism.paro_strategy", "IIG", "--parallelism.paro_group_size", "2", "--training.steps", "3",
-                      "--parallelism.paro_policy", "tok_embeddings.*=NIG,output.*=GGG",
-                      "--training.mixed_precision_param", "bfloat16"])
+    _, losses = _run(
+        [
+            "--parallelism.paro_strategy",
+            "IIG",
+            "--parallelism.paro_group_size",
+            "2",
+            "--training.steps",
+            "3",
+            "--parallelism.paro_policy",
+            "tok_embeddings.*=NIG,output.*=GGG",
+            "--training.mixed_precision_param",
+            "bfloat16",
+        ]
+    )
     out["policy_bf16"] = losses
     # full activation checkpointing (exact against no checkpointing)
-    for name, argv in {"ac/IIG": ["--parallelism.paro_strategy", "IIG"],  # re-sharded after forward, re-gathered for the recompute
-                       "ac/NNG": ["--parallelism.paro_strategy", "NNG"]}.items():
+    for name, argv in {
+        "ac/IIG": ["--parallelism.paro_strategy", "IIG"],  # re-sharded after forward, re-gathered for the recompute
+        "ac/NNG": ["--parallelism.paro_strategy", "NNG"],
+    }.items():
         trainer, losses = _run(argv + ["--parallelism.paro_group_size", "2", "--training.steps", "3",
                                        "--activation_checkpoint.mode", "full"])
         out[name] = {"losses": losses, "sharded": _full_state(trainer)["sharded"]}
@@ -158,8 +188,21 @@ def world4_first(tmp: str) -> dict[str, Any]:
     out["resume/from3"] = (trainer.resumed_from, losses)
 
     # cross-strategy source: IIG on 4 ranks, 3 steps, checkpoint at step 3
-    trainer, _ = _run(["--parallelism.paro_strategy", "IIG", "--parallelism.paro_group_size", "2", "--training.steps", "3",
-                       "--checkpoint.enable", "--checkpoint.interval", "3", "--job.dump_folder", f"{tmp}/cross"])
+    trainer, _ = _run(
+        [
+            "--parallelism.paro_strategy",
+            "IIG",
+            "--parallelism.paro_group_size",
+            "2",
+            "--training.steps",
+            "3",
+            "--checkpoint.enable",
+            "--checkpoint.interval",
+            "3",
+            "--job.dump_folder",
+            f"{tmp}/cross",
+        ]
+    )
     out["cross/iig4"] = _full_state(trainer)
     return out
 
@@ -190,8 +233,21 @@ def world2(tmp: str) -> dict[str, Any]:
 
 
 def world4_second(tmp: str) -> dict[str, Any]:
-    trainer, losses = _run(["--parallelism.paro_strategy", "IIG", "--parallelism.paro_group_size", "2", "--training.steps", "5",
-                            "--checkpoint.enable", "--checkpoint.interval", "5", "--job.dump_folder", f"{tmp}/cross"])
+    trainer, losses = _run(
+        [
+            "--parallelism.paro_strategy",
+            "IIG",
+            "--parallelism.paro_group_size",
+            "2",
+            "--training.steps",
+            "5",
+            "--checkpoint.enable",
+            "--checkpoint.interval",
+            "5",
+            "--job.dump_folder",
+            f"{tmp}/cross",
+        ]
+    )
     return {"cross/iig4_loaded": {**_full_state(trainer), "resumed_from": trainer.resumed_from, "losses": losses}}
 
 

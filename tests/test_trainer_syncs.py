@@ -18,7 +18,6 @@ import traceback
 from collections import defaultdict
 from pathlib import Path
 
-import pytest
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
