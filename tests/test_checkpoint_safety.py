@@ -105,8 +105,7 @@ def _calls(tree: ast.AST):
 
 
 # places that unpickle what this process's own children sent (never a file a user names)
-OWN_PROCESSES = {"tools/local_world.py",  # results of its spawned ranks, off a multiprocessing queue
-                 "tools/gpu_check/world.py"}  # the same for the GPU check's ranks (its _load of q.get())
+OWN_PROCESSES = {"tools/local_world.py"}  # results of its ranks, off a multiprocessing queue
 
 
 def test_no_full_unpickler_anywhere_in_the_project():
