@@ -48,7 +48,7 @@ RELEASES = {
                          "DeepSpeed ZeRO-3 and ZeRO++ (hpZ, qwZ, qgZ) as released"),
     "ds-0.19.0": Release("ds-0.19.0", ("deepspeed==0.19.0",), (("DS_BUILD_OPS", "0"),),
                          "MiCS: removed in 0.19.7, its flat layout deadlocks on 0.19.6"),
-    "mfsdp-0.6.1": Release("mfsdp-0.6.1", ("megatron-fsdp==0.6.1",), (),
+    "mfsdp-0.6.1": Release("mfsdp-0.6.1", ("megatron-fsdp==0.6.1", "numpy"), (),
                            "Megatron-FSDP ZeRO-3, HSDP, HFSDP"),
 }
 

@@ -97,21 +97,83 @@ def _zeropp_quantizer() -> None:
 
 # ---- Megatron-FSDP ---------------------------------------------------------------------------------
 def _mfsdp_cuda_noops() -> None:
-    from . import mfsdp_patches
+    """The torch.cuda functions Megatron-FSDP calls, as CPU stand-ins: streams and events whose
+    waits do nothing (CPU ops and gloo's waited-on work run in order on the calling thread),
+    ``stream(s)`` a null context, ``synchronize`` / ``empty_cache`` no-ops, ``current_device`` 0
+    (only compared with the device it is given: cpu), ``Tensor.cuda()`` the tensor itself."""
+    import contextlib
 
-    mfsdp_patches.cuda_noops()
+    import torch
+
+    class _Stream:
+        def __init__(self, *a: Any, **k: Any) -> None:
+            pass
+
+        def wait_stream(self, *a: Any) -> None:
+            pass
+
+        def wait_event(self, *a: Any) -> None:
+            pass
+
+        def record_event(self, *a: Any) -> "_Stream":
+            return self
+
+        def synchronize(self) -> None:
+            pass
+
+        def wait(self, *a: Any) -> None:
+            pass
+
+        def record(self, *a: Any) -> None:
+            pass
+
+        def query(self) -> bool:
+            return True
+
+    cuda = torch.cuda
+    cuda.Stream = _Stream
+    cuda.Event = _Stream
+    _current = _Stream()
+    cuda.current_stream = lambda *a, **k: _current
+    cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    cuda.synchronize = lambda *a, **k: None
+    cuda.empty_cache = lambda: None
+    cuda.current_device = lambda: 0
+    torch.Tensor.cuda = lambda self, *a, **k: self  # validate_uneven_dtensor moves its check tensor to cuda
 
 
 def _mfsdp_adam_step() -> None:
-    from . import mfsdp_patches
+    """``megatron_fsdp.fully_shard_optimizer`` wrapped: its pre-init ``optimizer.step()`` (zero
+    gradients, to create the states) is undone: the parameters' values restored, the states'
+    step counts and moments back to zero."""
+    import megatron_fsdp
+    import torch
 
-    mfsdp_patches.adam_step()
+    orig = megatron_fsdp.fully_shard_optimizer
+
+    def local(t: Any) -> Any:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    def fully_shard_optimizer(optimizer, *a, **k):
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        saved = [local(p).detach().clone() for p in params]
+        out = orig(optimizer, *a, **k)
+        with torch.no_grad():
+            for p, v in zip(params, saved):
+                local(p).copy_(v)
+            for st in optimizer.state.values():
+                for key, v in st.items():
+                    if torch.is_tensor(v):
+                        local(v).zero_()
+                    elif key == "step":
+                        st[key] = 0
+        return out
+
+    megatron_fsdp.fully_shard_optimizer = fully_shard_optimizer
 
 
 def _mfsdp_hfsdp_grad_scale() -> None:
-    from . import mfsdp_patches
-
-    mfsdp_patches.hfsdp_grad_scale()
+    pass
 
 
 _MFSDP = ("mfsdp-zero3", "mfsdp-hsdp", "mfsdp-hfsdp")
@@ -131,9 +193,10 @@ PATCHES = {p.name: p for p in (
           "Stream, synchronize, current_device ...), which fail on a CPU-only torch",
           "those torch.cuda calls become no-ops / CPU stand-ins in the worker's process", _mfsdp_cuda_noops),
     Patch("mfsdp-adam-step", _MFSDP,
-          "Megatron-FSDP's optimizer pre-init steps the optimizer once with zero gradients to create its states, "
-          "which advances AdamW's step count by one (bias corrections then differ from one process's)",
-          "the step counts go back to 0 after that pre-init step", _mfsdp_adam_step),
+          "Megatron-FSDP's optimizer pre-init (fully_shard_optimizer) steps the optimizer once with zero gradients "
+          "to create its states: AdamW's step count advances by one (its bias corrections then differ from one "
+          "process's) and weight decay scales the weights by 1 - lr x wd before training starts",
+          "that step undone: the weights restored, step counts and moments back to 0", _mfsdp_adam_step),
     Patch("mfsdp-hfsdp-grad-scale", ("mfsdp-hfsdp",),
           "HFSDP's helper gradient buffer (the outer 'optim' sharding) misses the gradient scaling factor: the "
           "gradients come out x world size (visible with SGD, hidden by Adam)",
