@@ -1,5 +1,5 @@
-"""The torchtitan-style trainer's parts (``train.py`` at the repository root wires them up):
-``config`` (TOML + CLI), ``tokenizer``, ``data`` (offline packed windows), ``lr`` (schedule),
-``parallelize`` (model + activation checkpointing + paro_shard), ``hf_model`` (``model.name =
-"hf"``: a Hugging Face folder, LoRA, the export), ``metrics`` (log line,
-TensorBoard, profiler), ``checkpoint`` (torch.distributed.checkpoint)."""
+"""The torchtitan-style trainer's parts, which ``train.py`` at the repository root wires up: ``config`` (the
+schema) and ``config_parse`` (TOML + CLI, and every error as one line), ``tokenizer``, ``data``, ``parallelize``
+(process group, model, strategy, activation checkpointing, paro_shard, compile), ``hf_model`` (a Hugging Face
+folder, LoRA, the export), ``optimizer``, ``lr``, ``checkpoint`` (DCP), ``metrics`` (log line, TensorBoard,
+profiler), ``timeline``, ``faults`` (signals, the stop vote, failures, the exit status) and ``estimate``."""

@@ -1,10 +1,7 @@
 """Checkpoints with torch.distributed.checkpoint (DCP): atomic saves, pruning, resume.
 
-A ``step-<N>`` folder holds the model (``model.<fqn>``: its parameters, which are the fp32
-masters, DTensors at each tensor's OS level), the torch optimizer's state keyed by parameter name
-(``optimizer.state.<fqn>.exp_avg``, ``optimizer.param_groups.<fqn>.lr``, ...), both through DCP's
-``get_state_dict`` / ``set_state_dict`` as FSDP2's, the lr scheduler's step, the data position and
-the step with RNG states. Why DTensors by name: DCP reads whatever pieces the *loading* run's
+What a ``step-<N>`` folder holds, key by key, is in docs/trainer.md. Why DTensors by name (DCP's
+``get_state_dict`` / ``set_state_dict``, as FSDP2's): DCP reads whatever pieces the *loading* run's
 placements need, so IIG on 4 ranks loads under GGG on 2, and back, and the folder interchanges with
 FSDP2's (torchtitan's) model checkpoints.
 
@@ -32,8 +29,8 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..checkpoint_files import (MANIFEST, CheckpointError, SafeReader, disk_failure, first_line, safe_load, shape_problem,
-                               verify, write_manifest)
+from ..checkpoint_files import (MANIFEST, CheckpointError, SafeReader, disk_failure, first_line, safe_load,
+                               shape_problem, verify, write_manifest)
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 MODEL_SCOPE = "model."  # this trainer's checkpoints: the model's parameters under model.<fqn>
@@ -164,8 +161,8 @@ class CheckpointManager:
                     shutil.rmtree(os.path.join(self.folder, name), ignore_errors=True)
                     self.removed.append(name)
             for path, why in scan_checkpoints(self.folder)[1].values():
-                self.notes.append(f"checkpoint {path} is damaged ({why}): not loaded; moved aside to {move_aside(path)} "
-                                  f"so that no save overwrites it")
+                self.notes.append(f"checkpoint {path} is damaged ({why}): not loaded; moved aside to "
+                                  f"{move_aside(path)} so that no save overwrites it")
         self._barrier()
 
     def _barrier(self) -> None:
@@ -190,20 +187,23 @@ class CheckpointManager:
                       f"or move {path} away" if earlier else f"; move {path} away to start from step 0")
         later = [s for s in found if s > step]
         if later:
-            self.notes.append(f"checkpoint.load_step {step}: the later checkpoints {', '.join(f'step-{s}' for s in later)} "
-                              f"in {self.folder} will be overwritten or pruned as this run saves (move them away to keep them)")
+            names = ", ".join(f"step-{s}" for s in later)
+            self.notes.append(f"checkpoint.load_step {step}: the later checkpoints {names} in {self.folder} will be "
+                              f"overwritten or pruned as this run saves (move them away to keep them)")
         unverified_fix = "; load it unverified with --checkpoint.verify false, or " + (
-            f"load an earlier one with --checkpoint.load_step {max(earlier)}" if earlier else f"move {path} away to start from step 0")
-        misfit_fix = (f"; use the model options of the run that wrote it ({_MODEL_KEYS}), or set job.dump_folder to another "
-                      f"folder to train this model from step 0 (an earlier step of that run has the same shapes)")
+            f"load an earlier one with --checkpoint.load_step {max(earlier)}" if earlier
+            else f"move {path} away to start from step 0")
+        misfit_fix = (f"; use the model options of the run that wrote it ({_MODEL_KEYS}), or set job.dump_folder to "
+                      f"another folder to train this model from step 0 (an earlier step of that run has the same "
+                      f"shapes)")
 
         def target(metadata):
             if "model" in self.states and _is_legacy(metadata):
                 raise CheckpointError(
                     f"checkpoint {path} was written before the trainer's optimizer became torch's over the model's "
-                    f"parameters (its weights are under {LEGACY_SCOPE}*, this trainer's under {MODEL_SCOPE}*): it cannot "
-                    f"be resumed; start from its weights with --checkpoint.initial_load_path {path} (optimizer, lr "
-                    f"schedule and data from step 0) and set job.dump_folder to another folder")
+                    f"parameters (its weights are under {LEGACY_SCOPE}*, this trainer's under {MODEL_SCOPE}*): it "
+                    f"cannot be resumed; start from its weights with --checkpoint.initial_load_path {path} "
+                    f"(optimizer, lr schedule and data from step 0) and set job.dump_folder to another folder")
             return self.states, MODEL_SCOPE
 
         _checked_load(path, target, self.verify, f"checkpoint {path}",
@@ -212,7 +212,9 @@ class CheckpointManager:
 
     def latest_hint(self) -> str:
         found = list_checkpoints(self.folder) if self.enabled else {}
-        return f"the latest complete checkpoint is {found[max(found)]}" if found else "there is no complete checkpoint yet"
+        if not found:
+            return "there is no complete checkpoint yet"
+        return f"the latest complete checkpoint is {found[max(found)]}"
 
     def should_save(self, step: int, last_step: int) -> bool:
         return self.enabled and (step % self.interval == 0 or step == last_step)
@@ -234,8 +236,9 @@ class CheckpointManager:
                 shutil.rmtree(tmp, ignore_errors=True)
             if not disk_failure(exc):
                 raise  # a lost peer or a bug: reported as such, not as a disk problem
-            raise CheckpointError(f"saving checkpoint step-{step} in {self.folder} failed: {first_line(exc, prefer=OSError)}; {hint} "
-                                  f"and stays loadable; free space there or set job.dump_folder to a larger disk") from None
+            raise CheckpointError(f"saving checkpoint step-{step} in {self.folder} failed: "
+                                  f"{first_line(exc, prefer=OSError)}; {hint} and stays loadable; free space there or "
+                                  f"set job.dump_folder to a larger disk") from None
         self._barrier()  # every rank's shards are on disk; rank 0 already wrote .metadata and the manifest
         if self.rank == 0:
             if os.path.exists(final):
@@ -312,8 +315,8 @@ def load_model_weights(model: torch.nn.Module, path: str, verify_files: bool = T
 
     _checked_load(path, target, verify_files, f"checkpoint.initial_load_path {path}",
                   damage_fix="; point checkpoint.initial_load_path at an intact checkpoint folder, or leave it empty",
-                  misfit_fix=f"; point it at a checkpoint of this model, or use the model options of the run that wrote it "
-                             f"({_MODEL_KEYS})",
+                  misfit_fix=f"; point it at a checkpoint of this model, or use the model options of the run that "
+                             f"wrote it ({_MODEL_KEYS})",
                   unverified_fix=None, warn=warn or (lambda line: warnings.warn(line, stacklevel=3)))
     ModelState(model).load_state_dict(weights)
     return own[0] or "model weights"
@@ -331,14 +334,16 @@ def _is_legacy(metadata: Any) -> bool:
     return any(k.startswith(LEGACY_SCOPE) for k in keys) and not any(k.startswith(MODEL_SCOPE) for k in keys)
 
 
-def _checked_load(path: str, target: Callable[[Any], tuple[Any, str]], verify_files: bool, what: str, *, damage_fix: str,
-                  misfit_fix: str, unverified_fix: Optional[str], warn: Optional[Callable[[str], None]]) -> None:
+def _checked_load(path: str, target: Callable[[Any], tuple[Any, str]], verify_files: bool, what: str, *,
+                  damage_fix: str, misfit_fix: str, unverified_fix: Optional[str],
+                  warn: Optional[Callable[[str], None]]) -> None:
     """Verify, shape-check against ``target(metadata)``, then ``safe_load``: each failure is one CheckpointError
     starting with ``what`` and ending with the fix for its cause. Collective."""
     if verify_files and not os.path.isfile(os.path.join(path, MANIFEST)):
         if warn is None:
-            raise CheckpointError(f"{what} has no {MANIFEST}, so its files cannot be verified (this trainer writes one with "
-                                  f"every save: the folder was copied incompletely or written by another tool){unverified_fix}")
+            raise CheckpointError(f"{what} has no {MANIFEST}, so its files cannot be verified (this trainer writes one "
+                                  f"with every save: the folder was copied incompletely or written by another "
+                                  f"tool){unverified_fix}")
         warn(f"{what} has no {MANIFEST} (folders written by torchtitan or plain DCP have none): its files could not be "
              f"verified against checksums; loading it, its shapes checked (--checkpoint.verify true)")
     problem = verify(path) if verify_files else None

@@ -35,11 +35,13 @@ class Job:
 @dataclass
 class Model:
     name: str = "llama"
-    """Model family; one of: llama (this trainer's Llama, from scratch), hf (a Hugging Face model folder, model.hf_path)"""
+    """Model family; one of: llama (this trainer's Llama, from scratch), hf (a Hugging Face model folder,
+    model.hf_path)"""
     flavor: str = "debug"
     """Model size: debug, llama7b, llama13b, llama65b (model.name = llama)"""
     hf_path: str = ""
-    """model.name = hf: the folder save_pretrained wrote (config.json + *.safetensors, one file or shards) to fine-tune"""
+    """model.name = hf: the folder save_pretrained wrote (config.json + *.safetensors, one file or shards) to
+    fine-tune"""
     tokenizer: str = "auto"
     """"auto" (model.name = llama: "byte"; hf: the tokenizer.json of model.hf_path), "byte" (UTF-8 bytes + BOS/EOS,
     258 ids) or the path of a HuggingFace tokenizer.json"""
@@ -124,9 +126,11 @@ class Training:
 @dataclass
 class Parallelism:
     paro_strategy: str = "IIG"
-    """PaRO strategy: three letters of N/I/G for P, G, OS (IIG, NIG, GGG = ZeRO-3, NNN = DDP, ...), or "auto" (the advisor picks)"""
+    """PaRO strategy: three letters of N/I/G for P, G, OS (IIG, NIG, GGG = ZeRO-3, NNN = DDP, ...), or "auto" (the
+    advisor picks)"""
     paro_cluster_file: str = ""
-    """With paro_strategy = "auto": cluster TOML for the advisor (a preset name of paro_fsdp/cost/clusters or tools.calibrate output); empty: calibrate at start-up"""
+    """With paro_strategy = "auto": cluster TOML for the advisor (a preset name of paro_fsdp/cost/clusters or
+    tools.calibrate output); empty: calibrate at start-up"""
     paro_group_size: int = -1
     """Ranks per group (m); -1: ranks per node (LOCAL_WORLD_SIZE)"""
     paro_policy: dict[str, str] = field(default_factory=dict)

@@ -101,7 +101,8 @@ def _from_cli(key: str, text: str, tp: Any) -> Any:
         out = {}
         for item in filter(None, (p.strip() for p in text.split(","))):
             if "=" not in item:
-                raise ConfigError(f"--{key} item {item!r} is not pattern=STRATEGY; valid: e.g. 'output.*=NIG,default=IIG'")
+                raise ConfigError(f"--{key} item {item!r} is not pattern=STRATEGY; valid: e.g. "
+                                  f"'output.*=NIG,default=IIG'")
             k, v = item.split("=", 1)
             out[k.strip()] = v.strip()
         return out
@@ -121,7 +122,8 @@ def load_toml(cfg: JobConfig, path: str) -> None:
         with open(path, "rb") as f:
             data = tomllib.load(f)
     except FileNotFoundError:
-        raise ConfigError(f"job.config_file = {path!r} does not exist; valid: the path of a TOML file, e.g. train_configs/debug_paro.toml") from None
+        raise ConfigError(f"job.config_file = {path!r} does not exist; valid: the path of a TOML file, e.g. "
+                          f"train_configs/debug_paro.toml") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"job.config_file = {path!r} is not valid TOML: {exc}") from None
     for section, table in data.items():
@@ -149,7 +151,8 @@ _FLAGS = {"-h": "help", "--help": "help", "--print-config": "print_config", "--e
           "--check-config": "check_config"}
 
 
-def parse_args(argv: list[str], world_size: Optional[int] = None, local_world_size: Optional[int] = None) -> tuple[JobConfig, CliArgs]:
+def parse_args(argv: list[str], world_size: Optional[int] = None,
+               local_world_size: Optional[int] = None) -> tuple[JobConfig, CliArgs]:
     """Defaults, then ``--job.config_file``, then CLI overrides; validated for ``world_size`` (default $WORLD_SIZE)."""
     cli = CliArgs()
     overrides: list[tuple[str, str, Optional[str]]] = []  # (section, key, text or None for a bare flag)
@@ -167,10 +170,12 @@ def parse_args(argv: list[str], world_size: Optional[int] = None, local_world_si
             try:
                 cli.world = int(text)
             except ValueError:
-                raise ConfigError(f"--world {text!r} must be an integer (the number of ranks to estimate for)") from None
+                raise ConfigError(f"--world {text!r} must be an integer (the number of ranks to estimate for)") \
+                    from None
             continue
         if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
-            raise ConfigError(f"unexpected argument {arg!r}; valid: --section.key value (sections: {', '.join(SECTIONS)}), "
+            raise ConfigError(f"unexpected argument {arg!r}; valid: --section.key value (sections: "
+                              f"{', '.join(SECTIONS)}), "
                               "--print-config, --check-config [--world N], --estimate [--world N], --help")
         name, eq, text = arg[2:].partition("=")
         section, _, key = name.partition(".")
@@ -207,8 +212,8 @@ def parse_args(argv: list[str], world_size: Optional[int] = None, local_world_si
         elif "WORLD_SIZE" in os.environ:
             world_size = int(os.environ["WORLD_SIZE"])
     if local_world_size is None and world_size is not None:
-        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if not cli.estimate else min(8, world_size)
-    validate(cfg, world_size, local_world_size, for_training=not (cli.estimate or cli.print_config))
+        local_world_size = min(8, world_size) if cli.estimate else int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    validate(cfg, world_size, local_world_size)
     return cfg, cli
 
 
@@ -218,9 +223,9 @@ def imply_dataset(cfg: JobConfig, dataset_on_cli: bool) -> None:
     if not t.dataset_path or t.dataset != "embedded":
         return
     if dataset_on_cli:
-        raise ConfigError(f"training.dataset_path = {_show(t.dataset_path)} is read only with training.dataset = \"text\" "
-                          f"or \"jsonl\", and the command line also says --training.dataset embedded; valid: drop one "
-                          f"of the two (a path alone implies text, or jsonl for .jsonl files)")
+        raise ConfigError(f"training.dataset_path = {_show(t.dataset_path)} is read only with training.dataset = "
+                          f"\"text\" or \"jsonl\", and the command line also says --training.dataset embedded; "
+                          f"valid: drop one of the two (a path alone implies text, or jsonl for .jsonl files)")
     jsonl, text = (".jsonl", ".json"), (".txt", ".md", ".rst", ".text")  # data.JSONL_SUFFIXES, data.TEXT_SUFFIXES
     path = t.dataset_path
     if os.path.isdir(path):
@@ -234,14 +239,19 @@ def _is_strategy(text: str) -> bool:
     return isinstance(text, str) and len(text.strip()) == 3 and all(c in "NIG" for c in text.strip().upper())
 
 
-def validate(cfg: JobConfig, world_size: Optional[int], local_world_size: Optional[int] = None, for_training: bool = True) -> None:
+def validate(cfg: JobConfig, world_size: Optional[int], local_world_size: Optional[int] = None) -> None:
     """Raise ConfigError for well-typed but impossible values (``world_size`` None skips the checks needing it)."""
 
     def positive(key: str, value: float, allow_zero: bool = False) -> None:
         if value < 0 or (value == 0 and not allow_zero):
             raise ConfigError(f"{key} = {_show(value)} must be {'>= 0' if allow_zero else '> 0'}")
 
-    m, t, p = cfg.model, cfg.training, cfg.parallelism
+    def within(key: str, value: Optional[float], top_open: bool = False, unset: str = "") -> None:
+        if value is not None and not (0.0 <= value < 1.0 if top_open else 0.0 <= value <= 1.0):
+            bound = ")" if top_open else "]"
+            raise ConfigError(f"{key} = {value} is out of range; valid: {unset}a number in [0, 1{bound}")
+
+    m, t, p, pf = cfg.model, cfg.training, cfg.parallelism, cfg.peft
     if m.name not in MODEL_NAMES:
         raise ConfigError(f"model.name = {_show(m.name)} is not a known model; valid: {', '.join(MODEL_NAMES)}")
     if m.flavor not in FLAVOR_NAMES:
@@ -255,60 +265,64 @@ def validate(cfg: JobConfig, world_size: Optional[int], local_world_size: Option
     if m.name == "hf" and m.vocab_size != -1:
         raise ConfigError(f"model.vocab_size = {m.vocab_size}: a Hugging Face model's vocabulary is its config.json's; "
                           f"valid: -1 with model.name = \"hf\"")
-    pf = cfg.peft
     if pf.lora_rank < 0:
         raise ConfigError(f"peft.lora_rank = {pf.lora_rank} is invalid; valid: 0 (no LoRA) or a positive rank, e.g. 8")
     if pf.lora_rank and m.name != "hf":
-        raise ConfigError("peft.lora_rank > 0 fine-tunes a Hugging Face model; valid: --model.name hf --model.hf_path DIR, "
-                          "or peft.lora_rank = 0")
+        raise ConfigError("peft.lora_rank > 0 fine-tunes a Hugging Face model; valid: --model.name hf "
+                          "--model.hf_path DIR, or peft.lora_rank = 0")
     positive("peft.lora_alpha", pf.lora_alpha)
-    if not 0.0 <= pf.lora_dropout < 1.0:
-        raise ConfigError(f"peft.lora_dropout = {pf.lora_dropout} is out of range; valid: a number in [0, 1)")
+    within("peft.lora_dropout", pf.lora_dropout, top_open=True)
     if m.vocab_size != -1 and m.vocab_size < 1:
-        raise ConfigError(f"model.vocab_size = {m.vocab_size} is invalid; valid: -1 (from flavor and tokenizer) or a positive integer")
+        raise ConfigError(f"model.vocab_size = {m.vocab_size} is invalid; valid: -1 (from flavor and tokenizer) or a "
+                          f"positive integer")
     for key in ("local_batch_size", "seq_len", "steps"):
         positive(f"training.{key}", getattr(t, key))
     for key, zero in (("lr", False), ("eps", False), ("weight_decay", True)):
         positive(f"optimizer.{key}", getattr(cfg.optimizer, key), allow_zero=zero)
     positive("lr_scheduler.warmup_steps", cfg.lr_scheduler.warmup_steps, allow_zero=True)
     positive("training.max_consecutive_skips", t.max_consecutive_skips, allow_zero=True)
-    if not 0.0 <= cfg.lr_scheduler.min_lr_factor <= 1.0:
-        raise ConfigError(f"lr_scheduler.min_lr_factor = {cfg.lr_scheduler.min_lr_factor} is out of range; valid: a number in [0, 1]")
-    if cfg.lr_scheduler.decay_ratio is not None and not 0.0 <= cfg.lr_scheduler.decay_ratio <= 1.0:
-        raise ConfigError(f"lr_scheduler.decay_ratio = {cfg.lr_scheduler.decay_ratio} is out of range; valid: unset or a number in [0, 1]")
+    within("lr_scheduler.min_lr_factor", cfg.lr_scheduler.min_lr_factor)
+    within("lr_scheduler.decay_ratio", cfg.lr_scheduler.decay_ratio, unset="unset or ")
     if t.dataset in ("text", "jsonl") and not t.dataset_path:
-        raise ConfigError(f"training.dataset_path is required when training.dataset = {_show(t.dataset)}; valid: a file or folder path")
+        raise ConfigError(f"training.dataset_path is required when training.dataset = {_show(t.dataset)}; valid: a "
+                          f"file or folder path")
     init = cfg.checkpoint.initial_load_path
     if init and not os.path.isdir(init):
-        raise ConfigError(f"checkpoint.initial_load_path = {_show(init)} does not exist; valid: \"\" or a DCP checkpoint "
-                          f"folder (e.g. a step-N folder)")
+        raise ConfigError(f"checkpoint.initial_load_path = {_show(init)} does not exist; valid: \"\" or a DCP "
+                          f"checkpoint folder (e.g. a step-N folder)")
     if t.dataset_path and not os.path.exists(t.dataset_path):
-        raise ConfigError(f"training.dataset_path = {_show(t.dataset_path)} does not exist; valid: an existing file or folder")
+        raise ConfigError(f"training.dataset_path = {_show(t.dataset_path)} does not exist; valid: an existing file "
+                          f"or folder")
     per_step = t.local_batch_size * (world_size or 1)
-    if world_size is not None and t.global_batch_size != -1 and (t.global_batch_size < per_step or t.global_batch_size % per_step):
+    gbs = t.global_batch_size
+    if world_size is not None and gbs != -1 and (gbs < per_step or gbs % per_step):
         examples = ", ".join(str(per_step * k) for k in (1, 2, 4))
-        raise ConfigError(f"training.global_batch_size = {t.global_batch_size} is not a multiple of training.local_batch_size "
-                          f"({t.local_batch_size}) x data-parallel ranks ({world_size}) = {per_step}; valid: -1 or a multiple of {per_step} (e.g. {examples})")
+        raise ConfigError(f"training.global_batch_size = {gbs} is not a multiple of training.local_batch_size "
+                          f"({t.local_batch_size}) x data-parallel ranks ({world_size}) = {per_step}; valid: -1 or a "
+                          f"multiple of {per_step} (e.g. {examples})")
     if p.paro_strategy.strip().lower() == "auto":
         if p.paro_policy:
             raise ConfigError("parallelism.paro_strategy = \"auto\" cannot be combined with parallelism.paro_policy "
-                              "(the advisor picks one strategy for the whole model); valid: an explicit strategy, or no paro_policy")
+                              "(the advisor picks one strategy for the whole model); valid: an explicit strategy, or "
+                              "no paro_policy")
     elif not _is_strategy(p.paro_strategy):
-        raise ConfigError(f"parallelism.paro_strategy = {_show(p.paro_strategy)} is not a PaRO strategy; valid: three letters of "
-                          "N, I, G for the P, G, OS levels, e.g. IIG, NIG, IGG, ING, GGG (ZeRO-3), NNG (ZeRO-1), NNN (DDP)")
+        raise ConfigError(f"parallelism.paro_strategy = {_show(p.paro_strategy)} is not a PaRO strategy; valid: three "
+                          "letters of N, I, G for the P, G, OS levels, e.g. IIG, NIG, IGG, ING, GGG (ZeRO-3), "
+                          "NNG (ZeRO-1), NNN (DDP)")
     for pattern, strategy in p.paro_policy.items():
         if not _is_strategy(strategy):
-            raise ConfigError(f"parallelism.paro_policy.{pattern} = {_show(strategy)} is not a PaRO strategy; valid: three "
-                              "letters of N, I, G, e.g. IIG")
+            raise ConfigError(f"parallelism.paro_policy.{pattern} = {_show(strategy)} is not a PaRO strategy; valid: "
+                              "three letters of N, I, G, e.g. IIG")
     if p.paro_flat_below_mb < 0:
         raise ConfigError(f"parallelism.paro_flat_below_mb = {p.paro_flat_below_mb} is invalid; valid: 0 (never flat) "
                           "or a positive size in MiB")
     if p.paro_group_size != -1 and p.paro_group_size < 1:
-        raise ConfigError(f"parallelism.paro_group_size = {p.paro_group_size} is invalid; valid: -1 (ranks per node) or a positive divisor of the world size")
+        raise ConfigError(f"parallelism.paro_group_size = {p.paro_group_size} is invalid; valid: -1 (ranks per node) "
+                          f"or a positive divisor of the world size")
     if p.paro_group_size != -1 and world_size is not None and world_size % p.paro_group_size:
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        raise ConfigError(f"parallelism.paro_group_size = {p.paro_group_size} does not divide the world size {world_size}; "
-                          f"valid: -1 (ranks per node) or one of {divisors}")
+        raise ConfigError(f"parallelism.paro_group_size = {p.paro_group_size} does not divide the world size "
+                          f"{world_size}; valid: -1 (ranks per node) or one of {divisors}")
     if "hierarchical" in cfg.compile.passes:
         raise ConfigError("compile.passes: 'hierarchical' is no longer a pass: compiled graphs run global collectives "
                           "as PaRO-CC (intra and inter phases) as the eager engine does; drop it, "
@@ -319,16 +333,19 @@ def validate(cfg: JobConfig, world_size: Optional[int], local_world_size: Option
     if cfg.compile.backend not in ("inductor", "aot_eager", "eager"):
         raise ConfigError(f"compile.backend = {cfg.compile.backend!r} is invalid; valid: inductor, aot_eager, eager")
     if cfg.compile.max_prefetch_mb < 0 and cfg.compile.max_prefetch_mb != -1:
-        raise ConfigError(f"compile.max_prefetch_mb = {cfg.compile.max_prefetch_mb} is invalid; valid: -1 (no bound) or >= 0")
+        raise ConfigError(f"compile.max_prefetch_mb = {cfg.compile.max_prefetch_mb} is invalid; valid: -1 (no bound) "
+                          f"or >= 0")
     for key, zero in (("metrics.log_freq", False), ("profiling.profile_freq", False), ("profiling.keep_latest_k", True),
                       ("checkpoint.interval", False), ("checkpoint.keep_latest_k", True)):
         section, name = key.split(".")
         positive(key, getattr(getattr(cfg, section), name), allow_zero=zero)
     if cfg.profiling.traced_micro_steps < 0:
-        raise ConfigError(f"profiling.traced_micro_steps = {cfg.profiling.traced_micro_steps} is invalid; valid: 0 (trace "
-                          "every micro-step) or a count >= 1 (the first ones and the last, which holds the step boundary)")
+        raise ConfigError(f"profiling.traced_micro_steps = {cfg.profiling.traced_micro_steps} is invalid; valid: 0 "
+                          "(trace every micro-step) or a count >= 1 (the first ones and the last, which holds the step "
+                          "boundary)")
     if cfg.checkpoint.load_step < -1:
-        raise ConfigError(f"checkpoint.load_step = {cfg.checkpoint.load_step} is invalid; valid: -1 (latest) or a saved step")
+        raise ConfigError(f"checkpoint.load_step = {cfg.checkpoint.load_step} is invalid; valid: -1 (latest) or a "
+                          f"saved step")
     positive("comm.init_timeout_seconds", cfg.comm.init_timeout_seconds)
     positive("comm.train_timeout_seconds", cfg.comm.train_timeout_seconds)
 
@@ -411,13 +428,15 @@ def help_text() -> str:
 
     out = [
         "usage: torchrun --nproc-per-node N train.py --job.config_file FILE.toml [--section.key value ...]",
-        "       python train.py --job.config_file FILE.toml --print-config | --check-config [--world N] | --estimate --world N",
+        "       python train.py --job.config_file FILE.toml --print-config | --check-config [--world N]",
+        "       python train.py --job.config_file FILE.toml --estimate --world N",
         "",
         "exit status: 0 trained (or stopped by SIGTERM / SIGINT after saving the step it reached), 2 a configuration",
         "error (one line on stderr), 1 anything else (a failed rank or collective, a checkpoint problem). Under",
         "torchrun the trainer's line comes first and torchrun's own status is 1 whenever a rank failed or torchrun",
-        "itself was signalled (its ChildFailedError summary then names rank 0's exit status 2 for a configuration error).",
-        "--check-config validates for --world N ranks (default $WORLD_SIZE, else 1) and exits 0 or 2 without training.",
+        "itself was signalled (its ChildFailedError summary then names rank 0's exit status 2 for a configuration",
+        "error). --check-config validates for --world N ranks (default $WORLD_SIZE, else 1) and exits 0 or 2",
+        "without training.",
         "",
     ]
     defaults = JobConfig()
@@ -433,5 +452,6 @@ def help_text() -> str:
         out.append(f"[{section}]")
         for key, tp in _hints(section).items():
             default = getattr(getattr(defaults, section), key)
-            out.append(f"  --{section}.{key} ({_type_name(tp)}; default {_show(default)})  {docs.get(key, '')}".rstrip())
+            out.append(f"  --{section}.{key} ({_type_name(tp)}; default {_show(default)})  "
+                       f"{docs.get(key, '')}".rstrip())
     return "\n".join(out)

@@ -68,7 +68,8 @@ def load_documents(dataset: str, path: Optional[str] = None) -> list[str]:
                     docs.append(record["text"])
     docs = [d for d in docs if d.strip()]
     if not docs:
-        raise ValueError(f"training.dataset = {dataset!r} ({path}) has no non-empty documents; valid: a dataset_path with text")
+        raise ValueError(f"training.dataset = {dataset!r} ({path}) has no non-empty documents; valid: a dataset_path "
+                         f"with text")
     return docs
 
 
@@ -84,8 +85,8 @@ def pack_windows(tokens: np.ndarray, seq_len: int) -> np.ndarray:
     width = seq_len + 1
     n = len(tokens) // width
     if n == 0:
-        raise ValueError(f"the dataset has {len(tokens)} tokens, fewer than one window of training.seq_len + 1 = {width}; "
-                         f"valid: a smaller training.seq_len, or more text")
+        raise ValueError(f"the dataset has {len(tokens)} tokens, fewer than one window of training.seq_len + 1 = "
+                         f"{width}; valid: a smaller training.seq_len, or more text")
     return tokens[: n * width].reshape(n, width)
 
 

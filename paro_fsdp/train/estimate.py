@@ -154,7 +154,8 @@ def estimate(model: Union[str, LlamaArgs] = "llama7b", world: int = 64, group: i
     if seq_len > args.max_seq_len:
         raise ValueError(f"seq_len {seq_len} exceeds the model's max_seq_len {args.max_seq_len}")
     if any(d is not None and d not in DTYPES for d in (dtype, reduce_dtype, accumulate_dtype)) or dtype is None:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r} / {reduce_dtype!r} / {accumulate_dtype!r}")
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r} / {reduce_dtype!r} / "
+                         f"{accumulate_dtype!r}")
     names = [Strategy.parse(s).name for s in (strategies or ALL_STRATEGIES)]
     mp = MixedPrecision(DTYPES[dtype], DTYPES[reduce_dtype] if reduce_dtype else None,
                         DTYPES[accumulate_dtype] if accumulate_dtype else None)
@@ -225,8 +226,10 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             f"{r['strategy']:5} {r['known_as'][:24]:24} |"
             f" {r['mem_P'] / ms:7.3f} {r['mem_G'] / ms:7.3f} {r['mem_OS'] / ms:7.3f} {r['mem_total'] / ms:8.3f}"
             f" {r['formula_mem_total'] / ms:8.3f} {_ratio(r['mem_total'], r['formula_mem_total'])} |"
-            f" {r['intra_bytes'] / cs:8.2f} {r['formula_intra_bytes'] / cs:8.2f} {_ratio(r['intra_bytes'], r['formula_intra_bytes'])} |"
-            f" {r['inter_bytes'] / cs:8.3f} {r['formula_inter_bytes'] / cs:8.3f} {_ratio(r['inter_bytes'], r['formula_inter_bytes'])}"
+            f" {r['intra_bytes'] / cs:8.2f} {r['formula_intra_bytes'] / cs:8.2f}"
+            f" {_ratio(r['intra_bytes'], r['formula_intra_bytes'])} |"
+            f" {r['inter_bytes'] / cs:8.3f} {r['formula_inter_bytes'] / cs:8.3f}"
+            f" {_ratio(r['inter_bytes'], r['formula_inter_bytes'])}"
         )
     return "\n".join(lines)
 

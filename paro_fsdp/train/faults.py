@@ -1,19 +1,5 @@
-"""What the trainer does when something breaks mid-run: a lost or hung rank, a signal, a bad step.
-
-Why each piece exists:
-- ``restart_store``: a gloo group restarted by ``torchrun --max-restarts`` fails on the addresses
-  the dead attempt left in the agent's store; keys under a per-attempt prefix start clean.
-- ``collective_failure``: a dead peer or a timeout surfaces as a long backend traceback on every
-  survivor; an operator needs one line saying which, and that a restart resumes.
-- ``GracefulStop``: a pre-emption (SIGTERM, SIGKILL 30 s later) or Ctrl-C must cost at most the
-  current step. Votes ride in the loss all-reduce, so every rank stops after the same step,
-  saves it and exits 0; a rank that cannot get there in time says so in one line and exits 1.
-- ``config_error_exit``: torchrun's summary lists every failed rank and may SIGTERM them before
-  rank 0 said why; so rank 0 says the line first and fails last, the others leave quietly.
-- ``NonFiniteGuard``: one bad batch must not poison the fp32 masters. Loss and norm are global,
-  so every rank decides alike without a collective; the lr schedule follows the step number
-  (as GradScaler skips only ``optimizer.step()``), so a resume's lr matches the unbroken run's.
-"""
+"""What the trainer does when something breaks: a lost or hung rank, a signal, a bad step, a bad config; and
+what train.py's exit status and last line are. Each piece says why it exists (docs/failures.md)."""
 from __future__ import annotations
 
 import datetime
@@ -45,7 +31,9 @@ class TrainingStopped(RuntimeError):
 
 # ---- process group under torchrun restarts ----------------------------------------------------
 def restart_store(timeout: datetime.timedelta) -> Optional[dist.Store]:
-    """torchrun's TCPStore under ``paro/attempt<N>`` for the process group; None outside torchrun (``env://``)."""
+    """torchrun's TCPStore under ``paro/attempt<N>`` for the process group; None outside torchrun (``env://``).
+    Why: a gloo group restarted by ``torchrun --max-restarts`` fails on the addresses the dead attempt left in
+    the store; keys under a per-attempt prefix start clean."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None:
         return None
@@ -80,22 +68,24 @@ _PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken p
 _TIMED_OUT = ("timed out", "timeout")
 
 
+_RESTART = "under torchrun --max-restarts N the group restarts and resumes from the latest checkpoint"
+
+
 def collective_failure(exc: BaseException, rank: int, step: int, timeout_s: float) -> Optional[str]:
-    """One line for a collective that lost its peers or timed out; else None (a bug: its traceback must show)."""
+    """One line for a collective that lost its peers or timed out, where every survivor would print a long backend
+    traceback; else None (a bug: its traceback must show)."""
     causes = dcp_causes(exc)  # a failure inside DCP: the lowest rank's error
     if causes:
         exc = causes[0][1]
     if not isinstance(exc, (RuntimeError, dist.DistError)):
         return None
-    text = str(exc)
-    restart = ("under torchrun --max-restarts N the group restarts and resumes from the latest checkpoint; "
-               "otherwise rerun the same command")
+    text, where, restart = str(exc), f"rank {rank} at step {step}", f"{_RESTART}; otherwise rerun the same command"
     if any(s in text for s in _PEER_GONE):
-        return f"rank {rank} at step {step}: another rank died or closed its connection ({_first_line(text)}); {restart}"
+        return f"{where}: another rank died or closed its connection ({_first_line(text)}); {restart}"
     if any(s in text.lower() for s in _TIMED_OUT):
-        return (f"rank {rank} at step {step}: a collective timed out after {timeout_s:g} s "
-                f"(comm.train_timeout_seconds): another rank is hung or far slower; find it (py-spy dump, or its "
-                f"last log line), raise comm.train_timeout_seconds if it is only slow; {restart}")
+        return (f"{where}: a collective timed out after {timeout_s:g} s (comm.train_timeout_seconds): another rank "
+                f"is hung or far slower; find it (py-spy dump, or its last log line), raise "
+                f"comm.train_timeout_seconds if it is only slow; {restart}")
     return None
 
 
@@ -214,9 +204,9 @@ def reduce_with_votes(loss_sum: torch.Tensor, stop: Optional[GracefulStop]) -> t
 def stuck_line(rank: int, step: int, signum: int, waited_s: float) -> str:
     """What a rank says when a SIGTERM / SIGINT found it unable to finish its step in time."""
     name = signal.Signals(signum).name
-    return (f"rank {rank} at step {step}: stopped by {name} before the ranks could agree on a step to save (waited "
-            f"{waited_s:.0f} s: another rank died or hung, and torchrun stops every rank once one fails, whose own line "
-            f"says why); under torchrun --max-restarts N the group restarts and resumes from the latest checkpoint")
+    return (f"rank {rank} at step {step}: stopped by {name} before the ranks could agree on a step to save "
+            f"(waited {waited_s:.0f} s: another rank died or hung, and torchrun stops every rank once one fails, "
+            f"whose own line says why); {_RESTART}")
 
 
 def resume_command(argv: list[str]) -> str:
@@ -263,7 +253,8 @@ def _running(pid: int) -> bool:
 
 def config_error_exit(line: str, rank: int, write_line: Callable[[str], None], wait_s: float = 60.0) -> int:
     """Rank 0 writes ``line`` (also to torchrun's error file and store), waits ``wait_s`` for its node's ranks to ack
-    it (they return 0 silently) and returns 2; a rank with another error or no answer writes its own line."""
+    it (they return 0 silently) and returns 2; a rank with another error or no answer writes its own line. Why:
+    torchrun's summary lists every failed rank and may SIGTERM them before rank 0 said why."""
     store = _agent_store()
     node0 = os.environ.get("GROUP_RANK", "0") == "0"
     if rank == 0:
@@ -279,7 +270,8 @@ def config_error_exit(line: str, rank: int, write_line: Callable[[str], None], w
         # rank 0 fails last: after the acknowledged ranks' processes have exited 0 (on a loaded node
         # that takes longer than torchrun's 0.1 s poll), else torchrun lists them as failures too
         acked = store.add("config_error_acks", 0)  # each acknowledged rank set its pid first
-        pids = [int(p) for p in store.multi_get([f"config_error_pid{i}" for i in range(others)])] if acked >= others > 0 else []
+        keys = [f"config_error_pid{i}" for i in range(others)] if acked >= others > 0 else []
+        pids = [int(p) for p in store.multi_get(keys)] if keys else []
         while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(0.3)  # torchrun's poll sees their exit first
@@ -341,7 +333,8 @@ def _write_error_file(line: str) -> None:
 # ---- non-finite loss or gradient norm ----------------------------------------------------------
 class NonFiniteGuard:
     """Whether the optimizer may step: "skip" skips a NaN/inf loss or norm (stopping after ``max_consecutive`` in a
-    row, 0 = never), "stop" stops at the first; one device-to-host copy per step."""
+    row, 0 = never), "stop" stops at the first; one device-to-host copy per step. Why: one bad batch must not poison
+    the fp32 masters; loss and norm are global, so every rank decides alike without a collective."""
 
     def __init__(self, mode: str, max_consecutive: int) -> None:
         if mode not in ("skip", "stop"):
@@ -375,13 +368,14 @@ class NonFiniteGuard:
         where = f"; first non-finite gradient: {name}" if name else ""
         what = f"step {step}: non-finite loss {float(loss):g} / grad norm {float(grad_norm):g}{where}"
         if self.mode == "stop":
-            raise TrainingStopped(f"{what}: stopping (training.on_nonfinite = \"stop\"); the fp32 masters are those of "
-                                  f"step {step - 1}; resume from the latest checkpoint, e.g. with a lower optimizer.lr, "
-                                  f"or set training.on_nonfinite = \"skip\"")
+            raise TrainingStopped(f"{what}: stopping (training.on_nonfinite = \"stop\"); the fp32 masters are those "
+                                  f"of step {step - 1}; resume from the latest checkpoint, e.g. with a lower "
+                                  f"optimizer.lr, or set training.on_nonfinite = \"skip\"")
         if self.max_consecutive and self.consecutive >= self.max_consecutive:
-            raise TrainingStopped(f"{what}: {self.consecutive} non-finite steps in a row (training.max_consecutive_skips = "
-                                  f"{self.max_consecutive}): stopping; the weights are those of step {step - self.consecutive}; "
-                                  f"check the data and optimizer.lr, then resume from the latest checkpoint")
+            raise TrainingStopped(f"{what}: {self.consecutive} non-finite steps in a row "
+                                  f"(training.max_consecutive_skips = {self.max_consecutive}): stopping; the weights "
+                                  f"are those of step {step - self.consecutive}; check the data and optimizer.lr, "
+                                  f"then resume from the latest checkpoint")
         self.last = f"{what}: optimizer step skipped ({self.consecutive} in a row)"
         return False
 

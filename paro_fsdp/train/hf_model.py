@@ -11,13 +11,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from paro_fsdp.dtypes import dtype_of
 from paro_fsdp.integrations import hf
 from paro_fsdp.integrations.hf import HFModelError
 from paro_fsdp.models.llama import LlamaArgs
 
 from .config import JobConfig, tokenizer_spec
 
-__all__ = ["HFModelError", "shape_args", "build_meta_model", "load", "architecture", "loss", "export", "TOKENIZER_FILES"]
+__all__ = ["HFModelError", "shape_args", "build_meta_model", "load", "architecture", "loss", "export",
+           "TOKENIZER_FILES"]
 
 # what a model folder carries besides the weights, copied into the export so it loads as a whole
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -32,8 +34,8 @@ def shape_args(cfg: JobConfig, tokenizer_vocab: int) -> LlamaArgs:
     hf.weight_files(path)
     vocab = int(c.vocab_size)
     if tokenizer_vocab > vocab:
-        raise HFModelError(f"the tokenizer ({tokenizer_spec(cfg)}) has {tokenizer_vocab} ids, more than the {vocab} rows "
-                           f"of {path}'s embedding: ids from {vocab} on index outside it; valid: the model's own "
+        raise HFModelError(f"the tokenizer ({tokenizer_spec(cfg)}) has {tokenizer_vocab} ids, more than the {vocab} "
+                           f"rows of {path}'s embedding: ids from {vocab} on index outside it; valid: the model's own "
                            f"tokenizer (model.tokenizer = \"auto\": its folder's tokenizer.json) or one of at most "
                            f"{vocab} ids")
     positions = getattr(c, "max_position_embeddings", None)
@@ -81,7 +83,7 @@ def loss(model: nn.Module, window: torch.Tensor) -> torch.Tensor:
 def export(model: nn.Module, cfg: JobConfig, args: LlamaArgs, step: int) -> tuple[str, str]:
     """``checkpoint.last_save_in_hf``: a Hugging Face folder (LoRA: the adapter); (path, how to load it). Collective."""
     base = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder, f"step-{step}-hf")
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.checkpoint.export_dtype]
+    dtype = dtype_of(cfg.checkpoint.export_dtype)
     tokenizer = tokenizer_spec(cfg)
     if cfg.model.name == "hf":
         path = cfg.model.hf_path

@@ -22,7 +22,8 @@ from torch.optim.lr_scheduler import LambdaLR
 from .config import LRScheduler as LRConfig
 
 
-def lr_factor(step: int, warmup_steps: int, stable_steps: int, decay_steps: int, decay_type: str, min_lr_factor: float) -> float:
+def lr_factor(step: int, warmup_steps: int, stable_steps: int, decay_steps: int, decay_type: str,
+              min_lr_factor: float) -> float:
     """Multiplier of the peak lr for the optimizer step that follows ``step`` completed steps."""
     end = warmup_steps + stable_steps + decay_steps
     step = min(step, end)  # past the last step: hold the final value
@@ -45,7 +46,9 @@ def lr_factor(step: int, warmup_steps: int, stable_steps: int, decay_steps: int,
 def schedule_phases(cfg: LRConfig, total_steps: int) -> tuple[int, int, int]:
     """(warmup, stable, decay) step counts for ``total_steps``."""
     warmup = min(cfg.warmup_steps, total_steps)
-    decay = total_steps - warmup if cfg.decay_ratio is None else min(round(total_steps * cfg.decay_ratio), total_steps - warmup)
+    decay = total_steps - warmup
+    if cfg.decay_ratio is not None:
+        decay = min(round(total_steps * cfg.decay_ratio), decay)
     return warmup, total_steps - warmup - decay, decay
 
 

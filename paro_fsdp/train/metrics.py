@@ -49,7 +49,8 @@ def host_now() -> dict[str, float]:
     try:
         with open("/proc/self/statm") as f:
             rss_pages = int(f.read().split()[1])
-        return {"host/rss_MiB": rss_pages * os.sysconf("SC_PAGE_SIZE") / MiB, "host/open_files": len(os.listdir("/proc/self/fd"))}
+        return {"host/rss_MiB": rss_pages * os.sysconf("SC_PAGE_SIZE") / MiB,
+                "host/open_files": len(os.listdir("/proc/self/fd"))}
     except (OSError, ValueError):
         return {}
 
@@ -175,7 +176,8 @@ class MetricsLogger:
         step_time = step_times[-1] if step_times else avg
         tps = self.tokens_per_step / step_time if step_time > 0 else 0.0
         cuda = cuda_memory(self.device) if self.device.type == "cuda" else None
-        peak, peak_name = (cuda["cuda_max_allocated"], "cuda_max_allocated") if cuda else (peak_host_rss_bytes(), "peak_rss")
+        peak_name = "cuda_max_allocated" if cuda else "peak_rss"
+        peak = cuda["cuda_max_allocated"] if cuda else peak_host_rss_bytes()
         mfu = 100.0 * self.flops_per_token * tps / (self.peak_flops * self.world_size) if self.peak_flops else None
         eta = avg * (self.total_steps - step)
         # under torch.compile the ledger sees only collectives run eagerly (the graphs' own are in
@@ -265,7 +267,8 @@ def startup_lines(trainer: Any) -> list[str]:
              f"{t.mixed_precision_param}, grads {t.mixed_precision_reduce} (accumulated in "
              f"{t.mixed_precision_accumulate}), master fp32 | activation checkpoint {cfg.activation_checkpoint.mode}",
              f"batch {t.local_batch_size} per rank x {world} ranks x {trainer.grad_accum} accumulation = "
-             f"{t.local_batch_size * world * trainer.grad_accum} sequences = {trainer.tokens_per_step:,} tokens per step",
+             f"{t.local_batch_size * world * trainer.grad_accum} sequences = {trainer.tokens_per_step:,} tokens per "
+             f"step",
              f"data: {describe(trainer.data, t.dataset, t.dataset_path)}"]
     if trainer.fresh_removed:
         lines.append(f"job.fresh: removed the previous run's {', '.join(trainer.fresh_removed)}")
@@ -334,7 +337,8 @@ def build_profiler(cfg: JobConfig, rank: int, device: torch.device, start_step: 
         path = os.path.join(trace_dir, f"rank{rank}.{time.time_ns()}.pt.trace.json")
         prof.export_chrome_trace(path)
         if p.keep_latest_k:  # bounded: this rank's newest k traces (one step each)
-            mine = sorted((f for f in os.listdir(trace_dir) if f.startswith(f"rank{rank}.") and f.endswith(".pt.trace.json")),
+            mine = sorted((f for f in os.listdir(trace_dir) if f.startswith(f"rank{rank}.")
+                           and f.endswith(".pt.trace.json")),
                           key=lambda f: int(f.split(".")[1]) if f.split(".")[1].isdigit() else 0)
             for old in mine[:-p.keep_latest_k]:
                 with contextlib.suppress(OSError):
@@ -352,7 +356,8 @@ def build_profiler(cfg: JobConfig, rank: int, device: torch.device, start_step: 
 
 # Every kind torch can toggle: CPU alone or with CUDA logs a C++ warning at each toggle (torch's check wants both
 # CUDA and XPU to stay quiet); the GPU kinds flip one switch of kineto's, a no-op on a CPU run
-_TOGGLED = (torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.XPU)
+_TOGGLED = (torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA,
+            torch.profiler.ProfilerActivity.XPU)
 _RECORDING = (torch.profiler.ProfilerAction.RECORD, torch.profiler.ProfilerAction.RECORD_AND_SAVE)
 
 

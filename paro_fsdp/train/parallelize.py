@@ -206,7 +206,8 @@ def advise(cfg: JobConfig, args: LlamaArgs, world: int, group: int, accum: int, 
     from paro_fsdp.cost.predict import choose_strategy
 
     t = cfg.training
-    return choose_strategy(args, world, group, t.local_batch_size, accum, t.seq_len, short_name(t.mixed_precision_param),
+    return choose_strategy(args, world, group, t.local_batch_size, accum, t.seq_len,
+                           short_name(t.mixed_precision_param),
                            cluster, trainable_fraction=trainable_fraction,
                            reduce_dtype=short_name(t.mixed_precision_reduce),
                            activation_checkpoint=cfg.activation_checkpoint.mode,

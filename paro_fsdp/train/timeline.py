@@ -8,17 +8,9 @@ How the trace names a collective's group: on NCCL, kernels carry "Process Group 
 "Description" args (``group_dims`` maps names to mesh dims). On gloo nothing names it, but each
 group's collectives run on fixed worker threads, which ``gloo_threads`` learns once per process.
 
-Rows: compute, intra, inter, global (flat over all ranks: both links), other (no known group)
-and wait (the step's thread blocked in ``wait_tensor``: exposed communication), ms from the step's
-start. ``overlap_fraction``: of the time a collective runs, the share compute runs too;
-``inter_busy_fraction`` / ``intra_busy_fraction``: the share of the step that link carries a
-collective (from its start on this rank, so an upper bound); ``compute_fraction``.
-
-A step traced in part (``profiling.traced_micro_steps``: the profiler pauses over the middle
-micro-steps) marks the pause with ``paro::pause#<micro-steps skipped>`` and ``paro::resume`` ranges;
-that untraced time is cut out: rows, duration and fractions are of the traced time only (its first
-micro-step(s), the last and the boundary, where the once-per-step inter traffic runs, so the inter
-link's share is larger than over the whole step), and the image marks each cut.
+The rows, the fractions and how a step traced in part (``paro::pause#<micro-steps skipped>`` to
+``paro::resume``) has its untraced time cut out are described in docs/trainer.md; ``other`` is a
+collective of no known group.
 """
 from __future__ import annotations
 
@@ -100,7 +92,8 @@ def _dim(args: Mapping[str, Any], group_dims: Mapping[str, str]) -> Optional[str
     return _DESC.get(str(desc)) if desc is not None else None
 
 
-def parse(trace: Mapping[str, Any], thread_dims: Mapping[int, str] = {}, group_dims: Mapping[str, str] = {}) -> Optional[Timeline]:
+def parse(trace: Mapping[str, Any], thread_dims: Mapping[int, str] = {},
+          group_dims: Mapping[str, str] = {}) -> Optional[Timeline]:
     """The profiled step of a torch.profiler Chrome trace, or None when no step did work (the closing trace)."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
     steps = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")]
@@ -206,7 +199,8 @@ def render(tl: Timeline, title: str, width_px: int = 1200):
     ax.tick_params(axis="x", labelsize=12)
     for x, skipped in tl.cuts:  # where untraced micro-steps were cut out
         ax.axvline(x, color="black", linestyle="--", linewidth=1.5)
-        ax.annotate(f"{skipped} micro-steps not traced", (x, len(rows) - 0.6), xytext=(4, 0), textcoords="offset points",
+        ax.annotate(f"{skipped} micro-steps not traced", (x, len(rows) - 0.6), xytext=(4, 0),
+                    textcoords="offset points",
                     fontsize=11, va="top", bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8})
     ax.set_xlim(0, tl.duration)
     ax.set_ylim(-0.6, len(rows) - 0.4)

@@ -56,7 +56,8 @@ class HFTokenizer:
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         vocab = self._tok.get_vocab(with_added_tokens=True)
         self.bos_id = next((vocab[t] for t in ("<s>", "<|begin_of_text|>", "<bos>", "[CLS]") if t in vocab), None)
-        self.eos_id = next((vocab[t] for t in ("</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>", "[SEP]") if t in vocab), None)
+        eos = ("</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>", "[SEP]")
+        self.eos_id = next((vocab[t] for t in eos if t in vocab), None)
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
