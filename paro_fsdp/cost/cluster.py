@@ -5,6 +5,7 @@ tools.calibrate``) and every prediction reads it; presets ship in ``paro_fsdp/co
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass, field, replace
@@ -17,8 +18,19 @@ from ..collectives import KINDS, hops
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
-GB = 1e9
+__all__ = ["AdvisorError", "Cluster", "GB", "GiB", "Link", "cluster_from_dict", "cluster_to_toml", "link_for",
+           "link_seconds", "load_cluster", "presets"]
+
+GB, GiB = 1e9, 2**30
+
+
+class AdvisorError(ValueError):
+    """Bad input to the advisor (flavor, sizes, cluster file), in one line naming what is wrong."""
 
 
 @dataclass(frozen=True)
@@ -39,30 +51,9 @@ class Link:
 
 def link_seconds(link: Link, kind: str, k: int, nbytes_ring: float, count: float = 1) -> float:
     """Seconds ``count`` collectives of ``kind`` over ``k`` ranks take on ``link``, sending
-    ``nbytes_ring`` ring bytes in all (``collectives.ring_bytes``): count x steps x latency +
-    bytes / bandwidth (the alpha-beta model)."""
+    ``nbytes_ring`` ring bytes in all (``collectives.ring_bytes``): the alpha-beta model."""
     bw, lat = link.cost(kind)
     return count * hops(kind, k) * lat + nbytes_ring / bw
-
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
-
-__all__ = ["AdvisorError", "Cluster", "GB", "GiB", "Link", "cluster_from_dict", "cluster_to_toml", "link_for",
-           "link_seconds", "load_cluster", "presets", "resolve_cluster_path"]
-
-GiB = 2**30
-
-
-def presets() -> Traversable:
-    """The folder of shipped cluster files (package data of ``paro_fsdp.cost``)."""
-    return resources.files(__package__) / "clusters"
-
-
-class AdvisorError(ValueError):
-    """Bad input to the advisor (flavor, sizes, cluster file), in one line naming what is wrong."""
 
 
 @dataclass(frozen=True)
@@ -106,110 +97,83 @@ class Cluster:
             raise AdvisorError(f"inter-node bandwidth must be > 0 Gb/s, got {gbps}")
         eff = self.efficiency()
         inter = replace(self.inter, bandwidth_gbs=gbps / 8 * eff / self.gpus_per_node, per_kind={})
-        return replace(self, inter=inter, node_gbps=gbps, inter_efficiency=eff,
-                       name=f"{self.name}@{gbps:g}Gbps")
+        return replace(self, inter=inter, node_gbps=gbps, inter_efficiency=eff, name=f"{self.name}@{gbps:g}Gbps")
 
     def node_gbps_equivalent(self, per_gpu_gbs: float) -> float:
         """Gbit/s per node that gives ``per_gpu_gbs`` GB/s per GPU on the inter link."""
         return per_gpu_gbs * self.gpus_per_node * 8 / self.efficiency()
 
 
-_REQUIRED = {
-    "gpus_per_node": int, "memory_gib": float, "achieved_tflops": float, "memory_bandwidth_gbs": float,
-}
-_OPTIONAL = {
-    "name": str, "description": str, "source": str, "overlap": float, "usable_memory_fraction": float,
-    "peak_tflops": float, "matmul_tflops": float,
-}
-_LINK_REQUIRED = {"bandwidth_gbs": float, "latency_us": float}
-_LINK_OPTIONAL = {f"{k}_{u}": float for k in KINDS for u in ("gbs", "latency_us")}
-_INTER_OPTIONAL = {"node_gbps": float, "efficiency": float}
+# The file's schema, read and written from these tables: field -> (type, rule, required).
+# peak_tflops and matmul_tflops document a preset; the model reads neither.
+_RULES = {"> 0": lambda v: v > 0, ">= 0": lambda v: v >= 0, "in [0, 1]": lambda v: 0 <= v <= 1, "": lambda v: True}
+_TOP = {"name": (str, "", False), "description": (str, "", False), "source": (str, "", False),
+        "gpus_per_node": (int, "> 0", True), "memory_gib": (float, "> 0", True),
+        "usable_memory_fraction": (float, "in [0, 1]", False), "achieved_tflops": (float, "> 0", True),
+        "memory_bandwidth_gbs": (float, "> 0", True), "overlap": (float, "in [0, 1]", False),
+        "peak_tflops": (float, "", False), "matmul_tflops": (float, "", False)}
+_LINK = {"bandwidth_gbs": (float, "> 0", True), "latency_us": (float, ">= 0", True),
+         **{f"{k}_{u}": (float, rule, False) for k in KINDS for u, rule in (("gbs", "> 0"), ("latency_us", ">= 0"))}}
+_INTER = {**_LINK, "node_gbps": (float, "", False), "efficiency": (float, "", False)}
 
 
-def _typed(where: str, key: str, value: Any, typ: type) -> Any:
-    if typ is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if typ is int and isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if typ is str and isinstance(value, str):
-        return value
-    raise AdvisorError(f"{where}: field {key!r} must be a {typ.__name__}, got {value!r}")
-
-
-def _link(where: str, section: str, table: Any, extra: Mapping[str, type]) -> tuple[Link, dict[str, Any]]:
+def _fields(where: str, section: str, table: Any, schema: Mapping[str, tuple], tables: Sequence[str] = ()) -> dict:
+    """The table's fields checked against ``schema``; every problem names the field."""
     if not isinstance(table, dict):
-        raise AdvisorError(f"{where}: missing section [{section}] (fields: {', '.join(_LINK_REQUIRED)})")
-    allowed = {**_LINK_REQUIRED, **_LINK_OPTIONAL, **extra}
+        raise AdvisorError(f"{where}: missing section [{section}] (fields: bandwidth_gbs, latency_us)")
+    full = (lambda key: f"{section}.{key}") if section else (lambda key: key)
     for key in table:
-        if key not in allowed:
-            raise AdvisorError(f"{where}: unknown field '{section}.{key}'; valid: {', '.join(allowed)}")
-    values: dict[str, Any] = {}
-    for key, typ in _LINK_REQUIRED.items():
+        if key not in schema and key not in tables:
+            raise AdvisorError(f"{where}: unknown field {full(key)!r}; valid: "
+                               f"{', '.join([*schema, *(f'[{t}]' for t in tables)])}")
+    out = {}
+    for key, (typ, rule, required) in schema.items():
         if key not in table:
-            raise AdvisorError(f"{where}: missing field '{section}.{key}'")
-        values[key] = _typed(where, f"{section}.{key}", table[key], typ)
-        if values[key] < 0 or (key == "bandwidth_gbs" and values[key] == 0):
-            raise AdvisorError(f"{where}: field '{section}.{key}' must be > 0, got {values[key]}")
-    per_kind = {}
-    for kind in KINDS:
-        bw = table.get(f"{kind}_gbs", values["bandwidth_gbs"])
-        lat = table.get(f"{kind}_latency_us", values["latency_us"])
-        bw = _typed(where, f"{section}.{kind}_gbs", bw, float)
-        lat = _typed(where, f"{section}.{kind}_latency_us", lat, float)
-        if bw <= 0 or lat < 0:
-            raise AdvisorError(f"{where}: field '{section}.{kind}_gbs' / '_latency_us' must be > 0 / >= 0")
-        if (bw, lat) != (values["bandwidth_gbs"], values["latency_us"]):
-            per_kind[kind] = (bw, lat)
-    rest = {k: _typed(where, f"{section}.{k}", table[k], extra[k]) for k in extra if k in table}
-    return Link(values["bandwidth_gbs"], values["latency_us"], per_kind), rest
+            if required:
+                raise AdvisorError(f"{where}: missing field {full(key)!r}")
+            continue
+        v = table[key]
+        if isinstance(v, bool) or not isinstance(v, (int, float) if typ is float else typ):
+            raise AdvisorError(f"{where}: field {full(key)!r} must be a {typ.__name__}, got {v!r}")
+        out[key] = typ(v)
+        if not _RULES[rule](out[key]):
+            raise AdvisorError(f"{where}: field {full(key)!r} must be {rule}, got {v}")
+    return out
+
+
+def _link(values: dict) -> Link:
+    base = (values["bandwidth_gbs"], values["latency_us"])
+    per_kind = {k: (values.get(f"{k}_gbs", base[0]), values.get(f"{k}_latency_us", base[1])) for k in KINDS}
+    return Link(*base, {k: v for k, v in per_kind.items() if v != base})
 
 
 def cluster_from_dict(data: Mapping[str, Any], where: str = "cluster") -> Cluster:
     """Validate a parsed cluster TOML; every problem names the field."""
-    sections = {"intra", "inter", "measured"}
-    for key in data:
-        if key not in _REQUIRED and key not in _OPTIONAL and key not in sections:
-            raise AdvisorError(f"{where}: unknown field {key!r}; valid: "
-                               f"{', '.join([*_REQUIRED, *_OPTIONAL, '[intra]', '[inter]', '[measured]'])}")
-    values: dict[str, Any] = {}
-    for key, typ in _REQUIRED.items():
-        if key not in data:
-            raise AdvisorError(f"{where}: missing field {key!r}")
-        values[key] = _typed(where, key, data[key], typ)
-        if values[key] <= 0:
-            raise AdvisorError(f"{where}: field {key!r} must be > 0, got {values[key]}")
-    opt = {k: _typed(where, k, data[k], t) for k, t in _OPTIONAL.items() if k in data}
-    for key in ("overlap", "usable_memory_fraction"):
-        if key in opt and not 0 <= opt[key] <= 1:
-            raise AdvisorError(f"{where}: field {key!r} must be in [0, 1], got {opt[key]}")
-    intra, _ = _link(where, "intra", data.get("intra"), {})
-    inter, extra = _link(where, "inter", data.get("inter"), _INTER_OPTIONAL)
+    top = _fields(where, "", dict(data), _TOP, ("intra", "inter", "measured"))
+    intra = _fields(where, "intra", data.get("intra"), _LINK)
+    inter = _fields(where, "inter", data.get("inter"), _INTER)
     measured = data.get("measured", {})
     if not isinstance(measured, dict):
         raise AdvisorError(f"{where}: [measured] must be a table")
-    return Cluster(
-        name=opt.get("name", Path(str(where)).stem), **values, intra=intra, inter=inter, overlap=opt.get("overlap", 0.8), usable_memory_fraction=opt.get("usable_memory_fraction", 0.9),
-        node_gbps=extra.get("node_gbps"), inter_efficiency=extra.get("efficiency"),
-        description=opt.get("description", ""), source=opt.get("source", ""), measured=dict(measured),
-    )
+    known = {f.name for f in dataclasses.fields(Cluster)}
+    return Cluster(**{"name": Path(str(where)).stem, **{k: v for k, v in top.items() if k in known}},
+                   intra=_link(intra), inter=_link(inter), node_gbps=inter.get("node_gbps"),
+                   inter_efficiency=inter.get("efficiency"), measured=dict(measured))
 
 
-def resolve_cluster_path(name: Union[str, os.PathLike]) -> Union[Path, Traversable]:
-    """A path as given, else a preset of ``paro_fsdp/cost/clusters/`` (with or without ``.toml``)."""
-    p = Path(name)
-    if p.is_file():
-        return p
-    folder = presets()
-    for cand in (folder / p.name, folder / f"{p.name}.toml"):
-        if cand.is_file():
-            return cand
-    names = sorted(q.name for q in folder.iterdir() if q.name.endswith(".toml")) if folder.is_dir() else []
-    raise AdvisorError(f"cluster file {str(name)!r} not found (as a path, or in {folder}); presets: {', '.join(names)}")
+def presets() -> Traversable:
+    """The folder of shipped cluster files (package data of ``paro_fsdp.cost``)."""
+    return resources.files(__package__) / "clusters"
 
 
 def load_cluster(name: Union[str, os.PathLike]) -> Cluster:
-    """Read and validate a cluster TOML (a path, or a preset name such as ``a100_ib``)."""
-    path = resolve_cluster_path(name)
+    """Read and validate a cluster TOML: a path, or a preset name such as ``a100_ib`` (``.toml`` optional)."""
+    p, folder = Path(name), presets()
+    path = next((c for c in (p, folder / p.name, folder / f"{p.name}.toml") if c.is_file()), None)
+    if path is None:
+        names = sorted(q.name for q in folder.iterdir() if q.name.endswith(".toml")) if folder.is_dir() else []
+        raise AdvisorError(f"cluster file {str(name)!r} not found (as a path, or in {folder}); "
+                           f"presets: {', '.join(names)}")
     try:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
@@ -230,26 +194,19 @@ def _toml_value(v: Any) -> str:
 
 def cluster_to_toml(c: Cluster, comments: Sequence[str] = ()) -> str:
     """A cluster as TOML text that :func:`load_cluster` reads back."""
-    lines = [f"# {line}" for line in comments]
-    for key in ("name", "description", "source"):
-        if getattr(c, key):
-            lines.append(f"{key} = {_toml_value(getattr(c, key))}")
-    for key in ("gpus_per_node", "memory_gib", "usable_memory_fraction", "achieved_tflops",
-                "memory_bandwidth_gbs", "overlap"):
-        lines.append(f"{key} = {_toml_value(getattr(c, key))}")
+    def table(values: Mapping[str, Any]) -> list[str]:
+        return [f"{k} = {_toml_value(v)}" for k, v in values.items() if v not in ("", None)]
+
+    lines = [f"# {line}" for line in comments] + table({k: getattr(c, k, None) for k in _TOP})
     for section, link in (("intra", c.intra), ("inter", c.inter)):
-        lines += ["", f"[{section}]", f"bandwidth_gbs = {_toml_value(link.bandwidth_gbs)}",
-                  f"latency_us = {_toml_value(link.latency_us)}"]
+        values = {"bandwidth_gbs": link.bandwidth_gbs, "latency_us": link.latency_us}
         for kind, (bw, lat) in sorted(link.per_kind.items()):
-            lines += [f"{kind}_gbs = {_toml_value(bw)}", f"{kind}_latency_us = {_toml_value(lat)}"]
+            values.update({f"{kind}_gbs": bw, f"{kind}_latency_us": lat})
         if section == "inter":
-            if c.node_gbps is not None:
-                lines.append(f"node_gbps = {_toml_value(c.node_gbps)}")
-            if c.inter_efficiency is not None:
-                lines.append(f"efficiency = {_toml_value(c.inter_efficiency)}")
+            values.update(node_gbps=c.node_gbps, efficiency=c.inter_efficiency)
+        lines += ["", f"[{section}]", *table(values)]
     if c.measured:
-        lines += ["", "[measured]"]
-        lines += [f"{k} = {_toml_value(v)}" for k, v in c.measured.items()]
+        lines += ["", "[measured]", *(f"{k} = {_toml_value(v)}" for k, v in c.measured.items())]
     return "\n".join(lines) + "\n"
 
 
@@ -283,4 +240,3 @@ def link_for(dim: str, cluster: Cluster, n: Optional[int] = None, m: Optional[in
     if m <= gpn and gpn % m == 0:
         return _scaled(cluster.inter, gpn / m, cluster.intra) if m != gpn else cluster.inter
     return cluster.inter
-
