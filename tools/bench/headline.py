@@ -64,6 +64,7 @@ import tempfile
 
 from tools.emulate.emulator import Emulator, EmulatorError, check_privileges
 from .headline_report import write_png
+from .peers import driver as peers
 from .headline_worker import RESULT_TAG, worker
 from tools.emulate.launch import ResultTee, launch, worker_or_driver
 
@@ -172,6 +173,7 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
                 args.strategies = "GGG,IIG"
     elif args.quick:
         args.accum, args.rounds = "1", 2
+    peers.bench_args(p, args)  # the peers (tools/bench/peers) leave args.baselines for args.peers
     return args
 
 
@@ -203,6 +205,7 @@ def driver(args: argparse.Namespace, argv: list[str]) -> int:
         with Emulator(args.nodes, args.ranks_per_node, args.inter_rate, args.inter_delay, args.topology) as emu:
             rc = launch(emu, ["-m", CLI, "--worker", *worker_argv], timeout=args.timeout, out=tee,  # type: ignore[arg-type]
                         extra_env=env)
+            peer_rows = peers.bench_run(emu, args) if rc == 0 else []  # each peer in its venv, same cluster
     finally:
         if args.compiled and not args.compile_cache:
             shutil.rmtree(env["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
@@ -210,6 +213,7 @@ def driver(args: argparse.Namespace, argv: list[str]) -> int:
         return rc
     for payload in tee.tagged():
         res = json.loads(payload)
+        peers.bench_merge(res, peer_rows, args.budget_mib)
         with open(os.path.join(args.out_dir, "bench.json"), "w") as f:
             json.dump(res, f, indent=1)
         if args.compiled:
