@@ -16,11 +16,9 @@ import argparse
 from types import SimpleNamespace
 from typing import Any, Callable
 
-from tools.bench.workload import MAX_NORM
-
 from . import Peer
 from . import patches as P
-from .worker import make_adamw
+from .worker import make_optimizer
 
 
 def config(peer: Peer, args: argparse.Namespace, m: int, accum: int, world: int, block: int) -> dict:
@@ -33,7 +31,7 @@ def config(peer: Peer, args: argparse.Namespace, m: int, accum: int, world: int,
     if peer.mode == "mics":  # MiCS: shards within a node (groups of m), replicas across nodes
         zero.update(mics_shard_size=m, mics_hierarchical_params_gather=False)
     return {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": accum,
-            "train_batch_size": args.batch * accum * world, "gradient_clipping": MAX_NORM,
+            "train_batch_size": args.batch * accum * world, "gradient_clipping": args.max_norm,
             "zero_optimization": zero, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
             "wall_clock_breakdown": False}
 
@@ -43,6 +41,7 @@ def build(peer: Peer, args: argparse.Namespace, model: Any, m: int, active: set[
     import torch.distributed as dist
 
     P.apply(peer, active)
+    deepspeed.init_distributed(dist_backend="gloo")  # deepspeed.comm over the gloo group the worker made
     world = dist.get_world_size()
     accum0 = int(args.accum.split(",")[0])
     block = max(sum(p.numel() for p in b.parameters()) for b in model.layers)
@@ -52,7 +51,8 @@ def build(peer: Peer, args: argparse.Namespace, model: Any, m: int, active: set[
             from .worker import make_model
 
             model = make_model(args)
-    engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=make_adamw(model.parameters()), config=cfg)
+    opt = make_optimizer(model.parameters(), args)
+    engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
     state = {"accum": accum0}
 
     def step(batch: Callable[[int], Any], accum: int, probe: Callable[[], None] | None) -> float:

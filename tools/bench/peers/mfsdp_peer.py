@@ -10,9 +10,10 @@ on CPU with gloo, each transformer block one FSDP unit (as FSDP2 and PaRO wrap t
 torch's AdamW over the Megatron-FSDP parameters (DTensors of its flat buffers), clipping to the
 global norm 1.0 (``clip_grad_norm``: torch's ``clip_grad_norm_`` on these uneven DTensors issues
 different collectives on different ranks, since a rank whose shard of a parameter is empty holds
-no gradient for it, and gloo then fails; so the same arithmetic over the local shards), the loss divided by A before backward (Megatron-FSDP's gradient
-scaling divides by the data-parallel size). The patches it needs are in ``patches.py``; the one
-config change (no PREMUL_SUM in gloo) is ``ddp_config.gradient_reduce_div_fusion = False``.
+no gradient for it, and gloo then fails; so the same arithmetic over the local shards), the loss
+divided by A before backward (Megatron-FSDP's gradient scaling divides by the data-parallel size).
+The patches it needs are in ``patches.py``; the one config change (no PREMUL_SUM in gloo) is
+``ddp_config.gradient_reduce_div_fusion = False``.
 """
 from __future__ import annotations
 
@@ -20,11 +21,9 @@ import argparse
 from types import SimpleNamespace
 from typing import Any, Callable
 
-from tools.bench.workload import MAX_NORM
-
 from . import Peer
 from . import patches as P
-from .worker import make_adamw
+from .worker import make_optimizer
 
 
 def clip_grad_norm(params: list, max_norm: float) -> float:
@@ -68,7 +67,8 @@ def build(peer: Peer, args: argparse.Namespace, model: Any, m: int, active: set[
 
     n = dist.get_world_size()
     unit = type(model.layers[0])
-    kw: dict[str, Any] = dict(fsdp_unit_modules=[unit], zero_dp_strategy="optim_grads_params", device=torch.device("cpu"))
+    kw: dict[str, Any] = dict(fsdp_unit_modules=[unit], zero_dp_strategy="optim_grads_params",
+                              device=torch.device("cpu"))
     if peer.mode == "zero3":
         mesh = init_device_mesh("cpu", (n, 1), mesh_dim_names=("dp_shard", "tp"))
         kw.update(device_mesh=mesh, dp_shard_dim="dp_shard", tp_dim="tp")
@@ -81,7 +81,7 @@ def build(peer: Peer, args: argparse.Namespace, model: Any, m: int, active: set[
     # gloo has no PREMUL_SUM: divide by the data-parallel size as a step of its own (Megatron-FSDP's option)
     fmodel.ddp_config.gradient_reduce_div_fusion = False
     params = list(fmodel.parameters())
-    opt = fully_shard_optimizer(make_adamw(params))
+    opt = fully_shard_optimizer(make_optimizer(params, args))
 
     def step(batch: Callable[[int], Any], accum: int, probe: Callable[[], None] | None) -> float:
         total = 0.0
@@ -92,7 +92,8 @@ def build(peer: Peer, args: argparse.Namespace, model: Any, m: int, active: set[
             total += loss.item()
         if probe is not None:
             probe()
-        clip_grad_norm(params, MAX_NORM)
+        if args.max_norm:
+            clip_grad_norm(params, args.max_norm)
         opt.step()
         opt.zero_grad()
         return total

@@ -173,7 +173,20 @@ def _mfsdp_adam_step() -> None:
 
 
 def _mfsdp_hfsdp_grad_scale() -> None:
-    pass
+    """``param_and_grad_buffer._create_hfsdp_helper_buffer`` wrapped: the helper buffer gets the
+    ``gradient_scaling_factor`` of the buffer it helps (the release builds it without one, so its
+    reduce-scatter sums the gradients where the main buffer's averages them)."""
+    from megatron_fsdp import param_and_grad_buffer as pgb
+
+    orig = pgb._create_hfsdp_helper_buffer
+
+    def _create_hfsdp_helper_buffer(dp_buffer, *a, **k):
+        helper = orig(dp_buffer, *a, **k)
+        if helper.gradient_scaling_factor is None:
+            helper.gradient_scaling_factor = dp_buffer.gradient_scaling_factor
+        return helper
+
+    pgb._create_hfsdp_helper_buffer = _create_hfsdp_helper_buffer
 
 
 _MFSDP = ("mfsdp-zero3", "mfsdp-hsdp", "mfsdp-hfsdp")
@@ -185,8 +198,8 @@ PATCHES = {p.name: p for p in (
           "each (the same collectives, not fused into one)", _mics_all_gather_coalesced),
     Patch("zeropp-quantizer", ("ds-zeropp",),
           "ZeRO++ qwZ / qgZ quantize through DeepSpeed's CUDA quantizer op (QuantizerBuilder), which needs CUDA",
-          "a pure-torch stand-in: symmetric per-group int8 (qwZ) / int4 (qgZ) quantize, dequantize, reduce; the swizzle "
-          "is the identity layout. Approximate by design: the losses are close to one process's, not equal",
+          "a pure-torch stand-in: symmetric per-group int8 (qwZ) / int4 (qgZ) quantize, dequantize, reduce; the "
+          "swizzle is the identity layout. Approximate by design: the losses are close to one process's, not equal",
           _zeropp_quantizer, approximate=True),
     Patch("mfsdp-cuda-noops", _MFSDP,
           "Megatron-FSDP calls torch.cuda stream, event and device functions unconditionally (current_stream, "
@@ -198,9 +211,10 @@ PATCHES = {p.name: p for p in (
           "process's) and weight decay scales the weights by 1 - lr x wd before training starts",
           "that step undone: the weights restored, step counts and moments back to 0", _mfsdp_adam_step),
     Patch("mfsdp-hfsdp-grad-scale", ("mfsdp-hfsdp",),
-          "HFSDP's helper gradient buffer (the outer 'optim' sharding) misses the gradient scaling factor: the "
-          "gradients come out x world size (visible with SGD, hidden by Adam)",
-          "the helper buffer's reduction is scaled by the same factor as the main gradient buffer's",
+          "HFSDP's helper gradient buffer (outer 'optim' sharding), which HFSDP reduce-scatters instead of the main "
+          "one, is built without the gradient scaling factor (_create_hfsdp_helper_buffer): the gradients come out "
+          "x world size (visible with SGD and no clipping, hidden by Adam)",
+          "the helper buffer gets the main gradient buffer's scaling factor (1 / data-parallel size)",
           _mfsdp_hfsdp_grad_scale),
 )}
 
