@@ -64,9 +64,9 @@ def test_dry_run_prints_the_plan_and_its_commands(tmp_path):
     assert "dim 4096, 2 layers, ffn 11008, vocab 32000" in text
     assert "dim 2048, 16 layers" in text
     assert "-m tools.gpu_check --worker b" in text
-    # parts (d) and (e): the stream tests under pytest, each test a row, the part's timeout per test too
+    # parts (d) and (e): the stream tests under pytest, each test a row
     assert "PARO_STREAMS_DEVICE=cuda PARO_GPU_CHECK_PART=d" in text and "-m pytest" in text
-    assert "-p tools.gpu_check.rows" in text and "-o timeout=170 tests/test_gpu_streams.py" in text
+    assert "-p tools.gpu_check.rows -p no:cacheprovider tests/test_gpu_streams.py" in text
     assert "tests/test_gpu_sanitizer.py" in text
     assert "vocab 258" in text and "behind a 2 ms sleep" in text and "compiled by inductor" in text
     assert "TORCH_CUDA_SANITIZER=1" in text and "set_sync_debug_mode('warn') from step 2" in text

@@ -224,8 +224,8 @@ def _plan_tests(key: str, device: str, workdir: Path, timeout_s: int) -> PartPla
         f"PARO_GPU_CHECK_PART={key}",
         f"PARO_GPU_CHECK_ROWS={workdir / f'{key}.jsonl'}",
     ]
-    cmd = ["env", *env, sys.executable, "-m", "pytest", "-q", "-p", "tools.gpu_check.rows", "-p", "no:cacheprovider",
-           "-o", f"timeout={timeout_s}", path]
+    pytest = [sys.executable, "-m", "pytest", "-q", "-p", "tools.gpu_check.rows", "-p", "no:cacheprovider"]
+    cmd = ["env", *env, *pytest, path]
     fill = dict(
         device=device,
         compiler="by inductor" if device == "cuda" else "with the passes' AOT backend",
