@@ -3,31 +3,20 @@
     python -m torchtitan.train --module paro_fsdp.integrations.torchtitan \\
         --config llama3_8b_paro --paro.strategy IIG --paro.group_size 8
 
-torchtitan keeps its model, data, loss, LR schedule, metrics, checkpointer and loop, and, as the
-sharded model keeps FSDP2's contract (docs/fsdp2.md), its own optimizers container (param groups
-by regex included) over ``model.parameters()`` (the fp32 masters, DTensors at each tensor's OS
-level), its own ``clip_grad_norm_`` over their ``.grad`` and its own checkpoint states (the model's
-state dict holds the fp32 masters, the optimizer's is FQN-keyed DTensors: checkpoints interchange
-with FSDP2's, a bf16 resume included). What changes: ``parallelize_paro`` (its AC and per-block
-compile, with the engine's hooks inside each block's graph, then ``paro_shard`` on the blocks
-unwrapped from the AC wrapper, so recomputation re-gathers; gradients summed, as its loss is
-already divided by the global token count); parameters drawn inside ``paro_shard`` by its own
-per-parameter initialisers, seeded by name; ``ParoTrainer`` (reduces the gradients on the last
-micro-batch only, ``set_requires_gradient_sync``; computes the chunked loss unchunked; reads
-checkpoints through ``safe_load``: torchtitan's ``dcp.load`` would unpickle a crafted folder on
-every rank).
-
-Not supported (a clear error at start-up): tensor, pipeline, context and expert parallelism, and
-HSDP replicate degrees (PaRO's group size replaces them).
+Why so little: the sharded model keeps FSDP2's contract (docs/fsdp2.md), so torchtitan's model,
+data, loss, optimizers, clipping, LR schedule, checkpoint states and loop stay its own. What
+changes: ``parallelize_paro`` in place of FSDP2's, ``ParoTrainer`` (gradients reduced on the last
+micro-batch only, the chunked loss unchunked, checkpoints read through ``safe_load``: torchtitan's
+``dcp.load`` would unpickle a crafted folder on every rank). Tensor, pipeline, context and expert
+parallelism and HSDP replicate degrees stop at start-up (PaRO's group size replaces HSDP).
 """
 from __future__ import annotations
 
 import dataclasses
 import zlib
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -39,11 +28,10 @@ from torchtitan.trainer import Trainer
 
 from paro_fsdp import MixedPrecision, init_paro_mesh, paro_shard
 from paro_fsdp.checkpoint_files import safe_load
+from paro_fsdp.dtypes import short_name
 
 __all__ = ["ParoConfig", "ParoTrainer", "parallelize_paro", "safe_dcp_load",
            "llama3_debug_paro", "llama3_8b_paro", "llama3_70b_paro", "to_paro"]
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -124,50 +112,31 @@ def _unwrap(block: nn.Module) -> nn.Module:
     return getattr(block, "_checkpoint_wrapped_module", block)
 
 
-@contextmanager
-def _compile_with_hooks(blocks: list[nn.Module]) -> Iterator[None]:
-    """While torchtitan's ``apply_compile`` runs, a block not wrapped for activation checkpointing
-    compiles through ``traced.compile_block`` (with torchtitan's backend and ``fullgraph``).
-    Why: ``block.compile()`` compiles ``_call_impl``, a frame dynamo skips, so the engine's hooks
-    on that block (``paro_shard`` registers them later) became a graph of their own, whose
-    outputs, the gathered whole tensors, the block's graph saved for backward
-    (``reshard_after_forward`` lost, no re-gather in backward). A wrapped block is left as it
-    is: its hooks are on the module inside, which dynamo inlines from the wrapper's forward."""
-    from paro_fsdp.traced import compile_block
-
-    redirected = [b for b in blocks if _unwrap(b) is b]
-    for block in redirected:  # an instance attribute: torchtitan calls transformer_block.compile(...)
-        block.compile = partial(compile_block, block)
-    try:
-        yield
-    finally:
-        for block in redirected:
-            block.__dict__.pop("compile", None)
-
-
 def parallelize_paro(model: nn.Module, *, parallel_dims: Any, training: Any, parallelism: Any,
                      compile_config: Any, ac_config: Any, dump_folder: str, paro: ParoConfig) -> nn.Module:
     """torchtitan's ``parallelize_fn`` contract (``ModelSpec.parallelize_fn``) with PaRO in
-    place of FSDP2: activation checkpointing, per-block compile, then ``paro_shard``."""
+    place of FSDP2: activation checkpointing, ``paro_shard``, then torchtitan's per-block compile.
+    Why compile last, unlike FSDP2's order: a sharded block's ``compile()`` puts the engine's hooks
+    in its graph (``ParoModule.compile``), so the gather is a graph node and backward re-gathers;
+    torch's ``nn.Module.compile`` would leave the hooks out and keep the gathered tensors for
+    backward. A checkpoint-wrapped block compiles as torch's: its hooks are on the module inside,
+    which dynamo inlines from the wrapper's forward."""
     from torchtitan.distributed.compile import apply_compile
 
     check_supported(parallelism)
     if ac_config is not None:
         ac_config.build(dump_folder=dump_folder).apply(model)
-    if compile_config.enable and "model" in compile_config.components:
-        with _compile_with_hooks(list(model.get_submodule("layers").values())):
-            apply_compile(model, compile_config=compile_config, parallel_dims=parallel_dims)
     mesh = init_paro_mesh(paro.group_size)
     mp = MixedPrecision(param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
                         reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
-                        accumulate_dtype=DTYPES[paro.accumulate_dtype])
-    policy: Any = paro.strategy
-    if paro.policy:
-        policy = {**paro.policy, "default": paro.strategy}
+                        accumulate_dtype=TORCH_DTYPE_MAP[paro.accumulate_dtype])
+    policy = {**paro.policy, "default": paro.strategy} if paro.policy else paro.strategy
     blocks = [_unwrap(b) for b in model.get_submodule("layers").values()]
     model = paro_shard(model, mesh, policy, mp=mp, blocks=blocks, reshard_after_forward=paro.reshard_after_forward,
                        param_init_fn=_param_init_fn(model, paro.seed))
     model.set_gradient_divide_factor(1.0)  # torchtitan's loss is already divided by the global token count
+    if compile_config.enable and "model" in compile_config.components:
+        apply_compile(model, compile_config=compile_config, parallel_dims=parallel_dims)
     logger.info(startup_line(model, paro, mp, len(blocks)))
     cls = model.__class__
     model.__class__ = type(cls.__name__, (_TitanParoModel, cls),
@@ -180,11 +149,10 @@ def startup_line(model: nn.Module, paro: ParoConfig, mp: MixedPrecision, n_block
     info = model._paro_state.info
     strategies = sorted({str(s) for s in model.paro_strategies().values()})
     policy = f" (per-tensor policy {dict(paro.policy)}, default {paro.strategy})" if paro.policy else ""
-    short = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
     return (f"PaRO {'/'.join(strategies)}{policy}, groups of {info.m} ({info.g} groups, {info.n} ranks): "
-            f"{n_blocks} blocks + root, P {short[mp.param_dtype]}, gradients {short[mp.grad_dtype]} (summed in "
-            f"{short[mp.acc_dtype]}), parameters = fp32 masters and optimizer state at the OS level, reshard_after_forward "
-            f"{paro.reshard_after_forward} (FSDP2 instead: --paro.no-enable)")
+            f"{n_blocks} blocks + root, P {short_name(mp.param_dtype)}, gradients {short_name(mp.grad_dtype)} "
+            f"(summed in {short_name(mp.acc_dtype)}), parameters = fp32 masters and optimizer state at the OS level, "
+            f"reshard_after_forward {paro.reshard_after_forward} (FSDP2 instead: --paro.no-enable)")
 
 
 def check_supported(parallelism: Any) -> None:
@@ -219,12 +187,8 @@ def safe_dcp_load(checkpointer: Any, state_dict: dict[str, Any], checkpoint_id: 
 
 
 class ParoTrainer(Trainer):
-    """torchtitan's ``Trainer`` with a ``paro`` config section. With ``paro.enable`` it swaps
-    in ``parallelize_paro`` and reduces the gradients on the last micro-batch of each step only
-    (``set_requires_gradient_sync``: the others keep them at the G level); the optimizers
-    container, clipping, LR schedule and checkpoint states are torchtitan's own. Without, it is
-    torchtitan's trainer. Either way its checkpoints are read with ``safe_dcp_load`` (no code
-    runs from a folder)."""
+    """torchtitan's ``Trainer`` with a ``paro`` section; ``paro.enable = False`` is torchtitan's
+    trainer, its checkpoints still read with ``safe_dcp_load``."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
@@ -253,7 +217,7 @@ class ParoTrainer(Trainer):
     def _read_checkpoints_safely(self) -> None:
         """Route the checkpointer's loads (resume, ``initial_load_path``, HF) through
         ``safe_dcp_load``; it is set up in ``Trainer.__init__`` and loads only in ``train()``."""
-        if callable(getattr(self.checkpointer, "dcp_load", None)):  # the DCP checkpointer (the only one that loads in 0.3)
+        if callable(getattr(self.checkpointer, "dcp_load", None)):  # the DCP checkpointer, the only one that loads
             self.checkpointer.dcp_load = partial(safe_dcp_load, self.checkpointer)
 
     def train_step(self, data_iterator: Any) -> None:
@@ -284,16 +248,14 @@ def _llama3(name: str) -> ParoTrainer.Config:
     return to_paro(getattr(config_registry, name)())
 
 
+# torchtitan's Llama 3 configs of the same name with PaRO IIG in groups of 8 (one node)
 def llama3_debug_paro() -> ParoTrainer.Config:
-    """torchtitan's debug Llama 3 (``llama3_debugmodel``) with PaRO IIG in groups of 8."""
     return _llama3("llama3_debugmodel")
 
 
 def llama3_8b_paro() -> ParoTrainer.Config:
-    """Llama 3 8B (``llama3_8b``) with PaRO IIG, groups of 8 GPUs (one node)."""
     return _llama3("llama3_8b")
 
 
 def llama3_70b_paro() -> ParoTrainer.Config:
-    """Llama 3 70B (``llama3_70b``) with PaRO IIG, groups of 8 GPUs (one node)."""
     return _llama3("llama3_70b")
