@@ -99,7 +99,8 @@ def build(model: nn.Module, mesh: DeviceMesh, strategies: dict[str, Strategy], b
         raise ValueError("the model has parameters on the meta device: pass param_init_fn=(name, tensor) -> None "
                          "to paro_shard so it can materialise them shard by shard")
     comm = MeshComm(info.groups, streams_for(mesh_device(info)))
-    cc = ParoCC(comm, flat_below_bytes=flat_below_bytes)  # the model's one PaRO-CC: global collectives, counted in comm.stats
+    # the model's one PaRO-CC: global collectives, counted in comm.stats
+    cc = ParoCC(comm, flat_below_bytes=flat_below_bytes)
 
     owners: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
     for module in model.modules():

@@ -102,7 +102,8 @@ def _arrive(group: ParoParamGroup, move: Move, result: torch.Tensor, into: torch
     if move.kind != "all_gather" or move.dim == "intra":
         return result
     if move.dim == "global":
-        return layout.nested_to_full(result, torch.empty(layout.numel(Level.N), dtype=result.dtype, device=group.device))
+        whole = torch.empty(layout.numel(Level.N), dtype=result.dtype, device=group.device)
+        return layout.nested_to_full(result, whole)
     return layout.inter_to_i(result, into if into is not None else
                              torch.empty(layout.sum_i, dtype=result.dtype, device=group.device))
 

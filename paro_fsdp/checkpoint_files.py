@@ -176,7 +176,8 @@ def safe_load(state: dict[str, Any], path: Optional[str] = None, *, storage_read
             raise TypeError("safe_load needs a path or a storage_reader")
         storage_reader = SafeReader(path)
     elif not isinstance(storage_reader, (SafeReader, *_hf_reader_types())):
-        raise TypeError(f"safe_load reads with SafeReader or HuggingFaceStorageReader, not {type(storage_reader).__name__}: "
+        raise TypeError(f"safe_load reads with SafeReader or HuggingFaceStorageReader, "
+                        f"not {type(storage_reader).__name__}: "
                         f"another reader may unpickle .metadata with a full unpickler")
     if isinstance(storage_reader, SafeReader) and os.path.isfile(storage_reader._get_metadata_path()):  # noqa: SLF001
         # a refusal surfaces here as one CheckpointError; inside dcp.load it would become a
@@ -254,7 +255,8 @@ def _check_file(path: str, want: dict[str, int], check_crc: bool) -> Optional[st
         return f"{name} is missing"
     size = os.path.getsize(path)
     if size != want["bytes"]:
-        return f"{name} has {size} bytes, the manifest says {want['bytes']} ({'truncated' if size < want['bytes'] else 'grown'})"
+        how = "truncated" if size < want["bytes"] else "grown"
+        return f"{name} has {size} bytes, the manifest says {want['bytes']} ({how})"
     if check_crc and _crc32(path) != want["crc32"]:
         return f"{name} does not match its CRC32 checksum (corrupted on disk)"
     return None
@@ -282,7 +284,8 @@ def shape_problem(metadata: Metadata, states: dict[str, Any], scope: str = "opti
         if theirs[key] != ours[key]:
             hint = ""
             if key.endswith(("tok_embeddings.weight", "output.weight")) and theirs[key][1:] == ours[key][1:]:
-                hint = (f": its vocabulary has {theirs[key][0]} rows, this model {ours[key][0]} (another model.tokenizer "
+                hint = (f": its vocabulary has {theirs[key][0]} rows, this model {ours[key][0]} "
+                        "(another model.tokenizer "
                         f"or model.vocab_size)")
             return f"{key} is {list(theirs[key])} there, {list(ours[key])} here{hint}"
     extra = sorted(k for k in theirs if k.startswith(scope) and k not in ours)

@@ -46,7 +46,8 @@ class CollectiveOrderCheck(TorchDispatchMode):
     docstring). ``dims`` maps c10d group names to mesh dimension names (the trainer's
     ``timeline.group_dims``); ``label`` says where in the message (e.g. "step 1")."""
 
-    def __init__(self, dims: dict[str, str], label: str = "the checked step", group: Optional[dist.ProcessGroup] = None) -> None:
+    def __init__(self, dims: dict[str, str], label: str = "the checked step",
+                 group: Optional[dist.ProcessGroup] = None) -> None:
         super().__init__()
         self.dims, self.label = dims, label
         self.group = group if group is not None else dist.new_group(backend="gloo")
@@ -85,7 +86,8 @@ class CollectiveOrderCheck(TorchDispatchMode):
 
     def summary(self) -> str:
         """What was checked, for the log: the count and the sequence's hash (equal on every rank)."""
-        return f"{self.count - 1} collectives in {self.label} identical on every rank (sha256 {self.digest.hexdigest()[:16]})"
+        digest = self.digest.hexdigest()[:16]
+        return f"{self.count - 1} collectives in {self.label} identical on every rank (sha256 {digest})"
 
 
 def describe(everyone: list[str], index: int, label: str) -> str:

@@ -65,7 +65,8 @@ class CommStats:
 
     def as_dict(self) -> dict[str, dict[str, float]]:
         """``{"kind/dim": {"count", "bytes"}}``, sorted by key."""
-        return {f"{k}/{d}": {"count": self._count[(k, d)], "bytes": self._bytes[(k, d)]} for (k, d) in sorted(self._count)}
+        return {f"{k}/{d}": {"count": self._count[(k, d)], "bytes": self._bytes[(k, d)]}
+                for (k, d) in sorted(self._count)}
 
     def __iadd__(self, other: "CommStats") -> "CommStats":
         for key, v in other._count.items():

@@ -26,7 +26,8 @@ from .strategy import PolicyLike, resolve_policy
 
 def fully_shard(module: nn.Module, *, mesh: Optional[DeviceMesh] = None, strategy: Optional[PolicyLike] = None,
                 reshard_after_forward: bool = True, shard_placement_fn: Any = None,
-                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(), offload_policy: OffloadPolicy = OffloadPolicy(),
+                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+                offload_policy: OffloadPolicy = OffloadPolicy(),
                 ignored_params: Any = None) -> nn.Module:
     """Shard ``module`` in place, as ``torch.distributed.fsdp.fully_shard``, and return it.
 

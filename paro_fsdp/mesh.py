@@ -159,12 +159,14 @@ def as_2d(mesh: DeviceMesh) -> DeviceMesh:
     """The mesh PaRO shards on: a named 2D mesh as given; an unnamed 2D mesh named ``("inter",
     "intra")``; a 1D mesh as ``(1, n)``, one group (built once per mesh: new process groups)."""
     if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"mesh must be a torch DeviceMesh (init_device_mesh or init_paro_mesh), got {type(mesh).__name__}")
+        raise TypeError("mesh must be a torch DeviceMesh (init_device_mesh or init_paro_mesh), "
+                        f"got {type(mesh).__name__}")
     if mesh.ndim == 2 and mesh.mesh_dim_names is not None:
         return mesh
     if mesh.ndim not in (1, 2):
         raise ValueError(f"PaRO shards on a 1D or 2D DeviceMesh (dim 0 across groups, dim 1 inside a group), got "
-                         f"{mesh.ndim} dims {mesh.mesh_dim_names}: pass the data-parallel part, e.g. mesh['dp_replicate', 'dp_shard']")
+                         f"{mesh.ndim} dims {mesh.mesh_dim_names}: pass the data-parallel part, "
+                         "e.g. mesh['dp_replicate', 'dp_shard']")
     cached = _AS_2D.get(id(mesh))
     if cached is None or cached[0] is not mesh:
         with unset_fake_temporarily():

@@ -32,10 +32,12 @@ class MixedPrecision:
                 raise ValueError(f"MixedPrecision.{name} must be torch.float32, bfloat16 or float16, got {value}")
         if self.grad_dtype == torch.float16:
             given = "reduce_dtype" if self.reduce_dtype is not None else "param_dtype (reduce_dtype defaults to it)"
-            raise ValueError(f"MixedPrecision: gradients would be reduced in float16 ({given}), a plain sum over all ranks "
+            raise ValueError(f"MixedPrecision: gradients would be reduced in float16 ({given}), "
+                             "a plain sum over all ranks "
                              f"that overflows at scale; set reduce_dtype=torch.bfloat16 (or torch.float32)")
         if self.accumulate_dtype == torch.float16:
-            raise ValueError("MixedPrecision: accumulate_dtype=torch.float16 sums undivided gradients and overflows at scale; "
+            raise ValueError("MixedPrecision: accumulate_dtype=torch.float16 sums undivided gradients "
+                             "and overflows at scale; "
                              "set accumulate_dtype=torch.float32 (the default) or torch.bfloat16")
 
     @property

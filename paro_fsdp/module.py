@@ -143,7 +143,8 @@ class ParoModule:
         if own is None or own.is_root:
             return super().compile(*args, **kwargs)
         if args:
-            raise TypeError("compile() of a sharded block: pass torch.compile's options by keyword (backend=..., fullgraph=...)")
+            raise TypeError("compile() of a sharded block: pass torch.compile's options by keyword "
+                            "(backend=..., fullgraph=...)")
         compile_block(self, **kwargs)
 
     # ---- PaRO's own -------------------------------------------------------------------------
@@ -185,13 +186,7 @@ class ParoModule:
             raise ValueError("sharded models load in place: assign=True would replace the sharded DTensor parameters")
         # which parameters a load reaches is seen at their owning modules: a parent's pre-hook may
         # rename or merge keys on the way down (torchtitan's fused wqkv), so top-level keys do not say
-        owned: dict[int, list[tuple[str, nn.Parameter]]] = {}
-        owner_modules: dict[int, nn.Module] = {}
-        for g in self._paro_state.groups:
-            for ref, param in zip(g.refs, g.sharded_params):
-                for module, attr in ref.owners:
-                    owned.setdefault(id(module), []).append((attr, param))
-                    owner_modules[id(module)] = module
+        owned, owner_modules = _owners(self._paro_state.groups, trainable_only=False)
 
         def at_owner(module, sd, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
             for attr, param in owned.get(id(module), ()):
@@ -226,24 +221,32 @@ def track_state_dict_writes(groups: Iterable[ParoParamGroup]) -> None:
     load written into them in place (``dcp.load(model.state_dict())``) went unseen and the working
     copies stayed stale. A DTensor over the parameter's own local tensor (detached: plain tensors
     share the counter) is seen by ``refresh_params``."""
-    owned: dict[int, list[tuple[str, nn.Parameter]]] = {}
-    modules: dict[int, nn.Module] = {}
-    for g in groups:
-        for p in g.params:
-            if p.trainable:
-                for module, attr in p.ref.owners:
-                    owned.setdefault(id(module), []).append((attr, p.param))
-                    modules[id(module)] = module
+    owned, modules = _owners(groups, trainable_only=True)
 
     def hook(module, sd, prefix, local_metadata) -> None:
         for attr, param in owned.get(id(module), ()):
             value = sd.get(prefix + attr)
             if isinstance(value, DTensor) and value is not param:  # keep_vars=True hands the parameter itself
-                sd[prefix + attr] = DTensor.from_local(param._local_tensor.detach(), param.device_mesh, param.placements,
+                sd[prefix + attr] = DTensor.from_local(param._local_tensor.detach(), param.device_mesh,
+                                                       param.placements,
                                                        run_check=False, shape=param.shape, stride=param.stride())
 
     for key, module in modules.items():
         module.register_state_dict_post_hook(hook)
+
+
+def _owners(groups: Iterable[ParoParamGroup], trainable_only: bool) -> tuple[dict[int, list], dict[int, nn.Module]]:
+    """id(module) -> [(attribute, parameter)] for the modules that own the groups' parameters
+    (a tied weight has several owners), and the modules by id."""
+    owned: dict[int, list[tuple[str, nn.Parameter]]] = {}
+    modules: dict[int, nn.Module] = {}
+    for g in groups:
+        for p in g.params:
+            if p.trainable or not trainable_only:
+                for module, attr in p.ref.owners:
+                    owned.setdefault(id(module), []).append((attr, p.param))
+                    modules[id(module)] = module
+    return owned, modules
 
 
 def _local_like(param: DTensor, whole: torch.Tensor) -> DTensor:
@@ -259,7 +262,8 @@ def in_flight_bytes(state: ParoState) -> int:
         return g.t_layout.numel(Level.N) * g.mp.grad_dtype.itemsize if g.trainable and g.strategy.g != Level.N else 0
 
     slack = max((sum(grad_buffer(g) for g in b.groups) for b in state.blocks), default=0)
-    boundary = min(state.boundary.limit_bytes, sum(boundary_bytes(g) for g in state.groups if g.trainable and state.info.n > 1))
+    boundary = min(state.boundary.limit_bytes,
+                   sum(boundary_bytes(g) for g in state.groups if g.trainable and state.info.n > 1))
     pushes = min(state.pushes.limit_bytes, sum(push_bytes(g) for g in state.groups if push_dims(g)))
     return max(slack + boundary, pushes)
 
@@ -271,7 +275,8 @@ def mix_in(module: nn.Module) -> None:
     if isinstance(module, ParoModule):
         return
     if cls not in _MIXED:  # one class per original class, as FSDP2's
-        _MIXED[cls] = type(cls.__name__, (ParoModule, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        names = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+        _MIXED[cls] = type(cls.__name__, (ParoModule, cls), names)
     module.__class__ = _MIXED[cls]
 
 

@@ -334,11 +334,6 @@ class ParoParamGroup:
         self.grads = GradState.EMPTY
 
     # ---- accounting ------------------------------------------------------------------------
-    def os_dtensor(self, t: TensorLayout, local: torch.Tensor) -> DTensor:
-        """``local``, this rank's OS-level shard of tensor ``t``, as a DTensor viewing it (for DCP)."""
-        return DTensor.from_local(local, self.info.mesh, placements(self.strategy.os, self.info.m), run_check=False,
-                                  shape=t.shape, stride=torch.empty(t.shape, device="meta").stride())
-
     def memory_bytes(self, optimizer_states: dict | None = None) -> dict[str, int]:
         """Bytes this rank holds for P, G, OS (persistent buffers, padding included), the fp32
         master gradients (from the boundary to ``zero_grad``) and the boundary's full-size
@@ -347,7 +342,8 @@ class ParoParamGroup:
         def size(dtype: torch.dtype) -> int:
             return torch.empty((), dtype=dtype).element_size()
 
-        p_bytes = sum(t.numel() * t.element_size() for t in ([self.p_flat] if self.p_flat is not None else self.p_locals))
+        p_tensors = [self.p_flat] if self.p_flat is not None else self.p_locals
+        p_bytes = sum(t.numel() * t.element_size() for t in p_tensors)
         S, OS, layout = self.strategy, self.strategy.os, self.t_layout
         g_numel = layout.numel(S.g) if self.trainable else 0
         g_bytes = g_numel * size(self.mp.acc_dtype)

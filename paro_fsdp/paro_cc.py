@@ -247,7 +247,8 @@ class ParoCC:
         g, m = self.info.g, self.info.m
         n = g * m
         if full.dim() == 0 or full.shape[0] % n:
-            raise ValueError(f"reduce_scatter needs dim 0 divisible by the world size {n}, got shape {tuple(full.shape)}")
+            raise ValueError(f"reduce_scatter needs dim 0 divisible by the world size {n}, "
+                             f"got shape {tuple(full.shape)}")
         out_shape = (full.shape[0] // n, *full.shape[1:])
         x = full.reshape(-1)
         if not x.is_contiguous():
@@ -315,7 +316,8 @@ class ParoCC:
         # pieces); only a last partial row is padded, so a tensor whose size m divides moves
         # exactly its own bytes (the ledger stays exact) and is never copied
         rows = math.ceil(numel / m)
-        bounds = [(a * m, min(b * m, numel)) for a, b in _bounds(rows, self._nchunks(numel * x.element_size(), rows, chunks))]
+        nchunks = self._nchunks(numel * x.element_size(), rows, chunks)
+        bounds = [(a * m, min(b * m, numel)) for a, b in _bounds(rows, nchunks)]
 
         def piece(a: int, b: int) -> torch.Tensor:
             if (b - a) % m == 0:

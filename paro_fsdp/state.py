@@ -306,7 +306,8 @@ class ParoState:
         traced block reads P inside its graph), after a forward has shown the order, not while
         torch.profiler records (a collective it saw issued must not be waited after it stopped:
         gloo's wait crashed there), and no forward all-gather sharing a process group with a push."""
-        if self.training_state is TrainingState.NEW or any(b.traced for b in self.blocks) or torch.autograd._profiler_enabled():
+        if (self.training_state is TrainingState.NEW or any(b.traced for b in self.blocks)
+                or torch.autograd._profiler_enabled()):
             return False
         gathers = set().union(*(forward_dims(g) for g in self.groups))
         return not any(push_dims(g) & gathers for g in self.groups)
@@ -347,7 +348,8 @@ def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: 
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     for g in pending:
         if any(id(p) in stepped and p.grad is None for p in g.sharded_params[: len(g.trainable)]):
-            raise RuntimeError(f"optimizer.step(): the gradients of {g.trainable[0].fqn} (and its block) were never reduced: "
+            raise RuntimeError(f"optimizer.step(): the gradients of {g.trainable[0].fqn} (and its block) "
+                               "were never reduced: "
                                f"every backward since the last step ran with set_requires_gradient_sync(False); call "
                                f"model.set_requires_gradient_sync(True) before the last micro-step's backward")
 

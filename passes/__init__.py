@@ -221,7 +221,8 @@ SCOPES = ("blocks", "model")
 def compile_model(model: nn.Module, passes: Iterable[str] = ORDER, *, scope: str = "blocks", push: bool = True,
                   options: PassOptions | None = None, **compile_kwargs: Any) -> ParoPasses | None:
     """Compile a sharded ``model`` for training; return the passes' record (None for a backend
-    other than inductor or "aot", whose graphs never reach the passes). ``compile_kwargs`` go to ``torch.compile`` (``backend``, ``fullgraph``, ...); backend
+    other than inductor or "aot", whose graphs never reach the passes). ``compile_kwargs`` go to
+    ``torch.compile`` (``backend``, ``fullgraph``, ...); backend
     "aot" runs the passes on AOTAutograd's graphs without inductor codegen (seconds, not minutes). A
     block that checkpoints its whole call (``checkpoint_in_graph`` attribute, as the trainer's)
     checkpoints inside its graph instead."""
@@ -255,4 +256,5 @@ def compile_model(model: nn.Module, passes: Iterable[str] = ORDER, *, scope: str
     return record
 
 
-__all__ = ["ORDER", "SCOPES", "compile_model", "PassOptions", "ParoPasses", "aot_backend", "compile_for", "install", "uninstall", "schedule", "schedule_of_code", "summary"]
+__all__ = ["ORDER", "SCOPES", "compile_model", "PassOptions", "ParoPasses", "aot_backend", "compile_for", "install",
+           "uninstall", "schedule", "schedule_of_code", "summary"]

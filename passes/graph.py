@@ -4,7 +4,8 @@ phase and block, and where they are issued and waited.
 Why from metadata rather than from patterns: the engine issues every collective in a block's
 pre-forward hook or in the backward of its unshard Function, so each collective node carries the
 block's ``nn_module_stack``, and its process-group name says which mesh dimension it runs on
-(a ``GroupTable`` of the compiled models' meshes, handed to ``ParoPasses``). A graph is a backward graph when AOTAutograd gave it tangents.
+(a ``GroupTable`` of the compiled models' meshes, handed to ``ParoPasses``). A graph is a backward
+graph when AOTAutograd gave it tangents.
 """
 from __future__ import annotations
 

@@ -169,7 +169,8 @@ def _later_users_closure(start: fx.Node, until: fx.Node, pos: dict[fx.Node, int]
 
 
 def _compute_between(graph: fx.Graph, pos: dict[fx.Node, int], first: fx.Node, last: fx.Node) -> int:
-    return sum(1 for n in graph.nodes if n.op == "call_function" and n.target in COMPUTE and pos[first] < pos[n] < pos[last])
+    return sum(1 for n in graph.nodes
+               if n.op == "call_function" and n.target in COMPUTE and pos[first] < pos[n] < pos[last])
 
 
 def defer_second_phases(graph: fx.Graph, groups: GroupTable) -> int:

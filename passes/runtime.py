@@ -2,9 +2,9 @@
 
 Why: inductor's overlap scheduler (``aten_distributed_optimizations.enable_overlap_scheduling``)
 estimates collectives from the GPU's NCCL bandwidth tables and compute by benchmarking on the
-GPU; on CPU it fails ("0 active drivers", or importing triton for its fusion-region costs). It accepts a ``custom_runtime_estimation(node,
-override_size)``: this one prices every node with the advisor's cluster description
-(``paro_fsdp/cost/``: per-link ring bandwidth and latency, achieved FLOP/s, memory
+GPU; on CPU it fails ("0 active drivers", or importing triton for its fusion-region costs). It
+accepts a ``custom_runtime_estimation(node, override_size)``: this one prices every node with the
+advisor's cluster description (``paro_fsdp/cost/``: per-link ring bandwidth and latency, achieved FLOP/s, memory
 bandwidth), so the scheduler runs on CPU and plans for the cluster the job is sized for. Times
 are in milliseconds, as inductor's own estimates.
 """
@@ -89,7 +89,8 @@ class RuntimeEstimate:
         return moved / (self.cluster.memory_bandwidth_gbs * 1e9) * 1e3
 
 
-def enable_overlap_scheduler(cluster: Cluster | str = "a100_ib", meshes: tuple[MeshGroups, ...] = ()) -> RuntimeEstimate:
+def enable_overlap_scheduler(cluster: Cluster | str = "a100_ib",
+                             meshes: tuple[MeshGroups, ...] = ()) -> RuntimeEstimate:
     """Turn on inductor's overlap scheduler with our estimates (``cluster``: a ``Cluster`` or a
     preset name / TOML path for ``paro_fsdp.cost.cluster.load_cluster``; ``meshes``: the
     compiled models' ``MeshGroups``, which say each collective's link)."""

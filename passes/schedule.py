@@ -37,11 +37,13 @@ def schedule(graph: fx.Graph, groups: GroupTable) -> list[Event]:
     return sorted(events, key=lambda e: e.issue)
 
 
-_CODE_ISSUE = re.compile(r"(buf\w+) = torch\.ops\._c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor|all_reduce)"
+_CODE_ISSUE = re.compile(r"(buf\w+) = torch\.ops\._c10d_functional\."
+                         r"(all_gather_into_tensor|reduce_scatter_tensor|all_reduce)"
                          r"\w*\.default\(.*'([^']*)'\)")
 _CODE_WAIT = re.compile(r"torch\.ops\._c10d_functional\.wait_tensor\.default\((buf\w+)\)")
 _CODE_COMPUTE = re.compile(r"extern_kernels\.(mm|addmm|bmm|baddbmm)\(|_scaled_dot_product|convolution")
-_CODE_KIND = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter", "all_reduce": "all_reduce"}
+_CODE_KIND = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+              "all_reduce": "all_reduce"}
 
 
 def schedule_of_code(code: str, groups: GroupTable) -> list[Event]:
@@ -77,7 +79,8 @@ def render_text(events: list[Event], title: str) -> str:
     lines = [f"# {title}: {len(events)} collectives {summary(events)}",
              f"{'#':>3} {'kind':<15}{'dim':<7}{'KiB':>10} {'issue':>6} {'wait':>6} {'overlap':>8}  block"]
     for i, e in enumerate(events):
-        lines.append(f"{i:>3} {e.kind:<15}{e.dim:<7}{e.nbytes / 1024:>10.1f} {e.issue:>6} {e.wait:>6} {e.overlap:>8}  {e.block}")
+        lines.append(f"{i:>3} {e.kind:<15}{e.dim:<7}{e.nbytes / 1024:>10.1f} {e.issue:>6} {e.wait:>6} "
+                     f"{e.overlap:>8}  {e.block}")
     return "\n".join(lines)
 
 
