@@ -7,8 +7,8 @@ that compiles a sharded model.
     print(record.report())                  # each graph's collective schedule before and after
 
 ``compile_model`` does, in order (each part switchable):
-  1. the graph passes registered with inductor (``install``) for this model's process groups,
-     run after its post-grad passes on every forward and backward graph;
+  1. the graph passes for this model's process groups bound to its compiles (inductor's config
+     patch), run after inductor's post-grad passes on every forward and backward graph;
   2. the blocks compiled with their hooks inside their graphs (``paro_fsdp.traced.compile_block``):
      a block's gather and its compute are one graph, the gather recomputed in backward, the last
      micro-step's reduction to the OS level in the backward graph (scope "blocks", as torchtitan
@@ -178,7 +178,7 @@ def compile_for(model, compile_cfg, dump_folder: str) -> ParoPasses | None:
     bound = None if c.max_prefetch_mb < 0 else int(c.max_prefetch_mb * 2**20)
     full = {"fullgraph": True} if c.scope == "blocks" else {}
     return compile_model(model, c.passes, scope=c.scope, push=c.push_graph,
-                         options=PassOptions(max_prefetch_bytes=bound, dump_dir=dump), backend=c.backend, **full)
+                         pass_options=PassOptions(max_prefetch_bytes=bound, dump_dir=dump), backend=c.backend, **full)
 
 
 def install_for(model, compile_cfg, dump_folder: str) -> ParoPasses | None:
@@ -219,25 +219,26 @@ SCOPES = ("blocks", "model")
 
 
 def compile_model(model: nn.Module, passes: Iterable[str] = ORDER, *, scope: str = "blocks", push: bool = True,
-                  options: PassOptions | None = None, **compile_kwargs: Any) -> ParoPasses | None:
+                  pass_options: PassOptions | None = None, **compile_kwargs: Any) -> ParoPasses | None:
     """Compile a sharded ``model`` for training; return the passes' record (None for a backend
     other than inductor or "aot", whose graphs never reach the passes). ``compile_kwargs`` go to
-    ``torch.compile`` (``backend``, ``fullgraph``, ...); backend
-    "aot" runs the passes on AOTAutograd's graphs without inductor codegen (seconds, not minutes). A
-    block that checkpoints its whole call (``checkpoint_in_graph`` attribute, as the trainer's)
-    checkpoints inside its graph instead."""
+    ``torch.compile`` (``backend``, ``fullgraph``, ``options``, ...). The passes are bound to this
+    model's compiles (inductor's config patch, ``options``), not installed process-wide, so other
+    models compile as they would without them. Backend "aot" runs them on AOTAutograd's graphs
+    without inductor codegen (seconds, not minutes). A block that checkpoints its whole call
+    (``checkpoint_in_graph`` attribute, as the trainer's) checkpoints inside its graph instead."""
     state = getattr(model, "_paro_state", None)
     if state is None:
         raise ValueError("compile_model needs a model returned by paro_shard or fully_shard; shard it first")
     if scope not in SCOPES:
         raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
-    passes, record = list(passes), None
-    backend = compile_kwargs.get("backend", "inductor")
-    if backend == "aot":  # the passes on AOTAutograd's graphs, no inductor codegen (``aot_backend``)
-        record = ParoPasses(passes, options, meshes=[model.paro_mesh_groups()])
+    backend, record = compile_kwargs.get("backend", "inductor"), None
+    if backend in ("aot", "inductor"):  # with no pass named, the record still has each graph's schedule
+        record = ParoPasses(passes, pass_options, meshes=[model.paro_mesh_groups()])
+    if backend == "aot":
         compile_kwargs["backend"] = aot_backend(record)
-    elif backend == "inductor":  # no pass named: it still records each graph's schedule
-        record = install(passes, options, meshes=[model.paro_mesh_groups()])
+    elif backend == "inductor":
+        compile_kwargs["options"] = {**compile_kwargs.get("options", {}), **record.inductor_options()}
     if dist.is_initialized():
         isolate_compile_cache(dist.get_rank())
     if scope == "model":

@@ -74,7 +74,7 @@ def compile_model(model, how: dict):
         torch._inductor.config.force_disable_caches = True  # a cache hit would skip the passes
     scope = how.get("scope", "model")
     record = passes.compile_model(model, how.get("passes", passes.ORDER), scope=scope, push=False,
-                                  options=passes.PassOptions(**how.get("options", {})), backend=backend,
+                                  pass_options=passes.PassOptions(**how.get("options", {})), backend=backend,
                                   **({"fullgraph": True} if scope == "blocks" else {}))
     return model, record
 

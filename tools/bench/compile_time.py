@@ -14,7 +14,7 @@ and its recompilations; inductor's FX-graph cache hits and misses (the warm run 
 
 Variants: ``paro-model`` (the whole model compiled, the graph passes on: the trainer's
 ``compile.scope = "model"``), ``paro-blocks`` (each transformer block on its own, as the
-trainer's ``apply_compile`` does with ``traced.compile_block``: identical blocks make identical
+trainer does through ``passes.compile_model``: identical blocks make identical
 graphs, so all but the first hit the cache), ``fsdp2``
 (``fully_shard`` per block and the root, each block compiled, ZeRO-3 over the 4 ranks).
 """
@@ -72,18 +72,12 @@ def _build(cfg: Config, variant: str):
 
     import passes
     from paro_fsdp import init_paro_mesh, paro_shard
-    from paro_fsdp.traced import compile_block, compile_push
 
     model = paro_shard(model, init_paro_mesh(GROUP), cfg.strategy)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, foreach=True)
-    passes.install(passes.ORDER, meshes=[model.paro_mesh_groups()])
-    if variant == "paro-model":
-        model.compile()
-    else:  # as apply_compile: compile_block keeps the engine's hooks in each block's graph
-        for layer in model.layers:
-            compile_block(layer, fullgraph=True)
-    if cfg.push_graph:
-        compile_push(model)
+    blocks = variant != "paro-model"  # per block, the engine's hooks in each block's graph, as the trainer
+    passes.compile_model(model, scope="blocks" if blocks else "model", push=cfg.push_graph,
+                         **({"fullgraph": True} if blocks else {}))
     model.set_requires_gradient_sync(True)  # A = 1: every micro-step is the last one
     return model, lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM), opt
 
@@ -102,10 +96,7 @@ def _worker(rank: int, cfg: Config, variant: str, port: int, cache: str, out: di
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", TORCHINDUCTOR_CACHE_DIR=cache)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    from paro_fsdp._compat import isolate_compile_cache
-
-    isolate_compile_cache(rank)
-    model, clip, opt = _build(cfg, variant)
+    model, clip, opt = _build(cfg, variant)  # passes.compile_model gives each rank its own cache folder
     times = []
     for step in range(2):
         dist.barrier()

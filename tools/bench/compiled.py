@@ -12,7 +12,7 @@ collectives are in the graph, ordered by passes/.
 
 Every compiled variant compiles the whole model (``torch.compile(model)``, inductor) so that the
 reorder pass sees every block in one graph; PaRO's also runs the accumulation boundary in graphs
-(``set_requires_gradient_sync`` on the last micro-step, ``traced.compile_push`` for the push to P).
+(``set_requires_gradient_sync`` on the last micro-step, ``passes.compile_model``: the push to P too).
 Every PaRO variant trains the FSDP2 way: torch's AdamW over ``model.parameters()``, torch's
 ``clip_grad_norm_``, ``set_requires_gradient_sync(a == A - 1)`` before each micro-step.
 The model, data and optimizer are those of ``tools.bench.vs_fsdp2`` (``workload.py``). Each
@@ -45,7 +45,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import passes
 from paro_fsdp import init_paro_mesh, paro_shard
 from paro_fsdp.models.llama import LlamaArgs
-from paro_fsdp.traced import compile_push, isolate_compile_cache
+from paro_fsdp.traced import isolate_compile_cache
 
 from .workload import (GROUP, LR, MAX_NORM, WD, WORLD, add_model_args, batch_for, make_model, model_args_from,
                        reduce_max, reduce_mean)
@@ -102,15 +102,13 @@ def paro_variant(cfg: Config, strategy: str, mode: str) -> Variant:
     rank = dist.get_rank()
     model = paro_shard(make_model(cfg.args), init_paro_mesh(GROUP), strategy)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, foreach=True)
-    call = model
-    if mode != "eager":  # the whole boundary in graphs: the last backward's reduction, the push to P
-        call = torch.compile(model)
-        compile_push(model)
+    if mode != "eager":  # the whole boundary in graphs: the last backward's reduction, the push to P;
+        # the passes bound to this model's compiles only
+        passes.compile_model(model, passes.ORDER if mode == "compiled+passes" else (), scope="model")
     before = lambda a: model.set_requires_gradient_sync(a == cfg.accum - 1)  # noqa: E731
     clip = lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)  # noqa: E731
-    prepare = {"eager": lambda: None, "compiled": passes.uninstall,
-               "compiled+passes": lambda: passes.install(passes.ORDER, meshes=[model.paro_mesh_groups()])}[mode]
-    return Variant(f"PaRO {strategy} {mode}", prepare, _train_step(cfg, call, clip, opt, rank, before), mode != "eager")
+    return Variant(f"PaRO {strategy} {mode}", lambda: None, _train_step(cfg, model, clip, opt, rank, before),
+                   mode != "eager")
 
 
 def fsdp2_variant(cfg: Config, kind: str, mode: str) -> Variant:

@@ -7,8 +7,8 @@ variants on the emulator" says what the columns mean).
     sudo .venv/bin/python -m tools.bench --compiled --compile-cache /tmp/c  # twice: warm first steps
 
 Why: compiling must pay for itself on the link it is meant for. Per strategy
-(``--variants``): ``eager``; ``compiled`` (``torch.compile(model)``, ``traced.compile_push`` for
-the push to P; no graph pass: the traced path emits PaRO-CC's phases itself); ``bucketing`` /
+(``--variants``): ``eager``; ``compiled`` (``passes.compile_model(model, (), scope="model")``, the
+push to P compiled too; no graph pass: the traced path emits PaRO-CC's phases itself); ``bucketing`` /
 ``reorder`` (that pass alone); ``all`` (``passes.ORDER``). Per FSDP2 baseline (``--baselines``):
 eager and per-block compile (its graphs hold no collectives). Every PaRO variant trains the FSDP2
 way: torch's AdamW over ``model.parameters()``, torch's ``clip_grad_norm_``,
@@ -22,8 +22,8 @@ slowest rank; node 0's tx counters around it); then one profiled step per varian
 (``--no-timeline``: none), rank 0's trace drawn by ``paro_fsdp.train.timeline`` over the node-0
 uplink's tx counter sampled every ~2 ms, one PNG per variant in ``--out-dir``.
 
-Each compiled variant's ``ParoPasses`` (``[]`` for ``compiled``) is bound to its backend
-(inductor ``options={"post_grad_custom_post_pass": ...}``, which also patches the backward
+Each compiled variant's ``ParoPasses`` (``[]`` for ``compiled``) is bound to its compiles by
+``compile_model`` (inductor ``options={"post_grad_custom_post_pass": ...}``, which also patches the backward
 compiled later; ``--backend aot``: ``passes.aot_backend``): no process-wide setting, and no
 variant's cache entry serves another. Shapes are static (``automatic_dynamic_shapes`` off: the
 variants share code objects, and a size another model had must not make a graph dynamic); the
@@ -191,7 +191,6 @@ def _train_step(call, opt, clip, batch, before_micro=None) -> Callable[[int, int
 def build_variants(args: argparse.Namespace, margs, mesh, fsdp_mesh: Callable[[str], Any], batch) -> list[Variant]:
     import passes
     from paro_fsdp import paro_shard
-    from paro_fsdp.traced import compile_push
     from torch.distributed.fsdp import fully_shard
 
     modes = [m for m in MODES if m in args.variants.split(",")]
@@ -203,14 +202,10 @@ def build_variants(args: argparse.Namespace, margs, mesh, fsdp_mesh: Callable[[s
             call, record = model, None
             if mode != "eager":
                 names = passes.ORDER if PASSES_OF[mode] is None else PASSES_OF[mode]
-                record = passes.ParoPasses(names, meshes=[model.paro_mesh_groups()])
-                # the passes bound to this variant's backend (inductor: its config patch, also for
-                # the backward compiled later): no process-wide setting, and no variant's cache
-                # entry can serve another (their backends differ)
-                kw = (dict(backend=passes.aot_backend(record)) if args.backend == "aot" else
-                      dict(backend="inductor", options=record.inductor_options()))
-                call = torch.compile(model, **kw)
-                compile_push(model, **kw)  # the push to P after each optimizer step: one graph, same backend
+                # the passes bound to this model's compiles (inductor: its config patch, also for the
+                # backward compiled later): no process-wide setting, and no variant's cache entry can
+                # serve another; the push to P after each optimizer step is one graph too
+                record = passes.compile_model(model, names, scope="model", backend=args.backend)
             # every mode: the boundary under the last micro-step's backward (gradients stay at G before it)
             before = lambda a, accum, model=model: model.set_requires_gradient_sync(a == accum - 1)  # noqa: E731
             clip = lambda model=model: torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)  # noqa: E731

@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 from .checks import (FAIL, FIRST_LOSS_RTOL, PASS, check, compare_losses, flops_per_token, is_finite, mfu,
                      peak_bf16_flops)
 from .memory import init_fn, llama_args
-from .plan import C_MODEL, C_STRATEGY, C_TIMED, C_VARIANTS, C_WARMUP, REPO
+from .plan import C_MODEL, C_STRATEGY, C_TIMED, C_VARIANTS, C_WARMUP
 from .report import Emitter, fmt_bytes
 
 
@@ -100,19 +100,10 @@ def worker_c(emit: Emitter, device_type: str, layers: Optional[int], peak_tflops
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
         if compiled:
             import passes
-            from paro_fsdp.train.config import JobConfig
-            from paro_fsdp.train.parallelize import apply_compile
-            from paro_fsdp.traced import compile_push
 
-            cfg = JobConfig()
-            cfg.compile.enable, cfg.compile.scope, cfg.job.dump_folder = (
-                True,
-                "blocks",
-                str(REPO / "outputs" / "gpu_check"),
-            )
-            passes.install_for(model, cfg.compile, cfg.job.dump_folder)
-            apply_compile(model, cfg)
-            compile_push(model)  # the refresh of the working copies after each step as one graph
+            # as the trainer: every block with its hooks in its graph, the graph passes, and the
+            # refresh of the working copies after each step as one graph
+            passes.compile_model(model, fullgraph=True)
 
         def step(i: int) -> torch.Tensor:
             model.set_requires_gradient_sync(True)  # one micro-step per step: its backward runs the boundary
