@@ -1,23 +1,13 @@
 """Hugging Face causal LMs, and peft LoRA adapters on them, under ``paro_shard`` (extra
-``paro-fsdp[hf]``): a model folder in, the trained weights out as a folder transformers loads.
+``paro-fsdp[hf]``): a model folder in, the trained weights out as a folder transformers loads
+(the order of the calls: docs/huggingface.md).
 
-    config = read_config(folder)                 # config.json: data, read by AutoConfig, never remote code
-    model = build_meta(config)                   # on the meta device: no memory yet
-    model = add_lora(model, rank=8)              # optional: peft's LoRA, base weights frozen
-    model = paro_shard(model, mesh, "ING", blocks=decoder_blocks(model), param_init_fn=init_for_load(seed))
-    materialise_buffers(model, device)           # RoPE tables, computed as transformers does
-    load_weights(model, folder)                  # each rank reads only its own shards of the safetensors
-    ...                                          # train
-    save_model(model, out) / save_adapter(model, out)   # from_pretrained / PeftModel.from_pretrained load it
-
-Why this order: ``from_pretrained`` on every rank holds the model n times; built on the meta
-device, ``paro_shard`` materialises one tensor at a time and ``load_weights`` reads each rank's
-safetensors slices (through ``checkpoint_files.safe_load``: nothing that runs code) straight into
-the parameters (FSDP2's contract: each trainable one is its fp32 master at the OS level, each
-frozen one its P-level copy), so no rank holds the whole model and the masters are exact; the
-engine refreshes its working copies from them at the next forward (their version counters
-moved). The export writes the same DTensors back, fp32 under bf16 mixed precision too, rank 0
-joining them into files and the index; ``config.json`` names the model's own class.
+Why built on the meta device and loaded in place: ``from_pretrained`` on every rank holds the
+model n times; ``paro_shard`` materialises one tensor at a time and ``load_weights`` reads each
+rank's safetensors slices (through ``checkpoint_files.safe_load``: nothing that runs code)
+straight into the parameters (FSDP2's contract: each trainable one is its fp32 master at the OS
+level, each frozen one its P-level copy), so no rank holds the whole model and the masters are
+exact. The export writes the same DTensors back, rank 0 joining them into files and the index.
 """
 from __future__ import annotations
 
@@ -35,30 +25,20 @@ from torch.distributed.tensor import DTensor
 
 from paro_fsdp.checkpoint_files import first_line, safe_load
 
-__all__ = ["HFModelError", "read_config", "weight_files", "build_meta", "decoder_blocks", "add_lora", "lora_targets",
-           "init_for_load", "materialise_buffers", "stored_shapes", "check_weights", "parameters_state", "load_weights",
+__all__ = ["HFModelError", "read_config", "weight_files", "build_meta", "decoder_blocks", "add_lora",
+           "init_for_load", "materialise_buffers", "check_weights", "parameters_state", "load_weights",
            "architecture", "save_model", "save_adapter", "base_name", "count_trainable", "SHARD_BYTES"]
 
 SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size ("5GB")
-INDEX = "model.safetensors.index.json"
 
 
 class HFModelError(ValueError):
     """A model folder or LoRA setting that cannot work, in one line naming the fix."""
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
 # ---- the folder -------------------------------------------------------------------------------
 def read_config(path: str) -> Any:
-    """The folder's ``config.json`` as a known causal-LM config, read as data: a model needing its own code is refused."""
+    """The folder's ``config.json`` as a known causal-LM config, read as data: never a model's own code."""
     if not os.path.isdir(path):
         raise HFModelError(f"model.hf_path = {path!r} is not a folder; valid: a model folder as save_pretrained "
                            f"writes it (config.json and *.safetensors)")
@@ -133,17 +113,6 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 # ---- LoRA -------------------------------------------------------------------------------------
-def lora_targets(model: nn.Module) -> list[str]:
-    """peft's default LoRA targets for this architecture (``q_proj``/``v_proj`` for Llama, ``c_attn`` for GPT-2)."""
-    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
-
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in DEFAULTS:
-        raise HFModelError(f"peft.target_modules: peft has no default for model_type {model_type!r}; valid: name the "
-                           f"modules, e.g. --peft.target_modules {','.join(_linear_names(model)[:4])}")
-    return list(DEFAULTS[model_type])
-
-
 def _linear_names(model: nn.Module) -> list[str]:
     """Distinct last names of the modules LoRA could wrap (for error messages)."""
     seen: dict[str, None] = {}
@@ -155,18 +124,19 @@ def _linear_names(model: nn.Module) -> list[str]:
 
 def add_lora(model: nn.Module, rank: int, alpha: float = 16.0, dropout: float = 0.0,
              target_modules: Optional[Iterable[str]] = None, base_path: str = "") -> nn.Module:
-    """peft's ``get_peft_model`` before ``paro_shard``: frozen base weights get no gradient or optimizer state."""
+    """peft's ``get_peft_model`` before ``paro_shard``: frozen base weights get no gradient or optimizer
+    state. No ``target_modules``: peft's default for the architecture (Llama's q / v projections)."""
     from peft import LoraConfig, get_peft_model
 
-    targets = list(target_modules) if target_modules else lora_targets(model)
+    targets = list(target_modules) if target_modules else None
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
                         task_type="CAUSAL_LM", base_model_name_or_path=base_path or None)
     try:
         return get_peft_model(model, config)
-    except ValueError as exc:  # peft: "Target modules {...} not found in the base model"
-        raise HFModelError(f"peft.target_modules = {targets} matches no module of {type(model).__name__} "
-                           f"({first_line(exc)[:120]}); valid: names of its linear layers, e.g. "
-                           f"{','.join(_linear_names(model)[:8])}") from None
+    except ValueError as exc:  # peft: "Target modules {...} not found in the base model", or no default
+        what = f"= {targets} matches no module of" if targets else "has no default in peft for"
+        raise HFModelError(f"peft.target_modules {what} {type(model).__name__} ({first_line(exc)[:120]}); valid: "
+                           f"names of its linear layers, e.g. {','.join(_linear_names(model)[:8])}") from None
 
 
 def count_trainable(model: nn.Module) -> tuple[int, int]:
@@ -199,16 +169,16 @@ def materialise_buffers(model: nn.Module, device: torch.device) -> None:
         if not meta:
             continue
         if any(p is not None for p in module._parameters.values()):
-            raise HFModelError(f"{name} ({type(module).__name__}) has buffers {meta} that transformers initialises with "
-                               f"the module's parameters; not supported on the meta device")
+            raise HFModelError(f"{name} ({type(module).__name__}) has buffers {meta} that transformers initialises "
+                               f"with the module's parameters; not supported on the meta device")
         for k in meta:
             module._buffers[k] = torch.full_like(module._buffers[k], float("nan"), device=device)
         pretrained._init_weights(module)
         for k in meta:
             b = module._buffers[k]
             if b.is_floating_point() and torch.isnan(b).any():
-                raise HFModelError(f"buffer {name}.{k} of {type(module).__name__}: transformers' _init_weights does not "
-                                   f"compute it on a model built on the meta device; not supported")
+                raise HFModelError(f"buffer {name}.{k} of {type(module).__name__}: transformers' _init_weights does "
+                                   f"not compute it on a model built on the meta device; not supported")
 
 
 # ---- loading: each rank reads its shards ---------------------------------------------------------
@@ -225,40 +195,33 @@ def _reader(path: str) -> Any:
     return HuggingFaceStorageReader(path)
 
 
-def stored_shapes(path: str) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor in the folder's safetensors (their JSON headers only)."""
+def check_weights(names: dict[str, tuple[int, ...]], path: str,
+                  key: Callable[[str], Optional[str]] = base_name) -> None:
+    """Raise ``HFModelError`` unless the folder holds every tensor of ``names`` with its shape: no
+    partial load. Reads the safetensors' JSON headers only."""
     weight_files(path)
-    metadata = _reader(path).read_metadata()
-    return {k: tuple(m.size) for k, m in metadata.state_dict_metadata.items()}
-
-
-def check_weights(names: dict[str, tuple[int, ...]], path: str, key: Callable[[str], Optional[str]] = base_name) -> None:
-    """Raise ``HFModelError`` unless the folder holds every tensor of ``names`` with its shape: no partial load."""
-    stored = stored_shapes(path)
-    wanted = {key(n): s for n, s in names.items() if key(n) is not None}
+    stored = {k: tuple(m.size) for k, m in _reader(path).read_metadata().state_dict_metadata.items()}
+    wanted = {key(n): tuple(s) for n, s in names.items() if key(n) is not None}
     missing = [n for n in wanted if n not in stored]
     if missing:
-        raise HFModelError(f"model.hf_path = {path!r} lacks {len(missing)} of the {len(wanted)} tensors its config.json "
-                           f"describes, e.g. {missing[0]}; valid: a folder whose safetensors match its config.json "
-                           f"(as save_pretrained writes them)")
+        raise HFModelError(f"model.hf_path = {path!r} lacks {len(missing)} of the {len(wanted)} tensors its "
+                           f"config.json describes, e.g. {missing[0]}; valid: a folder whose safetensors match its "
+                           f"config.json (as save_pretrained writes them)")
     for n, shape in wanted.items():
-        if tuple(stored[n]) != tuple(shape):
-            raise HFModelError(f"model.hf_path = {path!r}: {n} is {list(stored[n])} in the safetensors, {list(shape)} by "
-                               f"its config.json; valid: a folder whose safetensors match its config.json")
+        if stored[n] != shape:
+            raise HFModelError(f"model.hf_path = {path!r}: {n} is {list(stored[n])} in the safetensors, {list(shape)} "
+                               f"by its config.json; valid: a folder whose safetensors match its config.json")
 
 
 def parameters_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's parameters by name, detached, as ``model.state_dict()`` holds them (a tied
-    tensor once, under its first name): on a sharded model the fp32 masters at the OS level
-    (frozen: the P-level copy) as DTensors sharing the parameters' storage, so DCP writes each
-    rank's shards and loads in place."""
+    """The parameters by name (a tied tensor once), detached DTensors sharing their storage, so DCP
+    writes each rank's shards and loads in place."""
     return {name: p.detach() for name, p in model.named_parameters()}
 
 
 def load_weights(model: nn.Module, path: str, key: Callable[[str], Optional[str]] = base_name) -> int:
-    """Each rank's slices of the safetensors into the parameters (the fp32 masters; frozen: P), in
-    place; the engine refreshes its working copies from them at the next forward (nothing to
-    call). Returns how many tensors loaded. Collective."""
+    """Each rank's slices of the safetensors into the parameters, in place; the engine refreshes
+    its working copies from them at the next forward. Returns how many tensors loaded. Collective."""
     params = {fqn: p for fqn, p in model.named_parameters() if key(fqn) is not None}
     targets = {key(fqn): p.detach() for fqn, p in params.items()}
     check_weights({k: tuple(v.shape) for k, v in targets.items()}, path, key=lambda n: n)
@@ -270,44 +233,39 @@ def load_weights(model: nn.Module, path: str, key: Callable[[str], Optional[str]
 
 
 # ---- the export -------------------------------------------------------------------------------
-def _write_safetensors(values: dict[str, DTensor], folder: str, dtype: torch.dtype, max_bytes: int) -> None:
-    """Every rank writes its shards; rank 0 joins them, one tensor at a time, into the files and index. Collective."""
+def _export(values: dict[str, DTensor], out_dir: str, dtype: torch.dtype, max_bytes: int,
+            finish: Callable[[str], None]) -> str:
+    """Every rank writes its shards into ``out_dir.tmp``; rank 0 joins them, one tensor at a time,
+    into the files and index, calls ``finish`` on the folder and renames it into place, so a crash
+    mid-export leaves only ``.tmp``. Collective; returns ``out_dir``."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
-    state = {k: v.to(dtype) for k, v in values.items()}
-    # tensor -> file 1..k in order, each at most max_bytes (a larger tensor alone), as save_pretrained splits
-    index, size, files, itemsize = 1, 0, {}, torch.empty((), dtype=dtype).element_size()
-    for name, v in state.items():
-        if size and size + v.numel() * itemsize > max_bytes:
-            index, size = index + 1, 0
-        files[name] = index
-        size += v.numel() * itemsize
-    writer = HuggingFaceStorageWriter(folder, fqn_to_index_mapping=files,
-                                      save_distributed=True, enable_consolidation=True)
-    dcp.save(state, storage_writer=writer)
-    _barrier()
-    if _rank() == 0:
-        shutil.rmtree(os.path.join(folder, "sharded"), ignore_errors=True)
-
-
-def _prepare(out_dir: str) -> str:
     tmp = out_dir.rstrip("/") + ".tmp"
-    if _rank() == 0:
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    barrier = dist.barrier if dist.is_initialized() else lambda: None
+    if rank0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-    _barrier()
-    return tmp
-
-
-def _publish(tmp: str, out_dir: str) -> str:
-    """Rename the finished folder into place (rank 0): a crash mid-export leaves ``.tmp``."""
-    _barrier()
-    if _rank() == 0:
+    barrier()
+    state = {k: v.to(dtype) for k, v in values.items()}
+    # tensor -> file 1..k in order, each at most max_bytes (a larger tensor alone), as save_pretrained splits
+    index, size, files = 1, 0, {}
+    for name, v in state.items():
+        nbytes = v.numel() * dtype.itemsize
+        if size and size + nbytes > max_bytes:
+            index, size = index + 1, 0
+        files[name], size = index, size + nbytes
+    dcp.save(state, storage_writer=HuggingFaceStorageWriter(tmp, fqn_to_index_mapping=files, save_distributed=True,
+                                                            enable_consolidation=True))
+    barrier()
+    if rank0:
+        shutil.rmtree(os.path.join(tmp, "sharded"), ignore_errors=True)
+        finish(tmp)
         if os.path.exists(out_dir):
             shutil.rmtree(out_dir)
         os.rename(tmp, out_dir)
-    _barrier()
+    barrier()
     return out_dir
 
 
@@ -329,32 +287,31 @@ def save_model(model: nn.Module, out_dir: str, config: Any, *, dtype: torch.dtyp
                values: Optional[dict[str, DTensor]] = None, extra_files: Iterable[str] = (),
                max_shard_bytes: int = SHARD_BYTES) -> str:
     """Write a folder ``from_pretrained`` loads: ``config`` (its ``architectures`` naming the
-    model's own class, as ``save_pretrained`` writes it) and ``values`` (default: the parameters,
-    the fp32 masters under bf16 too) in ``dtype``, ``extra_files`` copied in. Collective; returns
-    ``out_dir``."""
+    model's own class) and ``values`` (default: the parameters, the fp32 masters under bf16 too)
+    in ``dtype``, ``extra_files`` copied in. Collective; returns ``out_dir``."""
     values = parameters_state(model) if values is None else values
     arch = architecture(model)
-    tmp = _prepare(out_dir)
-    _write_safetensors(values, tmp, dtype, max_shard_bytes)
-    if _rank() == 0:
+
+    def finish(folder: str) -> None:
         config.dtype = dtype
         if arch is not None:
             config.architectures = [arch]
-        config.save_pretrained(tmp)
+        config.save_pretrained(folder)
         for f in extra_files:
-            shutil.copy(f, tmp)
-    return _publish(tmp, out_dir)
+            shutil.copy(f, folder)
+
+    return _export(values, out_dir, dtype, max_shard_bytes, finish)
 
 
 def save_adapter(model: nn.Module, out_dir: str, *, dtype: torch.dtype = torch.float32) -> str:
     """Write the LoRA adapter as peft's ``save_pretrained`` does. Collective; returns ``out_dir``."""
     from peft import get_peft_model_state_dict
 
+    def finish(folder: str) -> None:  # one file, named as peft names it; peft reads no index
+        os.rename(os.path.join(folder, "model-00001-of-00001.safetensors"),
+                  os.path.join(folder, "adapter_model.safetensors"))
+        os.remove(os.path.join(folder, "model.safetensors.index.json"))
+        model.peft_config[model.active_adapter].save_pretrained(folder)
+
     adapter = get_peft_model_state_dict(model, state_dict=parameters_state(model), save_embedding_layers=False)
-    tmp = _prepare(out_dir)
-    _write_safetensors(adapter, tmp, dtype, SHARD_BYTES * 100)  # one file: peft reads no index
-    if _rank() == 0:
-        os.rename(os.path.join(tmp, "model-00001-of-00001.safetensors"), os.path.join(tmp, "adapter_model.safetensors"))
-        os.remove(os.path.join(tmp, INDEX))
-        model.peft_config[model.active_adapter].save_pretrained(tmp)
-    return _publish(tmp, out_dir)
+    return _export(adapter, out_dir, dtype, SHARD_BYTES * 100, finish)

@@ -1,14 +1,11 @@
 """The trainer's own Llama (``paro_fsdp/models/llama.py``) under Hugging Face names, so its runs
 open in transformers as a ``LlamaForCausalLM``.
 
-Names map one to one (``layers.N.attention.wq`` -> ``model.layers.N.self_attn.q_proj``, ...). One
-layout differs: RoPE. Ours rotates interleaved pairs (x[2i], x[2i+1]) of each head (Meta's
-original code); transformers' Llama rotates halves (x[i], x[i + head_dim/2]) (``rotate_half``).
-The same attention comes out when the rows of ``wq`` and ``wk`` are permuted within each head
-(the permutation of transformers' own ``convert_llama_weights_to_hf``): row ``2i + c`` of a
-head becomes row ``c * head_dim/2 + i``. That moves rows across shard boundaries, so those two
-tensors are gathered whole (one at a time) before they are written; every other tensor is
-written from its shards as it is.
+Names map one to one. One layout differs: RoPE. Ours rotates interleaved pairs (x[2i], x[2i+1])
+of each head (Meta's original code), transformers' halves (x[i], x[i + head_dim/2]); the same
+attention comes out when the rows of ``wq`` and ``wk`` are permuted within each head (as
+transformers' ``convert_llama_weights_to_hf`` does). That moves rows across shard boundaries, so
+those two tensors are gathered whole (one at a time) before they are written.
 """
 from __future__ import annotations
 
@@ -23,8 +20,7 @@ __all__ = ["llama_config", "hf_name", "hf_values", "rope_to_halves"]
 
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
-_LAYER = {"attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight": "self_attn.k_proj.weight",
-          "attention.wv.weight": "self_attn.v_proj.weight", "attention.wo.weight": "self_attn.o_proj.weight",
+_LAYER = {**{f"attention.w{x}.weight": f"self_attn.{x}_proj.weight" for x in "qkvo"},
           "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w2.weight": "mlp.down_proj.weight",
           "feed_forward.w3.weight": "mlp.up_proj.weight", "attention_norm.weight": "input_layernorm.weight",
           "ffn_norm.weight": "post_attention_layernorm.weight"}
@@ -68,7 +64,8 @@ def hf_values(model: torch.nn.Module, args: LlamaArgs) -> dict[str, DTensor]:
     for name, value in parameters_state(model).items():
         heads = {"wq": args.n_heads, "wk": args.n_kv_heads or args.n_heads}.get(name.rsplit(".", 2)[-2])
         if heads is not None:
-            whole = rope_to_halves(value.full_tensor(), heads)
-            value = DTensor.from_local(whole, value.device_mesh, [Replicate()] * value.device_mesh.ndim, run_check=False)
+            mesh = value.device_mesh
+            value = DTensor.from_local(rope_to_halves(value.full_tensor(), heads), mesh, [Replicate()] * mesh.ndim,
+                                       run_check=False)
         out[hf_name(name)] = value
     return out
