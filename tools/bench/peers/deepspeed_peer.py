@@ -46,11 +46,8 @@ def build(peer: Peer, args: argparse.Namespace, model: Any, m: int, active: set[
     accum0 = int(args.accum.split(",")[0])
     block = max(sum(p.numel() for p in b.parameters()) for b in model.layers)
     cfg = config(peer, args, m, accum0, world, block)
-    if peer.mode == "mics":  # MiCS partitions the weights as they are built (its Init): rebuild the same model
-        with deepspeed.zero.MiCS_Init(config_dict_or_path=cfg):
-            from .worker import make_model
-
-            model = make_model(args)
+    if peer.mode == "mics":  # MiCS's optimizer takes MiCS parameters only: convert the model built (same init)
+        deepspeed.zero.MiCS_Init(module=model, config_dict_or_path=cfg)
     opt = make_optimizer(model.parameters(), args)
     engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
     state = {"accum": accum0}
