@@ -11,10 +11,15 @@ import os
 import statistics
 import time
 from dataclasses import replace
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
-from ..models.llama import LlamaArgs, flavor
+import torch
+import torch.distributed as dist
+
+from .. import _compat
 from ..collectives import KINDS, hops, ring_bytes
+from ..dtypes import dtype_of
+from ..models.llama import LlamaArgs, TransformerBlock, flavor, rope_tables
 from .cluster import GB, Cluster, GiB, Link
 from .model import flops_per_token, model_spec
 
@@ -31,15 +36,9 @@ def fit_alpha_beta(points: Sequence[tuple[float, float]]) -> tuple[float, float]
     if len(pts) == 1 or max(x for x, _ in pts) == min(x for x, _ in pts):
         x, y = max(pts)
         return x / y, 0.0
-    # minimise sum(((a + s x) / y - 1)^2): normal equations in (a, s) with u = 1/y, v = x/y
-    suu = sum(1 / y**2 for _, y in pts)
-    svv = sum((x / y) ** 2 for x, y in pts)
-    suv = sum(x / y**2 for x, y in pts)
-    su = sum(1 / y for _, y in pts)
-    sv = sum(x / y for x, y in pts)
-    det = suu * svv - suv**2
-    a = (su * svv - sv * suv) / det
-    slope = (suu * sv - suv * su) / det
+    # minimise sum(((a + s x) / y - 1)^2): rows (1/y, x/y) . (a, s) = 1
+    rows = torch.tensor([[1 / y, x / y] for x, y in pts], dtype=torch.float64)
+    a, slope = torch.linalg.lstsq(rows, torch.ones(len(pts), 1, dtype=torch.float64)).solution.flatten().tolist()
     if slope <= 0:  # noise dominates: the largest message's throughput, the smallest's time
         return max(pts)[0] / max(pts)[1], min(pts)[1]
     if a < 0:  # no measurable latency: a line through the origin, relative least squares
@@ -58,19 +57,12 @@ def calibrate_in_process(mesh: Any, model_args: Optional[Union[str, LlamaArgs]] 
     matmul FLOP/s, a transformer block's forward + backward at ``model_args``' shape (the
     ``achieved_tflops``), memory bandwidth and how much a collective overlaps compute.
     ``gpus_per_node`` is the intra size, so the intra dimension maps to the ``intra`` link."""
-    import torch
-    import torch.distributed as dist
-
-    from .. import _compat
-    from ..models.llama import TransformerBlock, rope_tables
-
-    all_gather, reduce_scatter = _compat.all_gather_single, _compat.reduce_scatter_single
-    info_dims = {d: mesh.get_group(d) for d in ("intra", "inter")}
-    sizes = {d: dist.get_world_size(grp) for d, grp in info_dims.items()}
+    groups = {d: mesh.get_group(d) for d in ("intra", "inter")}
+    sizes = {d: dist.get_world_size(grp) for d, grp in groups.items()}
     m, g = sizes["intra"], sizes["inter"]
     device = mesh.device_type
     dev = torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
-    tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    tdtype = dtype_of(dtype)
     if sizes_mib is None:
         sizes_mib = (0.0625, 1, 8, 64) if device == "cuda" else (0.0625, 0.5, 2, 8)
 
@@ -78,57 +70,59 @@ def calibrate_in_process(mesh: Any, model_args: Optional[Union[str, LlamaArgs]] 
         if device == "cuda":
             torch.cuda.synchronize()
 
-    def timed(fn, r: int) -> float:
-        """The fastest of ``r`` timed calls after a warm-up: the least disturbed on a shared machine."""
+    def seconds(fn) -> float:
+        t0 = time.perf_counter()
         fn()
         sync()
-        ts = []
-        for _ in range(r):
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            ts.append(time.perf_counter() - t0)
-        return min(ts)
+        return time.perf_counter() - t0
+
+    def timed(fn, r: int) -> float:
+        """The fastest of ``r`` timed calls after a warm-up: the least disturbed on a shared machine."""
+        seconds(fn)
+        return min(seconds(fn) for _ in range(r))
 
     def slowest(values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=dev)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.cpu().tolist()
 
+    def numel(mib: float, k: int) -> int:
+        return max(k, int(mib * 2**20 / 4) // k * k)  # fp32 elements, divisible by k
+
+    def collective(kind: str, d: str, mib: float) -> Callable[..., Any]:
+        k, grp = sizes[d], groups[d]
+        full = torch.ones(numel(mib, k), device=dev)
+        shard = torch.ones(full.numel() // k, device=dev)
+        if kind == "all_gather":
+            return lambda async_op=False: _compat.all_gather_single(full, shard, group=grp, async_op=async_op)
+        if kind == "reduce_scatter":
+            return lambda: _compat.reduce_scatter_single(shard, full, group=grp)
+        return lambda: dist.all_reduce(full, group=grp)
+
     measured: dict[str, Any] = {"ranks": m * g, "intra_size": m, "inter_size": g, "backend": dist.get_backend(),
                                 "device": device, "sizes_mib": list(sizes_mib)}
     links: dict[str, Link] = {}
-    for d in ("intra", "inter"):
-        k, grp = sizes[d], info_dims[d]
-        if k == 1:
-            continue
-        per_kind: dict[str, tuple[float, float]] = {}
+    for d in (d for d in ("intra", "inter") if sizes[d] > 1):
+        k, per_kind = sizes[d], {}
         for kind in KINDS:
-            raw: list[float] = []
-            ring: list[float] = []
+            raw = []
             for mib in sizes_mib:
-                numel = max(k, int(mib * 2**20 / 4) // k * k)  # fp32 elements, divisible by k
-                full = torch.ones(numel, device=dev)
-                shard = torch.ones(numel // k, device=dev)
-                fn = {"all_gather": lambda: all_gather(full, shard, group=grp),
-                      "reduce_scatter": lambda: reduce_scatter(shard, full, group=grp),
-                      "all_reduce": lambda: dist.all_reduce(full, group=grp)}[kind]
+                fn = collective(kind, d, mib)
                 dist.barrier()
                 raw.append(timed(fn, reps))
-                ring.append(ring_bytes(kind, numel * 4, k))
             times = slowest(raw)
+            ring = [ring_bytes(kind, numel(mib, k) * 4, k) for mib in sizes_mib]
             bw, a = fit_alpha_beta(list(zip(ring, times)))
             per_kind[kind] = (bw / GB, a / hops(kind, k) * 1e6)
             measured[f"{d}_{kind}_seconds"] = [round(t, 7) for t in times]
-        default_bw, default_lat = per_kind["all_gather"]
-        links[d] = Link(default_bw, default_lat, {kd: v for kd, v in per_kind.items() if v != (default_bw, default_lat)})
+        base = per_kind["all_gather"]
+        links[d] = Link(*base, {kd: v for kd, v in per_kind.items() if v != base})
     for d, other in (("intra", "inter"), ("inter", "intra")):
         measured[f"{d}_link"] = "measured" if d in links else (f"copied from {other}" if other in links else
                                                                 "not measured (one rank): placeholder")
-    if not links:  # a single rank: nothing to time; the advisor then sees communication as free
-        links["intra"] = links["inter"] = Link(1e3, 0.0)
-    links.setdefault("intra", links.get("inter"))
-    links.setdefault("inter", links.get("intra"))
+    # one dimension measured: the other copies it; none (a single rank): communication is free
+    links.setdefault("intra", links.get("inter", Link(1e3, 0.0)))
+    links.setdefault("inter", links["intra"])
 
     # matmul FLOP/s, all ranks at once (they share the machine in training too)
     nmm = 4096 if device == "cuda" else 512
@@ -143,12 +137,8 @@ def calibrate_in_process(mesh: Any, model_args: Optional[Union[str, LlamaArgs]] 
     block = TransformerBlock(args).to(device=dev, dtype=tdtype)
     x = torch.randn(micro_batch, seq_len, args.dim, device=dev, dtype=tdtype, requires_grad=True)
     cos, sin = (t.to(dev) for t in rope_tables(args.dim // args.n_heads, seq_len, args.rope_theta))
-
-    def block_step() -> None:
-        block(x, cos, sin).float().sum().backward()
-
     dist.barrier()
-    t_block = timed(block_step, max(reps, 3))
+    t_block = timed(lambda: block(x, cos, sin).float().sum().backward(), max(reps, 3))
     spec1 = replace(model_spec(replace(args, n_layers=1)), vocab_size=0)
     f_fwd, f_bwd = flops_per_token(replace(spec1, trainable_layers=1), seq_len, False)
     block_flops = (f_fwd + f_bwd) * micro_batch * seq_len
@@ -161,16 +151,12 @@ def calibrate_in_process(mesh: Any, model_args: Optional[Union[str, LlamaArgs]] 
     d_ov = "inter" if g > 1 else ("intra" if m > 1 else None)
     overlap = 0.0
     if d_ov is not None:
-        k, grp = sizes[d_ov], info_dims[d_ov]
-        numel = int(sizes_mib[-1] * 2**20 / 4) // k * k
-        full, shard = torch.ones(numel, device=dev), torch.ones(numel // k, device=dev)
-        comm = lambda: all_gather(full, shard, group=grp)  # noqa: E731
-        t_comm = timed(comm, reps)
-        n_mm = max(1, int(round(t_comm / max(t_mm, 1e-9))))
+        comm = collective("all_gather", d_ov, sizes_mib[-1])
+        n_mm = max(1, int(round(timed(comm, reps) / max(t_mm, 1e-9))))
         comp = lambda: [a_ @ b_ for _ in range(n_mm)]  # noqa: E731
 
         def both() -> None:
-            work = all_gather(full, shard, group=grp, async_op=True)
+            work = comm(async_op=True)
             comp()
             work.wait()
 
@@ -179,29 +165,25 @@ def calibrate_in_process(mesh: Any, model_args: Optional[Union[str, LlamaArgs]] 
         for _ in range(max(reps, 5)):
             for key, fn in (("comm", comm), ("comp", comp), ("both", both)):
                 dist.barrier()
-                t0 = time.perf_counter()
-                fn()
-                sync()
-                samples[key].append(time.perf_counter() - t0)
-        t_comm, t_comp, t_both = (statistics.median(samples[k]) for k in ("comm", "comp", "both"))
-        t_comm, t_comp, t_both = slowest([t_comm, t_comp, t_both])
+                samples[key].append(seconds(fn))
+        t_comm, t_comp, t_both = slowest([statistics.median(samples[k]) for k in ("comm", "comp", "both")])
         overlap = min(1.0, max(0.0, (t_comm + t_comp - t_both) / max(min(t_comm, t_comp), 1e-12)))
     t_mm, t_block, t_bw = slowest([t_mm, t_block, t_bw])
     if device == "cuda":
         mem_gib = torch.cuda.get_device_properties(dev).total_memory / GiB
-    else:
+    else:  # this host's memory shared by its ranks
         try:
             total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         except (ValueError, OSError, AttributeError):
             total = 16 * GiB
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", m * g))
-        mem_gib = total / GiB / max(1, local)
+        mem_gib = total / GiB / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", m * g)))
     measured.update(matmul_n=nmm, block_dim=args.dim, block_seq=seq_len, block_micro_batch=micro_batch,
                     block_seconds=round(t_block, 6), overlap_dim=d_ov or "-")
     return Cluster(
         name=name, gpus_per_node=m, memory_gib=round(mem_gib, 3), achieved_tflops=block_flops / t_block / 1e12,
         memory_bandwidth_gbs=3 * nbw * 4 / t_bw / GB, intra=links["intra"], inter=links["inter"],
         overlap=round(overlap, 3), usable_memory_fraction=0.9,
-        description=f"measured by tools.calibrate on {m * g} ranks ({g} groups x {m}), {dist.get_backend()} on {device}",
+        description=f"measured by tools.calibrate on {m * g} ranks ({g} groups x {m}), "
+                    f"{dist.get_backend()} on {device}",
         source="tools.calibrate", measured={**measured, "matmul_tflops": 2 * nmm**3 / t_mm / 1e12},
     )

@@ -1,31 +1,22 @@
 """The method's ledger and memory formula as code, exact for this engine.
 
-Arithmetic on parameter counts only, so that what the engine *counts* (``model.comm_stats()``,
-``model.memory_report(opt)``) can be checked against what the method *says* it costs, by tests on
-real ranks and by ``tools/estimate.py`` on a fake 64-rank world.
+Why: arithmetic on parameter counts only, so that what the engine *counts* (``model.comm_stats()``,
+``memory_report``) can be checked against what the method *says* it costs, by tests on real ranks
+and by ``tools/estimate.py`` on a fake 64-rank world.
 
 Notation: n ranks, m per group, g = n / m groups; Psi = all parameters, Psi' = trainable ones;
-A micro-steps per optimizer step; ``param_bytes`` / ``grad_bytes`` = element size of P and its
-all-gathers / of G and its reductions; ``os_bytes`` per trainable element of OS (AdamW: 12 = K).
-Ring bytes are ``collectives.ring_bytes``; a collective over k = 1 rank is skipped. Global
-collectives are hierarchical, as PaRO-CC runs them:
-  global AG(S) = inter AG(S/m) + intra AG(S);   global RS(S) = intra RS(S) + inter RS(S/m);
-  global AR(S) = intra RS(S) + inter AR(S/m) + intra AG(S);
-except below ``flat_below_bytes`` (``collectives.runs_flat``): one flat collective (dim "global").
-The ledger sizes a message by the bucket's Psi, the engine by its padded buffer.
-
-Which collectives run, phase by phase, is the plan's (``plan.py``, the table the engine runs):
-per micro-step ``gather`` (per gather: twice for a block, forward and again in backward after it
-was freed; once for the root, which stays gathered, ``psi_kept``) and ``reduce``; once per step
-``boundary`` and ``push``, on the trainable Psi'. Gradient clipping is torch's clip_grad_norm_
-over the DTensor parameters, DTensor's own scalar all-reduces (counted with ``clip=True`` as one
-flat fp32 all-reduce, dim "global").
+``param_bytes`` / ``grad_bytes`` = element size of P and its all-gathers / of G and its reductions;
+``os_bytes`` per trainable element of OS (AdamW: 12 = K). Which collectives run is the plan's
+(``plan.py``): per micro-step ``gather`` (twice for a block, forward and again in backward; once
+for the root, which stays gathered) and ``reduce``; once per step ``boundary`` and ``push``, on
+Psi'. A global collective is counted as PaRO-CC's phases (``_PHASES``), or flat below
+``flat_below_bytes``; the ledger sizes a message by the bucket's Psi, the engine by its padded
+buffer. The clip's scalar all-reduce is DTensor's (``clip=True``: one flat fp32 all-reduce).
 
 Memory per rank: M = param_bytes Psi/d(P) + grad_bytes Psi'/d(G) + os_bytes Psi'/d(OS), d(N) = 1,
-d(I) = m, d(G) = n. Where P and OS share level and P is fp32 the parameter is the master (one
-copy, as FSDP2's fp32 sharded parameter): OS then holds the optimizer's states only (os_bytes - 4).
-Exact when n divides dim 0 of every tensor (no padding: LLaMA 7B/13B/65B on 64 ranks); otherwise
-the engine's padded buffers make its numbers slightly larger.
+d(I) = m, d(G) = n; where fp32 P and OS share a level the parameter is the master (one copy, as
+FSDP2's fp32 sharded parameter), so OS holds the optimizer's states only (os_bytes - 4). Exact
+when n divides dim 0 of every tensor, else the engine's padding makes its numbers slightly larger.
 """
 from __future__ import annotations
 
@@ -38,7 +29,11 @@ from ..strategy import Level, Strategy, StrategyLike
 
 __all__ = ["Bucket", "Ledger", "buckets_of", "formula_bytes", "formula_memory", "memory_of", "traffic_of"]
 
-_N, _I, _G = Level.N, Level.I, Level.G
+_N = Level.N
+#: a global collective's phases as PaRO-CC runs them (the inter phase on 1/m of the message)
+_PHASES = {"all_gather": (("all_gather", "inter"), ("all_gather", "intra")),
+           "reduce_scatter": (("reduce_scatter", "intra"), ("reduce_scatter", "inter")),
+           "all_reduce": (("reduce_scatter", "intra"), ("all_reduce", "inter"), ("all_gather", "intra"))}
 
 
 class Ledger:
@@ -60,22 +55,14 @@ class Ledger:
             return
         self.stats.record(kind, dim, times * ring_bytes(kind, full_numel * itemsize, k), times)
 
-    # global collectives as the engine issues them: PaRO-CC's phases, or flat below the threshold
     def global_(self, kind: str, numel: float, itemsize: int, times: float = 1) -> None:
-        """One global ``kind`` on a message of ``numel`` elements (one PaRO-CC call)."""
+        """One global ``kind`` on a message of ``numel`` elements (one PaRO-CC call): its phases, or
+        one flat collective below the threshold or where the mesh has one dimension."""
         if self.m == 1 or self.g == 1 or runs_flat(numel * itemsize, self.flat_below_bytes):
-            self.add(kind, "global" if self.m > 1 and self.g > 1 else ("inter" if self.m == 1 else "intra"),
-                     numel, itemsize, times)
-        elif kind == "all_gather":
-            self.add("all_gather", "inter", numel / self.m, itemsize, times)
-            self.add("all_gather", "intra", numel, itemsize, times)
-        elif kind == "reduce_scatter":
-            self.add("reduce_scatter", "intra", numel, itemsize, times)
-            self.add("reduce_scatter", "inter", numel / self.m, itemsize, times)
-        else:
-            self.add("reduce_scatter", "intra", numel, itemsize, times)
-            self.add("all_reduce", "inter", numel / self.m, itemsize, times)
-            self.add("all_gather", "intra", numel, itemsize, times)
+            dim = "global" if self.m > 1 and self.g > 1 else ("inter" if self.m == 1 else "intra")
+            return self.add(kind, dim, numel, itemsize, times)
+        for phase_kind, dim in _PHASES[kind]:
+            self.add(phase_kind, dim, numel / self.m if dim == "inter" else numel, itemsize, times)
 
     def count(self, moves: Iterable[Move], psi: float, itemsize: int, times: float = 1) -> None:
         """Record ``times`` runs of a phase of the plan on a bucket of ``psi`` elements."""
@@ -99,16 +86,6 @@ class Bucket:
     gathers: int = 2
 
 
-def _bucket_traffic(t: Ledger, b: Bucket, grad_accum: int, param_bytes: int, grad_bytes: int) -> None:
-    plan = plan_of(b.strategy)
-    t.count(plan.gather, b.numel, param_bytes, times=grad_accum * b.gathers)
-    if b.trainable == 0:
-        return  # frozen bucket: no gradient ever reaches it, nothing at the boundary
-    t.count(plan.reduce, b.trainable, grad_bytes, times=grad_accum)
-    t.count(plan.boundary, b.trainable, grad_bytes)
-    t.count(plan.push, b.trainable, param_bytes)
-
-
 def traffic_of(buckets: Iterable[Bucket], n: int, m: int, grad_accum: int = 1, param_bytes: int = 2,
                grad_bytes: int = 2, clip: bool = False, flat_below_bytes: int = 0) -> CommStats:
     """Collectives per rank for one optimizer step of ``grad_accum`` micro-steps (forward,
@@ -117,7 +94,12 @@ def traffic_of(buckets: Iterable[Bucket], n: int, m: int, grad_accum: int = 1, p
     model's ``flat_below_bytes``, ``model._paro_state.cc.flat_below_bytes``)."""
     t = Ledger(n, m, flat_below_bytes)
     for b in buckets:
-        _bucket_traffic(t, b, grad_accum, param_bytes, grad_bytes)
+        plan = plan_of(b.strategy)
+        t.count(plan.gather, b.numel, param_bytes, times=grad_accum * b.gathers)
+        if b.trainable:  # a frozen bucket gets no gradient: nothing to reduce, nothing at the boundary
+            t.count(plan.reduce, b.trainable, grad_bytes, times=grad_accum)
+            t.count(plan.boundary, b.trainable, grad_bytes)
+            t.count(plan.push, b.trainable, param_bytes)
     if clip:
         t.add("all_reduce", "global", 1, 4)  # the fp32 squared-norm scalar
     return t.stats
@@ -139,25 +121,21 @@ def memory_of(buckets: Iterable[Bucket], n: int, m: int, param_bytes: int = 2, g
     return out
 
 
-def _whole_model(strategy: StrategyLike, psi: int, psi_trainable: int, psi_kept: int,
-                 trainable_kept: int = 0) -> list[Bucket]:
+def _whole_model(strategy: StrategyLike, psi: int, psi_trainable: int, psi_kept: int) -> list[Bucket]:
+    """``psi_kept`` gathered once per micro-step (the root's, frozen here), the rest twice."""
     s = Strategy.parse(strategy)
     if not 0 <= psi_kept <= psi or not 0 <= psi_trainable <= psi:
         raise ValueError(f"need 0 <= psi_kept, psi_trainable <= psi, got {psi_kept}, {psi_trainable}, {psi}")
-    once, twice = (1, 2) if s.p != _N else (0, 0)
-    return [
-        Bucket(s, psi_kept, trainable_kept, once),
-        Bucket(s, psi - psi_kept, psi_trainable - trainable_kept, twice),
-    ]
+    once = 0 if s.p == _N else 1
+    return [Bucket(s, psi_kept, 0, once), Bucket(s, psi - psi_kept, psi_trainable, 2 * once)]
 
 
 def formula_bytes(strategy: StrategyLike, psi: int, psi_trainable: int, n: int, m: int, grad_accum: int = 1,
                   psi_kept: int = 0, param_bytes: int = 2, grad_bytes: int = 2, clip: bool = False) -> dict[str, float]:
     """The method's ledger for a whole model under one strategy: per-rank bytes per optimizer step,
-    ``{"intra", "inter", "global", "total"}`` ("global": the clip-norm all-reduce, with
-    ``clip=True``; the engine itself issues none); every global collective hierarchical. ``psi_kept``: parameters gathered once
-    per micro-step (the root block's), not twice."""
-    t = traffic_of(_whole_model(strategy, psi, psi_trainable, psi_kept), n, m, grad_accum, param_bytes, grad_bytes, clip)
+    ``{"intra", "inter", "global", "total"}`` ("global": the clip-norm all-reduce, with ``clip=True``)."""
+    buckets = _whole_model(strategy, psi, psi_trainable, psi_kept)
+    t = traffic_of(buckets, n, m, grad_accum, param_bytes, grad_bytes, clip)
     out = {dim: t.bytes(dim=dim) for dim in ("intra", "inter", "global")}
     out["total"] = sum(out.values())
     return out

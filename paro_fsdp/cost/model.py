@@ -14,8 +14,7 @@ from ..models.llama import FLAVORS, LlamaArgs, flavor
 from ..strategy import Level, Strategy, StrategyLike
 from .cluster import AdvisorError
 
-__all__ = ["ModelSpec", "activation_bytes", "buckets", "custom_model", "flops_per_token", "model_spec",
-           "trainable_layers"]
+__all__ = ["ModelSpec", "activation_bytes", "buckets", "custom_model", "flops_per_token", "model_spec"]
 
 _N = Level.N
 
@@ -27,7 +26,7 @@ class ModelSpec:
     ``root``: parameters outside the layers (embeddings, final norm, output), one engine block
     gathered once per micro-step; ``layer``: parameters of one layer. The first
     ``trainable_layers`` layers are trainable; the root is trainable only when all layers are
-    (the convention of ``cost.estimate``)."""
+    (as ``train.estimate`` counts)."""
 
     name: str
     dim: int
@@ -40,8 +39,8 @@ class ModelSpec:
 
     @property
     def layer(self) -> int:
-        hd = self.dim // self.n_heads
-        return 2 * self.dim * self.dim + 2 * self.dim * self.n_kv_heads * hd + 3 * self.dim * self.ffn_dim + 2 * self.dim
+        h = self.dim  # wq, wo; wk, wv (grouped-query heads); w1, w2, w3; two norms
+        return 2 * h * h + 2 * h * self.n_kv_heads * (h // self.n_heads) + 3 * h * self.ffn_dim + 2 * h
 
     @property
     def root(self) -> int:
@@ -68,17 +67,6 @@ class ModelSpec:
         return self.vocab_size * self.dim  # the output layer; the embedding is a lookup
 
 
-def trainable_layers(root: int, layer: int, n_layers: int, fraction: float) -> int:
-    """The first t layers are trainable, t >= 1 closest to ``fraction`` x Psi (all at 1);
-    the same rule as ``cost.estimate.trainable_layers``."""
-    if not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
-        raise AdvisorError(f"trainable fraction must be in (0, 1], got {fraction!r}")
-    if fraction == 1:
-        return n_layers
-    target = fraction * (root + n_layers * layer)
-    return min(range(1, n_layers + 1), key=lambda t: abs(t * layer - target))
-
-
 def _flavor_name(args: LlamaArgs) -> str:
     """The flavor whose shapes ``args`` has (a trainer may widen the vocabulary), else "custom"."""
     shape = lambda a: (a.dim, a.n_layers, a.n_heads, a.n_kv_heads or a.n_heads, a.ffn_dim)  # noqa: E731
@@ -89,12 +77,10 @@ def _flavor_name(args: LlamaArgs) -> str:
 
 
 def model_spec(model: Union[str, LlamaArgs, ModelSpec], trainable_fraction: float = 1.0) -> ModelSpec:
-    """A :class:`ModelSpec` from a flavor name (``llama7b``), ``LlamaArgs`` or a spec."""
+    """A :class:`ModelSpec` from a flavor name (``llama7b``) or ``LlamaArgs``; a spec as it is."""
     if isinstance(model, ModelSpec):
-        spec = model
-        name, args = spec.name, LlamaArgs(dim=spec.dim, n_layers=spec.n_layers, n_heads=spec.n_heads,
-                                          n_kv_heads=spec.n_kv_heads, ffn_dim=spec.ffn_dim, vocab_size=spec.vocab_size)
-    elif isinstance(model, str):
+        return model
+    if isinstance(model, str):
         if model not in FLAVORS:
             raise AdvisorError(f"unknown model flavor {model!r}; valid: {', '.join(sorted(FLAVORS))}")
         name, args = model, flavor(model)
@@ -106,8 +92,14 @@ def model_spec(model: Union[str, LlamaArgs, ModelSpec], trainable_fraction: floa
         raise AdvisorError(f"dim {args.dim} is not divisible by n_heads {args.n_heads}")
     spec = ModelSpec(name, args.dim, args.n_layers, args.n_heads, args.n_kv_heads or args.n_heads, args.ffn_dim,
                      args.vocab_size, args.n_layers)
-    t = trainable_layers(spec.root, spec.layer, spec.n_layers, trainable_fraction)
-    return replace(spec, trainable_layers=t)
+    fraction = trainable_fraction
+    if not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+        raise AdvisorError(f"trainable fraction must be in (0, 1], got {fraction!r}")
+    if fraction == 1:
+        return spec
+    # the first t layers are trainable, t >= 1 closest to fraction x Psi
+    return replace(spec, trainable_layers=min(range(1, spec.n_layers + 1),
+                                              key=lambda t: abs(t * spec.layer - fraction * spec.psi)))
 
 
 def custom_model(params: float, layers: int, hidden: int, vocab_size: int = 32000, heads: Optional[int] = None,
@@ -144,22 +136,18 @@ def activation_bytes(spec: ModelSpec, micro_batch: int, seq_len: int, act_bytes:
     per_layer = 2 * norm + 3 * a * h + 4 * nh + a * h + 4 * a * f
     root = norm + 4 * V + 8 + 8  # final norm, fp32 log-softmax, tokens, targets (int64)
     logits = a * V + (4 * V if a < 4 else 0)  # at the loss: the logits and their fp32 copy
-    if checkpoint:
-        saved = L * a * h * tokens + root * tokens + 8 * micro_batch + 4  # each block's input
-        transient = per_layer * tokens + max(per_layer, logits) * tokens  # + the recomputed layer
-    else:
-        saved = (L * per_layer + root) * tokens + 8 * micro_batch + 4  # + tokens column, loss weight
-        transient = max(per_layer, logits) * tokens
+    kept = L * a * h if checkpoint else L * per_layer  # checkpointing keeps each block's input only
+    saved = (kept + root) * tokens + 8 * micro_batch + 4  # + the tokens column, the loss weight
+    transient = ((per_layer if checkpoint else 0) + max(per_layer, logits)) * tokens  # + the recomputed layer
     return {"saved": float(saved), "peak": float(saved + transient), "per_layer_token": float(per_layer),
             "root_token": float(root)}
 
 
 def buckets(spec: ModelSpec, strategy: StrategyLike, reshard_after_forward: bool = True) -> list[Bucket]:
-    """The engine's buckets for a whole-model strategy: root, trainable layers, frozen layers
-    (one ``ParoParamGroup`` each; the ledger sums over them)."""
+    """The engine's buckets for a whole-model strategy: root, trainable layers, frozen layers."""
     s = Strategy.parse(strategy)
     once = 0 if s.p == _N else 1
-    twice = 0 if s.p == _N else (2 if reshard_after_forward else 1)
+    twice = 2 * once if reshard_after_forward else once
     out = [Bucket(s, spec.root, spec.root if spec.root_trainable else 0, once)]
     out += [Bucket(s, spec.layer, spec.layer, twice)] * spec.trainable_layers
     out += [Bucket(s, spec.layer, 0, twice)] * (spec.n_layers - spec.trainable_layers)

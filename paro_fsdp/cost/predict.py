@@ -2,28 +2,20 @@
 
 Why: PaRO's benefit depends on the model, the cluster and the batch, so the user (and the
 trainer's ``paro_strategy = "auto"``) needs to know which of the 27 strategies to run before
-renting GPUs. This predicts every strategy's per-GPU memory and step time, and picks the fastest
-that fits. Plain arithmetic; model states and bytes are exact (``cost.ledger``, tested against
-the engine's ``memory_report`` / ``comm_stats``).
+renting GPUs. Plain arithmetic; model states and bytes are the ledger's, exact for the engine.
 
-Memory per GPU = model states (ledger)
-  + gathered parameters (P != N): the current and the prefetched block's + the root's (all of
-    Psi with ``reshard_after_forward=False``)
-  + gradient working set: one block's whole gradient and the one in flight
-  + activations (``model.activation_bytes``: what autograd saves, checked by saved-tensor hooks).
-  It fits when at most ``memory_gib x usable_memory_fraction``.
-
+Memory per GPU = model states + gathered parameters (P != N: the current and the prefetched
+  block's + the root's; all of Psi with ``reshard_after_forward=False``) + gradient working set
+  (one block's whole gradient and the one in flight) + activations (``model.activation_bytes``);
+  it fits when at most ``memory_gib x usable_memory_fraction``.
 Step time = A x (compute_fwd + compute_bwd + exposed_fwd + exposed_bwd) + boundary + optimizer.
-  Compute: ``model.flops_per_token`` (6 Psi_mm + 12 L s h for full training; no weight-gradient
-  FLOPs for frozen weights; one more forward with activation checkpointing) / ``achieved_tflops``.
-  Communication: hops x latency + ring bytes / bandwidth on the links each mesh dimension's rings
-  use (``cluster.link_for``); a hierarchical collective's intra and inter parts add up.
-  Overlap: per micro-step collectives hide behind up to ``overlap`` of that micro-step's compute,
-  except what cannot be prefetched (forward: the root's and the first layer's gathers; backward:
-  the first re-gathered layer and the last reduction):
-    exposed = first + max(0, rest - overlap x compute)
-  Boundary collectives and the optimizer (AdamW on the OS shard, (28 + grad bytes) bytes per
-  element / ``memory_bandwidth_gbs``) are fully exposed.
+  Compute: ``model.flops_per_token`` / ``achieved_tflops``. Communication: hops x latency + ring
+  bytes / bandwidth on the links each mesh dimension's rings use (``cluster.link_for``).
+  Per micro-step collectives hide behind up to ``overlap`` of that micro-step's compute, except
+  what cannot be prefetched (forward: the root's and the first layer's gathers; backward: the
+  first re-gathered layer and the last reduction): exposed = first + max(0, rest - overlap x
+  compute). Boundary collectives and the optimizer (AdamW on the OS shard, (28 + grad bytes)
+  bytes per element / ``memory_bandwidth_gbs``) are fully exposed.
 Not modelled: framework overhead, accumulation adds, stragglers, congestion beyond the per-node
 NIC share, PaRO-CC's chunked overlap of one collective's phases.
 """
@@ -31,20 +23,21 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import partial
 from typing import Iterable, Optional, Sequence, Union
 
-from ..collectives import CommStats, hops
-from .ledger import Bucket, Ledger, memory_of, traffic_of
+from ..collectives import CommStats
+from ..dtypes import dtype_of
+from .ledger import Ledger, memory_of, traffic_of
 from ..models.llama import LlamaArgs
-from ..plan import plan_of
+from ..plan import Move, plan_of
 from ..strategy import ALL_STRATEGIES, Level, Strategy, StrategyLike
 from .cluster import GB, AdvisorError, Cluster, GiB, link_for, link_seconds, load_cluster
 from .model import ModelSpec, activation_bytes, buckets, flops_per_token, model_spec
 
-__all__ = ["ACTIVATION_CHECKPOINT_MODES", "DTYPE_BYTES", "NAMED_STRATEGIES", "Prediction", "choose_strategy",
+__all__ = ["ACTIVATION_CHECKPOINT_MODES", "NAMED_STRATEGIES", "Prediction", "choose_strategy",
            "format_table", "predict", "rank_strategies", "traffic_time"]
 
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "bfloat16": 2, "float16": 2, "float32": 4}
 ACTIVATION_CHECKPOINT_MODES = ("none", "full", "auto")
 NAMED_STRATEGIES = ("NNN", "NNG", "NGG", "GGG", "III", "NIG", "IIG", "IGG", "ING")
 OS_BYTES = 12  # fp32 master + AdamW's two fp32 moments: the method's K
@@ -96,27 +89,23 @@ def _check_sizes(n: int, m: int, micro_batch: int, grad_accum: int, seq_len: int
         raise AdvisorError(f"group size {m} does not divide the number of GPUs {n}; valid group sizes: {divisors}")
 
 
+def _itemsize(dtype: str) -> int:
+    try:
+        return dtype_of(dtype).itemsize
+    except ValueError as exc:  # the advisor's callers expect its one error type
+        raise AdvisorError(str(exc)) from None
+
+
 def traffic_time(t: CommStats, n: int, m: int, cluster: Cluster) -> dict[str, float]:
     """Seconds per mesh dimension for the collectives in ``t`` (alpha-beta ring model) on the
-    (n / m, m) mesh, each dimension on the links its rings use (``link_for`` with the mesh shape)."""
-    g = n // m
+    (n / m, m) mesh, each dimension on the links its rings use (``link_for`` with the mesh shape;
+    a flat "global" one is a ring over all n ranks)."""
     out = {"intra": 0.0, "inter": 0.0, "global": 0.0}
     for key, e in t.as_dict().items():
         kind, dim = key.split("/")
-        if dim == "global":  # the clip-norm scalar: latency of a hierarchical all-reduce
-            lat = 0.0
-            for d, k in (("intra", m), ("inter", g)):
-                lat += hops("all_reduce", k) * link_for(d, cluster, n, m).cost("all_reduce")[1]
-            bw = link_for("inter", cluster, n, m).cost("all_reduce")[0]
-            out[dim] += e["count"] * lat + e["bytes"] / bw
-            continue
-        k = m if dim == "intra" else g
+        k = {"intra": m, "inter": n // m, "global": n}[dim]
         out[dim] += link_seconds(link_for(dim, cluster, n, m), kind, k, e["bytes"], e["count"])
     return out
-
-
-def _ttime(t: CommStats, n: int, m: int, cluster: Cluster) -> float:
-    return sum(traffic_time(t, n, m, cluster).values())
 
 
 def predict(model: Union[str, LlamaArgs, ModelSpec], strategy: StrategyLike, n: int, m: int, micro_batch: int,
@@ -128,80 +117,59 @@ def predict(model: Union[str, LlamaArgs, ModelSpec], strategy: StrategyLike, n: 
     ``activation_checkpoint``: "none", "full" or "auto" (full only if needed to fit).
     ``dtype`` / ``reduce_dtype``: parameter / gradient dtype (bf16, fp16, fp32);
     ``accumulate_dtype``: the G-level accumulator's (None: the reduce dtype)."""
-    spec = model_spec(model, trainable_fraction) if not isinstance(model, ModelSpec) else model
+    spec = model_spec(model, trainable_fraction)
     _check_sizes(n, m, micro_batch, grad_accum, seq_len)
     if activation_checkpoint not in ACTIVATION_CHECKPOINT_MODES:
-        raise AdvisorError(f"activation_checkpoint must be one of {ACTIVATION_CHECKPOINT_MODES}, got {activation_checkpoint!r}")
-    for d in (dtype, reduce_dtype or dtype, accumulate_dtype or reduce_dtype or dtype):
-        if d not in DTYPE_BYTES:
-            raise AdvisorError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {d!r}")
-    if activation_checkpoint == "auto":
-        for mode in ("none", "full"):  # full only if needed to fit
-            pred = predict(spec, strategy, n, m, micro_batch, grad_accum, seq_len, cluster, dtype=dtype,
-                           reduce_dtype=reduce_dtype, activation_checkpoint=mode,
-                           reshard_after_forward=reshard_after_forward, accumulate_dtype=accumulate_dtype)
-            if pred.fits:
-                break
-        return pred
+        raise AdvisorError(f"activation_checkpoint must be one of {ACTIVATION_CHECKPOINT_MODES}, "
+                           f"got {activation_checkpoint!r}")
+    pb, gb = _itemsize(dtype), _itemsize(reduce_dtype or dtype)
+    ab = _itemsize(accumulate_dtype or reduce_dtype or dtype)
+    if activation_checkpoint == "auto":  # full only if needed to fit
+        again = partial(predict, spec, strategy, n, m, micro_batch, grad_accum, seq_len, cluster, dtype=dtype,
+                        reduce_dtype=reduce_dtype, reshard_after_forward=reshard_after_forward,
+                        accumulate_dtype=accumulate_dtype)
+        pred = again(activation_checkpoint="none")
+        return pred if pred.fits else again(activation_checkpoint="full")
     ckpt = activation_checkpoint == "full"
     s = Strategy.parse(strategy)
-    pb, gb = DTYPE_BYTES[dtype], DTYPE_BYTES[reduce_dtype or dtype]
     A = grad_accum
     bks = buckets(spec, s, reshard_after_forward)
 
-    # ---- memory ---------------------------------------------------------------------------
-    ab = DTYPE_BYTES[accumulate_dtype or reduce_dtype or dtype]
     mem = memory_of(bks, n, m, pb, ab, OS_BYTES)
     states = mem.pop("total")
-    if s.p == _N:
-        gathered = 0.0
-    elif reshard_after_forward:
-        gathered = pb * (spec.root + min(2, spec.n_layers) * spec.layer)
-    else:
-        gathered = pb * spec.psi
+    kept = spec.root + min(2, spec.n_layers) * spec.layer if reshard_after_forward else spec.psi
+    gathered = 0.0 if s.p == _N else pb * kept
     grad_work = 2 * spec.layer * max(pb, gb) if spec.psi_trainable else 0.0
     acts = activation_bytes(spec, micro_batch, seq_len, pb, ckpt)["peak"]
     memory = {**mem, "states": states, "gathered": gathered, "grad_work": grad_work, "activations": acts,
               "total": states + mem["master_grads"] + gathered + grad_work + acts}
 
-    # ---- traffic (exact, from the ledger) ----------------------------------------------------
     traffic = traffic_of(bks, n, m, A, pb, gb)
     boundary = traffic_of(bks, n, m, 0, pb, gb)  # A = 0: only the once-per-step collectives
 
-    def gather_time(b: Bucket) -> float:
+    def seconds(moves: tuple[Move, ...], psi: int, itemsize: int) -> float:
         t = Ledger(n, m)
-        t.count(plan_of(s).gather, b.numel, pb)  # nothing for P = N
-        return _ttime(t.stats, n, m, cluster)
+        t.count(moves, psi, itemsize)
+        return sum(traffic_time(t.stats, n, m, cluster).values())
 
-    def reduce_time(b: Bucket) -> float:
-        t = Ledger(n, m)
-        if b.trainable:
-            t.count(plan_of(s).reduce, b.trainable, gb)
-        return _ttime(t.stats, n, m, cluster)
-
-    root_b, layers_b = bks[0], bks[1:]
-    g_root, g_layer = gather_time(root_b), gather_time(layers_b[0]) if layers_b else 0.0
-    regather = layers_b[0].gathers == 2 if layers_b else False
-    fwd_all = sum(gather_time(b) for b in bks)
-    fwd_first = g_root + g_layer
-    bwd_gathers = (len(layers_b) * g_layer) if regather else 0.0
-    bwd_first = g_layer if regather else 0.0
-    reductions = [reduce_time(b) for b in bks]
+    plan = plan_of(s)
+    gathers = [seconds(plan.gather, b.numel, pb) for b in bks]  # root, then the layers (all alike)
+    reductions = [seconds(plan.reduce, b.trainable, gb) if b.trainable else 0.0 for b in bks]
+    g_layer = gathers[1] if len(bks) > 1 else 0.0
+    bwd_first = g_layer if len(bks) > 1 and bks[1].gathers == 2 else 0.0  # the first layer re-gathered
+    fwd_all, fwd_first = sum(gathers), gathers[0] + g_layer
+    bwd_all = (len(bks) - 1) * bwd_first + sum(reductions)
     # backward finishes with the root's reduction (its embedding gradient comes last), or, when
     # the root is frozen, with the earliest trainable layer's
-    last_red = reductions[0] if root_b.trainable else (reductions[1] if len(reductions) > 1 else 0.0)
-    bwd_all = bwd_gathers + sum(reductions)
+    last_red = reductions[0] if bks[0].trainable else (reductions[1] if len(reductions) > 1 else 0.0)
 
-    fwd_flops, bwd_flops = flops_per_token(spec, seq_len, ckpt)
     tokens = micro_batch * seq_len
-    rate = cluster.achieved_tflops * 1e12
-    c_fwd, c_bwd = fwd_flops * tokens / rate, bwd_flops * tokens / rate
+    c_fwd, c_bwd = (f * tokens / (cluster.achieved_tflops * 1e12) for f in flops_per_token(spec, seq_len, ckpt))
     phi = cluster.overlap
     exp_fwd = fwd_first + max(0.0, fwd_all - fwd_first - phi * c_fwd)
     exp_bwd = bwd_first + last_red + max(0.0, bwd_all - bwd_first - last_red - phi * c_bwd)
-    t_boundary = _ttime(boundary, n, m, cluster)
-    os_shard = spec.psi_trainable / s.os.divisor(n, m)
-    t_opt = os_shard * (28 + gb) / (cluster.memory_bandwidth_gbs * GB)
+    t_boundary = sum(traffic_time(boundary, n, m, cluster).values())
+    t_opt = spec.psi_trainable / s.os.divisor(n, m) * (28 + gb) / (cluster.memory_bandwidth_gbs * GB)
     step = A * (c_fwd + c_bwd + exp_fwd + exp_bwd) + t_boundary + t_opt
     return Prediction(
         strategy=s.name, known_as=s.known_as, step_time=step, tokens_per_step=n * A * tokens,
@@ -219,7 +187,7 @@ def rank_strategies(model: Union[str, LlamaArgs, ModelSpec], n: int, m: int, mic
                     reshard_after_forward: bool = True,
                     strategies: Optional[Iterable[StrategyLike]] = None) -> list[Prediction]:
     """Every strategy's prediction, ranked: those that fit by step time, then the OOM ones."""
-    spec = model_spec(model, trainable_fraction) if not isinstance(model, ModelSpec) else model
+    spec = model_spec(model, trainable_fraction)
     names = [Strategy.parse(x).name for x in (strategies or ALL_STRATEGIES)]
     preds = [predict(spec, x, n, m, micro_batch, grad_accum, seq_len, cluster, dtype=dtype,
                      reduce_dtype=reduce_dtype, activation_checkpoint=activation_checkpoint,
@@ -241,22 +209,24 @@ def format_table(preds: Sequence[Prediction], cluster: Optional[Cluster] = None,
     lines += [head, "-" * len(head)]
     for i, p in enumerate(preds, 1):
         vs = f"{base.step_time / p.step_time:6.2f}x" if base else "   -   "
+        fits, ac = "yes" if p.fits else "OOM", "on" if p.activation_checkpoint else "-"
         lines.append(
             f"{i:>2} {p.strategy:5} {p.known_as[:16]:16} {p.step_time:8.3f} {p.tokens_per_s:10.0f} {vs:>7} "
-            f"{p.memory['total'] / ms:8.1f} {'yes' if p.fits else 'OOM':>4} {'on' if p.activation_checkpoint else '-':>2} "
+            f"{p.memory['total'] / ms:8.1f} {fits:>4} {ac:>2} "
             f"{p.intra_bytes / cs:9.2f} {p.inter_bytes / cs:9.3f} {p.exposed_comm:8.3f} {p.compute:8.3f}")
     if cluster is not None:
+        c = cluster
         lines.append(f"(memory: model states + gathered params + grad working set + activations; fits = at most "
-                     f"{cluster.usable_bytes / GiB:.1f} GiB = {cluster.usable_memory_fraction:.0%} of {cluster.memory_gib:g} GiB; "
+                     f"{c.usable_bytes / GiB:.1f} GiB = {c.usable_memory_fraction:.0%} of {c.memory_gib:g} GiB; "
                      f"{cu} sent per GPU per step; exposed = communication not hidden behind compute, s/step; "
                      f"AC = activation checkpointing)")
     return "\n".join(lines)
 
 
 def choose_strategy(model_args: Union[str, LlamaArgs, ModelSpec], n: int, m: int, micro_batch: int, grad_accum: int,
-                    seq_len: int, dtype: str, cluster: Union[Cluster, str, os.PathLike], trainable_fraction: float = 1.0,
-                    reduce_dtype: Optional[str] = None, activation_checkpoint: str = "none",
-                    reshard_after_forward: bool = True,
+                    seq_len: int, dtype: str, cluster: Union[Cluster, str, os.PathLike],
+                    trainable_fraction: float = 1.0, reduce_dtype: Optional[str] = None,
+                    activation_checkpoint: str = "none", reshard_after_forward: bool = True,
                     strategies: Optional[Iterable[StrategyLike]] = None) -> tuple[Strategy, str]:
     """The fastest strategy that fits, and the ranked table to log (the trainer's ``auto``).
 
@@ -264,18 +234,18 @@ def choose_strategy(model_args: Union[str, LlamaArgs, ModelSpec], n: int, m: int
     trainer passes its config; "auto" is not used there). Raises :class:`AdvisorError` when no
     candidate fits, naming the smallest memory need."""
     c = load_cluster(cluster) if not isinstance(cluster, Cluster) else cluster
-    spec = model_spec(model_args, trainable_fraction) if not isinstance(model_args, ModelSpec) else model_args
+    spec = model_spec(model_args, trainable_fraction)
     preds = rank_strategies(spec, n, m, micro_batch, grad_accum, seq_len, c, trainable_fraction, dtype,
                             reduce_dtype, activation_checkpoint, reshard_after_forward, strategies)
     size = f"{spec.psi / 1e9:.3f} B" if spec.psi >= 1e8 else f"{spec.psi / 1e6:.3f} M"
     header = (f"advisor: {spec.name} ({size} params, {spec.psi_trainable / spec.psi:.1%} trainable), "
-              f"{n} GPUs = {n // m} groups x {m}, micro-batch {micro_batch} x {seq_len} tokens, {grad_accum} micro-steps, "
-              f"{dtype}/{reduce_dtype or dtype}, cluster {c.name}")
+              f"{n} GPUs = {n // m} groups x {m}, micro-batch {micro_batch} x {seq_len} tokens, "
+              f"{grad_accum} micro-steps, {dtype}/{reduce_dtype or dtype}, cluster {c.name}")
     table = format_table(preds, c, header)
     best = preds[0]
     if not best.fits:
         small = min(preds, key=lambda p: p.memory["total"])
-        raise AdvisorError(f"no strategy fits in {c.usable_bytes / GiB:.1f} GiB per GPU: the smallest, {small.strategy}, "
-                           f"needs {small.memory['total'] / GiB:.1f} GiB (try activation checkpointing, a smaller "
-                           f"micro-batch or more GPUs)\n{table}")
+        raise AdvisorError(f"no strategy fits in {c.usable_bytes / GiB:.1f} GiB per GPU: the smallest, "
+                           f"{small.strategy}, needs {small.memory['total'] / GiB:.1f} GiB (try activation "
+                           f"checkpointing, a smaller micro-batch or more GPUs)\n{table}")
     return Strategy.parse(best.strategy), table
