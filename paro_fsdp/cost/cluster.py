@@ -6,6 +6,7 @@ tools.calibrate``) and every prediction reads it; presets ship in ``paro_fsdp/co
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 from dataclasses import dataclass, field, replace
@@ -182,14 +183,10 @@ def load_cluster(name: Union[str, os.PathLike]) -> Cluster:
 
 
 def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(float(f"{v:.9g}") if isinstance(v, float) else v)
+    """JSON spells numbers, booleans, strings and arrays as TOML does (floats kept to 9 digits)."""
     if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    s = str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ")
-    return f'"{s}"'
+        return "[" + ", ".join(map(_toml_value, v)) + "]"
+    return json.dumps(float(f"{v:.9g}") if isinstance(v, float) else v)
 
 
 def cluster_to_toml(c: Cluster, comments: Sequence[str] = ()) -> str:

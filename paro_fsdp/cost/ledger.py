@@ -55,22 +55,19 @@ class Ledger:
             return
         self.stats.record(kind, dim, times * ring_bytes(kind, full_numel * itemsize, k), times)
 
-    def global_(self, kind: str, numel: float, itemsize: int, times: float = 1) -> None:
-        """One global ``kind`` on a message of ``numel`` elements (one PaRO-CC call): its phases, or
-        one flat collective below the threshold or where the mesh has one dimension."""
-        if self.m == 1 or self.g == 1 or runs_flat(numel * itemsize, self.flat_below_bytes):
-            dim = "global" if self.m > 1 and self.g > 1 else ("inter" if self.m == 1 else "intra")
-            return self.add(kind, dim, numel, itemsize, times)
-        for phase_kind, dim in _PHASES[kind]:
-            self.add(phase_kind, dim, numel / self.m if dim == "inter" else numel, itemsize, times)
-
     def count(self, moves: Iterable[Move], psi: float, itemsize: int, times: float = 1) -> None:
-        """Record ``times`` runs of a phase of the plan on a bucket of ``psi`` elements."""
+        """Record ``times`` runs of a phase of the plan on a bucket of ``psi`` elements; a global move
+        is one PaRO-CC call: its phases, or one flat collective (below the threshold, or on a mesh
+        of one dimension)."""
         for move in moves:
-            if move.dim == "global":
-                self.global_(move.kind, psi, itemsize, times)
-            else:
+            if move.dim != "global":
                 self.add(move.kind, move.dim, move.numel(psi, self.m), itemsize, times)
+            elif self.m == 1 or self.g == 1 or runs_flat(psi * itemsize, self.flat_below_bytes):
+                dim = "global" if self.m > 1 and self.g > 1 else ("inter" if self.m == 1 else "intra")
+                self.add(move.kind, dim, psi, itemsize, times)
+            else:
+                for kind, dim in _PHASES[move.kind]:
+                    self.add(kind, dim, psi / self.m if dim == "inter" else psi, itemsize, times)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,9 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.tensor import DTensor
 
 from paro_fsdp.checkpoint_files import first_line, safe_load
@@ -81,7 +83,7 @@ def weight_files(path: str) -> list[str]:
 
 
 def build_meta(config: Any) -> nn.Module:
-    """``AutoModelForCausalLM.from_config`` on the meta device in fp32 (the engine casts P; masters are fp32)."""
+    """``AutoModelForCausalLM.from_config`` on the meta device, in fp32: the masters' dtype."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -189,18 +191,12 @@ def base_name(fqn: str) -> Optional[str]:
     return fqn.removeprefix("base_model.model.").replace(".base_layer.", ".")
 
 
-def _reader(path: str) -> Any:
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
-
-    return HuggingFaceStorageReader(path)
-
-
 def check_weights(names: dict[str, tuple[int, ...]], path: str,
                   key: Callable[[str], Optional[str]] = base_name) -> None:
     """Raise ``HFModelError`` unless the folder holds every tensor of ``names`` with its shape: no
     partial load. Reads the safetensors' JSON headers only."""
     weight_files(path)
-    stored = {k: tuple(m.size) for k, m in _reader(path).read_metadata().state_dict_metadata.items()}
+    stored = {k: tuple(m.size) for k, m in HuggingFaceStorageReader(path).read_metadata().state_dict_metadata.items()}
     wanted = {key(n): tuple(s) for n, s in names.items() if key(n) is not None}
     missing = [n for n in wanted if n not in stored]
     if missing:
@@ -225,7 +221,7 @@ def load_weights(model: nn.Module, path: str, key: Callable[[str], Optional[str]
     params = {fqn: p for fqn, p in model.named_parameters() if key(fqn) is not None}
     targets = {key(fqn): p.detach() for fqn, p in params.items()}
     check_weights({k: tuple(v.shape) for k, v in targets.items()}, path, key=lambda n: n)
-    safe_load(targets, storage_reader=_reader(path))
+    safe_load(targets, storage_reader=HuggingFaceStorageReader(path))
     # DCP writes each DTensor's local shard (``to_local()`` of a detached DTensor), which moves
     # no version counter of the parameter, and the engine finds writes by those counters
     torch.autograd.graph.increment_version(list(params.values()))
@@ -238,9 +234,6 @@ def _export(values: dict[str, DTensor], out_dir: str, dtype: torch.dtype, max_by
     """Every rank writes its shards into ``out_dir.tmp``; rank 0 joins them, one tensor at a time,
     into the files and index, calls ``finish`` on the folder and renames it into place, so a crash
     mid-export leaves only ``.tmp``. Collective; returns ``out_dir``."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageWriter
-
     tmp = out_dir.rstrip("/") + ".tmp"
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     barrier = dist.barrier if dist.is_initialized() else lambda: None

@@ -55,12 +55,10 @@ class ParoConfig:
     """Parameter init: each tensor's values depend only on (seed, name)."""
 
 
-# ---- the model ------------------------------------------------------------------------------
 class _TitanParoModel:
-    """Mixed into the sharded model's class (which keeps its name): torchtitan calls
-    ``to_empty`` and ``init_weights`` after its parallelize function. The parameters (the fp32
-    masters) were materialised inside ``paro_shard``, and re-allocating them would detach them
-    from the engine's storage, so only buffers are allocated and initialised."""
+    """Mixed into the sharded model's class: torchtitan calls ``to_empty`` and ``init_weights``
+    after its parallelize function, but the parameters were materialised inside ``paro_shard`` and
+    re-allocating them would detach them from the engine's storage: only buffers are made."""
 
     def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> nn.Module:
         for module in self.modules():
@@ -78,9 +76,9 @@ class _TitanParoModel:
 
 
 def _param_init_fn(model: nn.Module, seed: int) -> Callable[[str, torch.Tensor], None]:
-    """``paro_shard``'s ``param_init_fn`` from torchtitan's per-parameter initialisers: the
-    owning module's ``param_init`` entry (or its ``reset_parameters`` on a stand-in holding
-    only this tensor), under a generator seeded from (seed, canonical name)."""
+    """``paro_shard``'s ``param_init_fn`` from torchtitan's own initialisers (the owner's
+    ``param_init`` entry, or its ``reset_parameters`` on a stand-in holding only this tensor),
+    seeded by (seed, canonical name) so every rank draws the same values in any order."""
     modules = dict(model.named_modules())
 
     def init(fqn: str, tensor: torch.Tensor) -> None:
@@ -89,9 +87,8 @@ def _param_init_fn(model: nn.Module, seed: int) -> Callable[[str, torch.Tensor],
         devices = [tensor.device] if tensor.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), torch.no_grad():
             torch.manual_seed(seed * 1_000_003 + zlib.crc32(canonical_fqn(fqn).encode()))
-            table = getattr(owner, "_param_init", None)
-            if table is not None:
-                table[attr](tensor)
+            if getattr(owner, "_param_init", None) is not None:
+                owner._init_param(attr, tensor)
             elif callable(getattr(owner, "reset_parameters", None)):
                 stand_in = nn.Module.__new__(type(owner))
                 stand_in.__dict__ = dict(owner.__dict__)
@@ -165,7 +162,6 @@ def check_supported(parallelism: Any) -> None:
                              f"set it to 1 or run FSDP2 with --paro.enable false")
 
 
-# ---- the trainer ----------------------------------------------------------------------------
 def safe_dcp_load(checkpointer: Any, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool,
                   from_quantized: bool) -> None:
     """torchtitan 0.3's ``CheckpointManager.dcp_load``, step for step, with ``safe_load`` in place
@@ -215,8 +211,7 @@ class ParoTrainer(Trainer):
         self._read_checkpoints_safely()
 
     def _read_checkpoints_safely(self) -> None:
-        """Route the checkpointer's loads (resume, ``initial_load_path``, HF) through
-        ``safe_dcp_load``; it is set up in ``Trainer.__init__`` and loads only in ``train()``."""
+        """The checkpointer's loads (resume, ``initial_load_path``, HF) through ``safe_dcp_load``."""
         if callable(getattr(self.checkpointer, "dcp_load", None)):  # the DCP checkpointer, the only one that loads
             self.checkpointer.dcp_load = partial(safe_dcp_load, self.checkpointer)
 
@@ -235,7 +230,6 @@ class ParoTrainer(Trainer):
         return super().forward_backward_step(*args, **kwargs)
 
 
-# ---- config functions (``--module paro_fsdp.integrations.torchtitan --config <name>``) ------
 def to_paro(config: Trainer.Config, **paro: Any) -> ParoTrainer.Config:
     """Any torchtitan ``Trainer.Config`` as a ``ParoTrainer.Config`` with a ``paro`` section."""
     values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
