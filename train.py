@@ -45,7 +45,7 @@ from paro_fsdp.train.lr import build_lr_scheduler
 from paro_fsdp.train.metrics import (NO_PROFILER, CommMeter, StepTimer, build_metrics, build_profiler, startup_lines,
                                      timeline_writer, where_to_look)
 from paro_fsdp.train.optimizer import build_optimizer, clip_grad_norm_
-from paro_fsdp.train.parallelize import (apply_compile, auto_strategy, build_loss_fn, build_model, check_policy,
+from paro_fsdp.train.parallelize import (auto_strategy, build_loss_fn, build_model, check_policy,
                                          init_distributed, model_args, parallelize)
 from paro_fsdp.train.timeline import group_dims
 
@@ -88,19 +88,14 @@ class Trainer:
             self.model = parallelize(build_model(cfg, self.model_args, self.device), cfg, self.mesh, self.device)
         self.forward_loss = build_loss_fn(cfg)
         self.compiled = None  # the graph passes' record: each compiled graph's collective schedule
-        if cfg.compile.enable:
+        if cfg.compile.enable:  # passes, blocks (or the whole model) and, with push_graph, the push: one call
             import passes  # inductor's modules, loaded only to compile
 
-            self.compiled = passes.install_for(self.model, cfg.compile, cfg.job.dump_folder)
-            apply_compile(self.model, cfg)
+            self.compiled = passes.compile_for(self.model, cfg.compile, cfg.job.dump_folder)
 
         # ---- optimizer over the parameters (the fp32 masters at their OS level), lr schedule ----------------
         # FSDP2's contract: after the optimizer's step() the engine refreshes its working copies by itself
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
-        if cfg.compile.enable and cfg.compile.push_graph:  # that refresh of the working copies as a graph
-            from paro_fsdp.traced import compile_push
-
-            compile_push(self.model, backend=cfg.compile.backend)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
 
         # ---- the last configuration checks, then (job.fresh) the previous run's outputs go ----------------

@@ -181,16 +181,6 @@ def compile_for(model, compile_cfg, dump_folder: str) -> ParoPasses | None:
                          pass_options=PassOptions(max_prefetch_bytes=bound, dump_dir=dump), backend=c.backend, **full)
 
 
-def install_for(model, compile_cfg, dump_folder: str) -> ParoPasses | None:
-    """Transitional: the trainer's passes only (``compile_for`` does it all); goes once its callers moved."""
-    c = compile_cfg
-    if c.backend != "inductor":
-        return None
-    dump = os.path.join(dump_folder, "compile") if c.dump_schedule else None
-    bound = None if c.max_prefetch_mb < 0 else int(c.max_prefetch_mb * 2**20)
-    return install(c.passes, meshes=[model.paro_mesh_groups()], max_prefetch_bytes=bound, dump_dir=dump)
-
-
 def aot_backend(p: ParoPasses):
     """A torch.compile backend that runs the passes on AOTAutograd's forward and backward graphs
     and executes them as they are (no inductor codegen): seconds instead of minutes to see and
@@ -241,16 +231,18 @@ def compile_model(model: nn.Module, passes: Iterable[str] = ORDER, *, scope: str
         compile_kwargs["options"] = {**compile_kwargs.get("options", {}), **record.inductor_options()}
     if dist.is_initialized():
         isolate_compile_cache(dist.get_rank())
+    blocks = [b.module for b in state.blocks if not b.is_root]
+    if any(hasattr(b, "checkpoint_in_graph") for b in blocks):
+        # the block hooks swap module parameters (a side effect): in a checkpointed block dynamo
+        # must not replay it in the recomputation, which the compiled graph does by itself
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     if scope == "model":
         model.compile(**compile_kwargs)
     else:
-        for block in (b.module for b in state.blocks if not b.is_root):
+        for block in blocks:
             checkpointed = hasattr(block, "checkpoint_in_graph")
             if checkpointed:
                 block.checkpoint_in_graph = True
-                # the block's hooks swap module parameters (a side effect) that the recomputation
-                # inside the graph must not replay
-                torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
             compile_block(block, checkpointed=checkpointed, **compile_kwargs)
     if push:  # a loop over the groups' generators: not one full graph
         compile_push(model, **{k: v for k, v in compile_kwargs.items() if k != "fullgraph"})

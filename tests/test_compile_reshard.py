@@ -1,4 +1,4 @@
-"""Blocks compiled one by one (the trainer's default compile scope, ``apply_compile``) keep
+"""Blocks compiled one by one (the trainer's default compile scope, ``passes.compile_model``) keep
 ``reshard_after_forward``: the gather is recomputed in the block's backward graph and its whole
 tensors are not saved for backward, as whole-model compile and the eager engine do.
 
@@ -24,7 +24,7 @@ from paro_fsdp import init_paro_mesh, paro_shard
 from paro_fsdp.models.llama import LlamaArgs
 from paro_fsdp.train.config import JobConfig
 from paro_fsdp.train.estimate import fake_mesh, release_fake_world
-from paro_fsdp.train.parallelize import apply_activation_checkpointing, apply_compile
+from paro_fsdp.train.parallelize import apply_activation_checkpointing
 from workloads import adamw, batch, close, make_model, reference, train_steps
 
 ONE = LlamaArgs(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_dim=48, max_seq_len=32)
@@ -74,7 +74,7 @@ _RUNS: dict = {}
 
 
 def per_block(mesh, strategy: str, reshard: bool = True, ac: bool = False, torch_compile: bool = False) -> dict:
-    """The second step of a fresh one-block model compiled by ``apply_compile`` (scope ``blocks``),
+    """The second step of a fresh one-block model compiled by ``passes.compile_model`` (scope ``blocks``),
     or by torch's own ``block.compile()`` (``torch_compile``): the passes' record (no pass), how
     often each phase's graphs ran, the collectives the eager root ran, the bytes saved for
     backward. Shared by the tests that read it."""
@@ -90,7 +90,7 @@ def per_block(mesh, strategy: str, reshard: bool = True, ac: bool = False, torch
     model = paro_shard(model, mesh, strategy, reshard_after_forward=reshard)
     record, runs = passes.ParoPasses([], meshes=[model.paro_mesh_groups()]), Counter()
     cfg.compile.backend = recording_backend(record, runs)
-    # apply_compile sets a dynamo option and a cache folder for the process: both undone after
+    # compile_model sets a dynamo option and a cache folder for the process: both undone after
     with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=False), \
             mock.patch.dict(os.environ):
         if torch_compile == "model":
@@ -99,7 +99,7 @@ def per_block(mesh, strategy: str, reshard: bool = True, ac: bool = False, torch
             for block in model.layers:
                 block.compile(backend=cfg.compile.backend)
         else:
-            apply_compile(model, cfg)
+            passes.compile_model(model, (), push=False, backend=cfg.compile.backend, fullgraph=True)
         _step(model)  # compiles; the root, still eager, prefetched the block it did not know was traced
         runs.clear()
         fwd, bwd, saved = _step(model)
@@ -184,7 +184,7 @@ def test_checkpointed_block_compiles_the_checkpoint_into_its_graph(mesh):
 
 # ---- numerics on 4 real ranks -------------------------------------------------------------------
 def train_per_block(case: tuple[str, bool]) -> dict:
-    """``(strategy, ac)``: 3 steps of the one-block model compiled by ``apply_compile`` per block (on a rank)."""
+    """``(strategy, ac)``: 3 steps of the one-block model compiled by ``passes.compile_model`` per block (on a rank)."""
     strategy, ac = case
     torch._dynamo.reset()  # before paro_shard: the reset drops the callback that makes its sinks
     model = make_model(args=ONE)
@@ -196,7 +196,7 @@ def train_per_block(case: tuple[str, bool]) -> dict:
     opt = adamw(model)
     record = passes.ParoPasses([], meshes=[model.paro_mesh_groups()])
     cfg.compile.backend = passes.aot_backend(record)
-    apply_compile(model, cfg)
+    passes.compile_model(model, (), push=False, backend=cfg.compile.backend, fullgraph=True)
     losses = train_steps(model, opt, 3)  # its batches (TINY's) fit ONE: the same vocabulary
     return {"losses": losses, "regathered": any(e.kind == "all_gather" for r in record.records
                                                  if r.phase == "backward" for e in r.before)}

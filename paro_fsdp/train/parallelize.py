@@ -100,7 +100,7 @@ def paro_policy(cfg: JobConfig) -> Any:
 class _CheckpointedCall:
     """Mixed into a block's class: the whole module call (hooks included) under non-reentrant checkpointing."""
 
-    checkpoint_in_graph = False  # apply_compile, per block: the compiled call checkpoints itself (compile_block)
+    checkpoint_in_graph = False  # set by passes.compile_model per block: the compiled call checkpoints itself
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.checkpoint_in_graph:
@@ -159,27 +159,6 @@ def parallelize(model: nn.Module, cfg: JobConfig, mesh: Any, device: torch.devic
     else:
         model.init_buffers(device)
     return model
-
-
-def apply_compile(model: nn.Module, cfg: JobConfig) -> None:
-    """torch.compile in place (whole, or per block) after ``paro_shard``, so collectives are graph nodes.
-    Whoever drives the run installs ``[compile] passes`` first (``passes.install_for``): the package never does."""
-    from paro_fsdp.traced import compile_block, isolate_compile_cache
-
-    isolate_compile_cache(torch.distributed.get_rank())
-    c = cfg.compile
-    if cfg.activation_checkpoint.mode == "full":
-        # the block hooks swap module parameters (a side effect): in a checkpointed block dynamo
-        # must not replay it in the recomputation, which the compiled graph does by itself
-        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
-    if c.scope == "model":
-        model.compile(backend=c.backend)
-    else:  # not block.compile(): its graph would leave out the engine's hooks (traced.compile_block)
-        for block in transformer_blocks(model):
-            checkpointed = isinstance(block, _CheckpointedCall)
-            if checkpointed:
-                block.checkpoint_in_graph = True
-            compile_block(block, checkpointed=checkpointed, backend=c.backend, fullgraph=True)
 
 
 def check_policy(cfg: JobConfig, args: LlamaArgs) -> None:

@@ -147,7 +147,7 @@ def reference(device: str, world: int = WORLD) -> dict[str, Any]:
 
 # ---- one sharded run (inside a rank) ------------------------------------------------------------------
 def compile_first_block(model: torch.nn.Module, device: str) -> Any:
-    """``torch.compile`` of ``layers.0`` as the trainer's ``apply_compile`` compiles blocks
+    """``torch.compile`` of ``layers.0`` as ``passes.compile_model`` compiles blocks
     (fullgraph, the graph passes): inductor on CUDA, the passes' AOTAutograd backend on CPU (no
     codegen: seconds instead of a minute). Returns the passes' record: every graph with
     collectives, before and after the passes."""

@@ -41,7 +41,7 @@ every subprocess's log.
     CUDA allocator, this holds to 0.92-1.01 for IIG, GGG and ING at three sizes.)
 (c) Tokens/s and MFU of a ~1B Llama (dim 2048, 16 layers, 16 heads, ffn 5632, vocab 32000: 0.96B
     parameters; micro-batch 4 x 2048 tokens, bf16, fused AdamW) on one GPU (a 1-rank NCCL world):
-    PaRO GGG eager and compiled (per block, the trainer's ``apply_compile`` with the graph passes),
+    PaRO GGG eager and compiled (per block, ``passes.compile_model`` with the graph passes),
     FSDP2 ``fully_shard`` (bf16 ``MixedPrecisionPolicy``, per block then root) eager and compiled
     (per block). 3 warm-up steps (the first one compiles, timed apart), then 10 steps timed with
     CUDA events. MFU = tokens/s x (6 x non-embedding parameters + 12 x layers x dim x seq) / the

@@ -181,7 +181,7 @@ def build_plan(parts: list[str], device: str, workdir: Path, opts: argparse.Name
                     f"vocab {kw['vocab_size']}; micro-batch {b} x {t} tokens, bf16, fused AdamW",
                     f"{C_WARMUP} warm-up steps (the first compiles), {C_TIMED} timed steps "
                     + ("(CUDA events)" if device == "cuda" else "(wall clock)"),
-                    "compiled = per block: PaRO through the trainer's apply_compile (graph passes), FSDP2 "
+                    "compiled = per block: PaRO through passes.compile_model (graph passes), FSDP2 "
                     "block.compile()",
                 ],
             )

@@ -1,5 +1,5 @@
 """Part (c): tokens/s and MFU of a ~1B Llama on one GPU (a 1-rank NCCL world): PaRO eager and
-compiled (the trainer's ``apply_compile`` with the graph passes) against FSDP2 eager and
+compiled (``passes.compile_model`` with the graph passes) against FSDP2 eager and
 compiled, from the same weights and data.
 """
 from __future__ import annotations
