@@ -77,7 +77,13 @@ def _zeropp_quantizer() -> None:
         return q.reshape(x.shape), scale.reshape(-1)
 
     def dequantize(q, scale, groups, bits, _kind):
-        return (_groups(q, groups) * scale.reshape(-1, 1).float()).reshape(-1).to(torch.half)
+        # q may be narrowed to a parameter's numel while the scales cover its padded partitions
+        # (padding < world size <= groups): group size = ceil(numel / groups), pad, cut, q's shape back
+        flat = q.reshape(-1).float()
+        size = -(-flat.numel() // groups)
+        padded = torch.nn.functional.pad(flat, (0, size * groups - flat.numel()))
+        out = (padded.reshape(groups, size) * scale.reshape(-1, 1).float()).reshape(-1)[:flat.numel()]
+        return out.reshape(q.shape).to(torch.half)
 
     def swizzle_quant(x, groups, bits, kind, _pipeline, _nodes, _devices):
         return quantize(x.reshape(-1), groups, bits, kind)

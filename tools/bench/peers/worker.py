@@ -29,7 +29,9 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
+import warnings
 from typing import Any
 
 from tools.bench.workload import LR, MAX_NORM, WD
@@ -176,7 +178,11 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
+    # torch's JIT extension cache per venv: DeepSpeed builds its shm op (deepspeed_shm_comm) at comm
+    # init under one name for every release, and a build of another release loaded here fails
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
     torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", category=FutureWarning)  # torch's renamed collectives, once per call site
     peer = PEERS[args.peer]
     active = P.active(peer, set(filter(None, args.no_patch.split(","))))
     if not dist.is_initialized():
