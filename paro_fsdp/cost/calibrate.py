@@ -36,9 +36,12 @@ def fit_alpha_beta(points: Sequence[tuple[float, float]]) -> tuple[float, float]
     if len(pts) == 1 or max(x for x, _ in pts) == min(x for x, _ in pts):
         x, y = max(pts)
         return x / y, 0.0
-    # minimise sum(((a + s x) / y - 1)^2): rows (1/y, x/y) . (a, s) = 1
-    rows = torch.tensor([[1 / y, x / y] for x, y in pts], dtype=torch.float64)
-    a, slope = torch.linalg.lstsq(rows, torch.ones(len(pts), 1, dtype=torch.float64)).solution.flatten().tolist()
+    # minimise sum(((a + s x) / y - 1)^2): normal equations in (a, s) with u = 1/y, v = x/y, in plain
+    # floats: every rank gets the same bits (torch.linalg.lstsq differs in the last ones between ranks)
+    suu, svv = sum(1 / y**2 for _, y in pts), sum((x / y) ** 2 for x, y in pts)
+    suv, su, sv = sum(x / y**2 for x, y in pts), sum(1 / y for _, y in pts), sum(x / y for x, y in pts)
+    det = suu * svv - suv**2
+    a, slope = (su * svv - sv * suv) / det, (suu * sv - suv * su) / det
     if slope <= 0:  # noise dominates: the largest message's throughput, the smallest's time
         return max(pts)[0] / max(pts)[1], min(pts)[1]
     if a < 0:  # no measurable latency: a line through the origin, relative least squares
