@@ -1,0 +1,645 @@
+"""``strategy="auto"`` under a memory budget: a strategy per block that minimises the predicted step
+time with the predicted per-rank peak within the budget.
+
+Why per block: users know how much memory a GPU has, not which of 27 strategies to run, and one
+strategy for the whole model wastes the budget: a layout between two strategies' footprints
+(sharded embeddings, replicated layers; frozen weights at one level, LoRA adapters at another)
+is often faster than either. The engine already runs per-tensor policies, so the answer is one.
+
+Items: the root's parameters (embeddings, final norm, head) and each block, frozen and trainable
+tensors apart (a block's choice is a pair: the trainable tensors' strategy, the frozen ones' P
+level, which is all a frozen tensor uses). Per choice, from the ledger (``memory_of``,
+``traffic_of``, ``Ledger``) and the plan (``plan_of``), never a table of its own:
+
+Memory per rank (bytes), the predicted peak:
+  additive  model states P + G + OS + fp32 master gradients (``memory_of``); the boundary's
+            full-size temporaries, per bucket the larger of G = N's cast and collective buffer
+            and P = N's gathered push (``memory_report`` takes the larger of their two sums: the
+            per-bucket larger is an upper bound); the root's gathered parameters (kept from
+            forward to backward); with ``reshard_after_forward=False`` every block's.
+  max       2 x the largest block's gathered parameters (current + prefetched); 2 x the largest
+            block's whole gradient in max(param, grad) dtype (the one computed and the one being
+            reduced, as ``predict``'s grad working set); the largest block's G-level reduction
+            input in flight (``memory_report``'s slack).
+  capped    overlap's queues: min(256 MiB, the boundary reductions' G-level inputs) +
+            min(256 MiB, the pushes' P-level results) (``memory_report`` takes the larger of the
+            two: their sum is an upper bound).
+  constant  activations of one micro-step (``cost.model.activation_bytes``: batch, sequence,
+            checkpointing) when the model is Llama-shaped; else what the caller passes.
+Time per step (seconds): compute (per block, FLOPs / ``achieved_tflops``, the same per-token
+  counts as ``model.flops_per_token``) + per micro-step collectives, each block's hidden behind up
+  to ``overlap`` of its own compute (prefetch is one block deep; the first layer's forward gather
+  and the last layer's backward re-gather are not hidden, nor the root's gather and reduction) +
+  the boundary and the push (exposed) + the optimizer over the OS shard.
+
+Solver (``solve``): a multiple-choice knapsack. The max and capped terms are not additive; the
+solver enumerates them exactly: for each candidate value of every max term (the values the items'
+options take) and each branch of every cap (the sum, or the cap), items are restricted to options
+under the thresholds and the rest is an additive knapsack, solved by dynamic programming over
+discretised memory. Every plan has a case in which its case weight equals its true footprint, and
+in any other case its case weight is at least that, so the best over cases is the optimum.
+Rounding: each weight is rounded *up* to the grid ``delta = room / cells``: a plan the DP accepts
+fits for certain (the rounded sum bounds the true one), and every plan with at least
+``k x delta`` to spare (k items) is accepted, since each rounding adds under delta; so the result
+is never over budget and at least as fast as the best plan of a budget smaller by ``k / cells``
+of it (0.2% for 32 layers at the default 2^14 cells). With integer weights and a room of at most
+``cells`` the grid is 1: exact. Cost: cases x items x options x cells (options Pareto-pruned;
+cases: a few values per max term, at most 2 per cap); identical blocks share their option lists.
+
+Not modelled: allocator fragmentation and caching, the optimizer's transient buffers beyond its
+states, torch.compile, framework overhead (the cost model's own list, ``predict``).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
+
+from ..mesh import as_2d
+from ..models.llama import LlamaArgs
+from ..overlap import IN_FLIGHT_BYTES
+from ..plan import plan_of
+from ..strategy import ALL_STRATEGIES, Level, Strategy, StrategyLike
+from .cluster import GB, AdvisorError, Cluster, GiB, load_cluster
+from .ledger import Bucket, Ledger, memory_of, traffic_of
+from .model import ModelSpec, activation_bytes, model_spec
+from .predict import OS_BYTES, traffic_time
+
+__all__ = ["BudgetError", "BudgetPlan", "Footprint", "Option", "Workload", "auto_policy", "min_footprint",
+           "plan_blocks", "solve", "units_of"]
+
+DEFAULT_CELLS = 1 << 14
+_N = Level.N
+
+
+class BudgetError(AdvisorError):
+    """Nothing fits the budget: one line, naming the smallest footprint and what gives it."""
+
+
+# ---- the solver: items with options, an additive part, max terms and capped sums ----------------------------
+
+
+@dataclass(frozen=True)
+class Option:
+    """One choice for one item. ``w``: additive bytes; ``t``: seconds; ``peaks[d]``: its value of
+    max term d; ``queues[j]``: what it adds to capped sum j; ``label``: what it stands for."""
+
+    w: float
+    t: float
+    peaks: tuple[float, ...] = ()
+    queues: tuple[float, ...] = ()
+    label: Any = None
+    detail: dict = field(default_factory=dict, compare=False, hash=False)
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """footprint(plan) = const + sum w + sum_d coefs[d] x max_items peaks[d]
+    + sum_j min(caps[j], sum_items queues[j])."""
+
+    const: float = 0.0
+    coefs: tuple[float, ...] = ()
+    caps: tuple[float, ...] = ()
+
+    def of(self, chosen: Sequence[Option]) -> float:
+        total = self.const + sum(o.w for o in chosen)
+        for d, c in enumerate(self.coefs):
+            total += c * max((o.peaks[d] for o in chosen), default=0.0)
+        for j, cap in enumerate(self.caps):
+            total += min(cap, sum(o.queues[j] for o in chosen))
+        return total
+
+
+def _pareto(opts: Sequence[Option]) -> list[int]:
+    """Indices of the options no other beats or ties on every dimension (the first of equals kept)."""
+    keys = [(o.w, o.t, *o.peaks, *o.queues) for o in opts]
+    keep = []
+    for i, a in enumerate(keys):
+        if not any(j != i and all(x <= y for x, y in zip(b, a)) and (b != a or j < i) for j, b in enumerate(keys)):
+            keep.append(i)
+    return keep
+
+
+def _cases(items: Sequence[Sequence[Option]], fp: Footprint):
+    """(thresholds per max term, branch per cap: True = the cap) worth solving."""
+    thresholds = []
+    for d in range(len(fp.coefs)):
+        low = max((min(o.peaks[d] for o in opts) for opts in items), default=0.0)
+        thresholds.append(sorted({o.peaks[d] for opts in items for o in opts if o.peaks[d] >= low}) or [0.0])
+    branches = []
+    for j, cap in enumerate(fp.caps):
+        most = sum(max(o.queues[j] for o in opts) for opts in items)
+        least = sum(min(o.queues[j] for o in opts) for opts in items)
+        branches.append([False] if most <= cap else [True] if least >= cap else [False, True])
+    return itertools.product(itertools.product(*thresholds), itertools.product(*branches))
+
+
+def _case(items, fp: Footprint, T, capped):
+    """Options allowed under thresholds ``T`` (indices), their case weights, and the room's constant."""
+    allowed, weights = [], []
+    for opts in items:
+        idx = [i for i, o in enumerate(opts) if all(o.peaks[d] <= T[d] for d in range(len(T)))]
+        allowed.append(idx)
+        weights.append([opts[i].w + sum(opts[i].queues[j] for j in range(len(capped)) if not capped[j]) for i in idx])
+    fixed = fp.const + sum(c * t for c, t in zip(fp.coefs, T)) + sum(cap for cap, c in zip(fp.caps, capped) if c)
+    return allowed, weights, fixed
+
+
+def _knapsack(weights: list[list[float]], times: list[list[float]], room: float, cells: int) -> Optional[list[int]]:
+    """Min total time with total weight <= room, one option per item (positions into each list), by
+    DP over memory rounded up to a grid (module docstring); None when nothing fits."""
+    import numpy as np
+
+    integral = all(abs(w - round(w)) < 1e-9 for ws in weights for w in ws)
+    if integral and room <= cells:
+        delta, C = 1.0, int(math.floor(room + 1e-9))
+    else:
+        delta, C = room / cells, cells
+    cw = [[int(math.ceil(w / delta - 1e-9)) for w in ws] for ws in weights]
+    dp = np.full(C + 1, np.inf)
+    dp[0] = 0.0
+    arg = np.full((len(weights), C + 1), -1, dtype=np.int32)
+    for i, (ws, ts) in enumerate(zip(cw, times)):
+        new = np.full(C + 1, np.inf)
+        for j, (w, t) in enumerate(zip(ws, ts)):
+            if w > C:
+                continue
+            cand = np.full(C + 1, np.inf)
+            cand[w:] = dp[: C + 1 - w] + t
+            better = cand < new
+            new[better] = cand[better]
+            arg[i][better] = j
+        dp = new
+    if not np.isfinite(dp).any():
+        return None
+    c = int(np.argmin(dp))  # the first of equal times: the least memory
+    out = []
+    for i in range(len(weights) - 1, -1, -1):
+        j = int(arg[i][c])
+        out.append(j)
+        c -= cw[i][j]
+    return out[::-1]
+
+
+def solve(items: Sequence[Sequence[Option]], budget: float, fp: Footprint = Footprint(),
+          cells: int = DEFAULT_CELLS) -> Optional[tuple[list[int], float, float]]:
+    """The fastest plan (one option index per item) whose footprint is within ``budget``:
+    (indices, footprint, time), or None when nothing fits. Exact up to the grid (module docstring)."""
+    pruned = [_pareto(opts) for opts in items]
+    sub = [[opts[i] for i in keep] for opts, keep in zip(items, pruned)]
+    best: Optional[tuple[float, float, list[int]]] = None
+    for T, capped in _cases(sub, fp):
+        allowed, weights, fixed = _case(sub, fp, T, capped)
+        room = budget - fixed
+        if room < 0 or any(not a for a in allowed):
+            continue
+        times = [[sub[k][i].t for i in a] for k, a in enumerate(allowed)]
+        pick = _knapsack(weights, times, room, cells)
+        if pick is None:
+            continue
+        chosen = [allowed[k][j] for k, j in enumerate(pick)]
+        plan = [sub[k][i] for k, i in enumerate(chosen)]
+        key = (sum(o.t for o in plan), fp.of(plan), [pruned[k][i] for k, i in enumerate(chosen)])
+        if best is None or key[:2] < best[:2]:
+            best = key
+    if best is None:
+        return None
+    return best[2], best[1], best[0]
+
+
+def min_footprint(items: Sequence[Sequence[Option]], fp: Footprint = Footprint()) -> tuple[float, list[int]]:
+    """The smallest footprint any plan has, and a plan with it (exact: the same cases as ``solve``,
+    each item then takes its lightest allowed option)."""
+    best: Optional[tuple[float, list[int]]] = None
+    for T, capped in _cases(items, fp):
+        allowed, weights, fixed = _case(items, fp, T, capped)
+        if any(not a for a in allowed):
+            continue
+        chosen = [a[min(range(len(ws)), key=lambda i: (ws[i], items[k][a[i]].t))]
+                  for k, (a, ws) in enumerate(zip(allowed, weights))]
+        value = fp.of([items[k][i] for k, i in enumerate(chosen)])
+        if best is None or value < best[0]:
+            best = (value, chosen)
+    if best is None:
+        raise ValueError("min_footprint: an item has no options")
+    return best
+
+
+# ---- the model's items: the root and each block, trainable and frozen tensors apart ------------------------
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Tensors of one block that take one strategy: its trainable ones, or its frozen ones."""
+
+    names: tuple[str, ...]
+    numel: int
+    trainable: bool
+
+
+@dataclass(frozen=True)
+class Block:
+    name: str  # "<root>" for the root's parameters
+    units: tuple[Unit, ...]
+    is_root: bool = False
+    prefix: str = ""  # the block's module name: its parameters are "prefix.*"
+
+
+def units_of(model: Any, block_modules: Sequence[Any]) -> list[Block]:
+    """The root and each block (``api.build``'s assignment: later blocks win, the root holds the
+    rest), each as its trainable and its frozen tensors."""
+    names = {id(mod): n for n, mod in model.named_modules()}
+    block_of: dict[int, Any] = {}
+    for b in block_modules:
+        for p in b.parameters():
+            block_of[id(p)] = b
+    per: dict[int, list[tuple[str, Any]]] = {id(model): []}
+    for b in block_modules:
+        per[id(b)] = []
+    for fqn, p in model.named_parameters():
+        per[id(block_of.get(id(p), model))].append((fqn, p))
+    out = []
+    for mod in [model, *block_modules]:
+        units = []
+        for trainable in (True, False):
+            ps = [(n, p) for n, p in per[id(mod)] if p.requires_grad == trainable]
+            if ps:
+                units.append(Unit(tuple(n for n, _ in ps), sum(p.numel() for _, p in ps), trainable))
+        if units:
+            root = mod is model
+            out.append(Block("<root>" if root else names[id(mod)], tuple(units), root, "" if root else names[id(mod)]))
+    return out
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one step does, for the prediction (the advisor's defaults). ``model``: the shapes
+    activations and attention FLOPs need (a flavor, ``LlamaArgs`` or ``ModelSpec``; default: read
+    from the model when it is this package's Llama or a Hugging Face Llama-like config);
+    ``activation_bytes``: the activations' peak per rank, when the model is not Llama-shaped."""
+
+    micro_batch: int = 2
+    seq_len: int = 2048
+    grad_accum: int = 4
+    activation_checkpoint: bool = False
+    model: Union[str, LlamaArgs, ModelSpec, None] = None
+    activation_bytes: Optional[float] = None
+
+
+def spec_of(model: Any, workload: Workload) -> Optional[ModelSpec]:
+    """The Llama-shaped spec of ``model``: the workload's, this package's Llama's own args, or a
+    Hugging Face config's Llama fields; None when none says."""
+    if workload.model is not None:
+        return model_spec(workload.model)
+    args = getattr(model, "args", None)
+    if isinstance(args, LlamaArgs):
+        return model_spec(args)
+    c = getattr(model, "config", None)
+    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+    if c is not None and all(isinstance(getattr(c, k, None), int) for k in keys):
+        kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        return model_spec(LlamaArgs(dim=c.hidden_size, n_layers=c.num_hidden_layers, n_heads=c.num_attention_heads,
+                                    n_kv_heads=kv, ffn_dim=c.intermediate_size, vocab_size=c.vocab_size))
+    return None
+
+
+@dataclass(frozen=True)
+class _Env:
+    n: int
+    m: int
+    cluster: Cluster
+    work: Workload
+    spec: Optional[ModelSpec]
+    pb: int  # param (and gather) bytes
+    gb: int  # gradient (reduction) bytes
+    ab: int  # the G-level accumulator's bytes
+    reshard_after_forward: bool
+    flat_below_bytes: int
+
+
+_PEAKS = ("gathered", "grad_work", "reducing")  # the max terms, x2, x2, x1
+_COEFS = (2.0, 2.0, 1.0)
+_QUEUES = ("boundary_queue", "push_queue")
+
+
+def _seconds(env: _Env, moves, psi: float, itemsize: int, times: float = 1.0) -> float:
+    t = Ledger(env.n, env.m, env.flat_below_bytes)
+    t.count(moves, psi, itemsize, times)
+    return sum(traffic_time(t.stats, env.n, env.m, env.cluster).values())
+
+
+def _flops(env: _Env, block: Block) -> tuple[float, float]:
+    """(forward, backward) FLOPs per token of one block: ``model.flops_per_token``'s counts, split."""
+    numel = sum(u.numel for u in block.units)
+    trainable = sum(u.numel for u in block.units if u.trainable)
+    s, seq = env.spec, env.work.seq_len
+    if block.is_root:
+        mm = s.root_matmul if s else numel
+        return 2.0 * mm, 2.0 * mm + (2.0 * mm if trainable else 0.0)
+    mm = min(numel, s.layer_matmul) if s else numel
+    attn = 4.0 * seq * s.dim if s else 0.0
+    fwd, bwd = 2.0 * mm + attn, 2.0 * mm + 2.0 * min(trainable, mm) + 2 * attn
+    if env.work.activation_checkpoint:
+        bwd += fwd
+    return fwd, bwd
+
+
+def _option(env: _Env, block: Block, position: str, pick: tuple[Strategy, ...]) -> Option:
+    """Memory and time of one block under ``pick`` (one strategy per unit)."""
+    n, m, pb, gb, ab = env.n, env.m, env.pb, env.gb, env.ab
+    by_strategy: dict[Strategy, list[Unit]] = {}
+    for u, s in zip(block.units, pick):
+        by_strategy.setdefault(s, []).append(u)
+    once = 1 if (block.is_root or not env.reshard_after_forward) else 2
+    w = gathered = reducing = bq = pu = 0.0
+    gather_t = reduce_t = boundary_t = opt_t = 0.0
+    states = {"P": 0.0, "G": 0.0, "OS": 0.0, "master_grads": 0.0}
+    boundary_tmp = 0.0
+    for s, units in by_strategy.items():
+        numel = sum(u.numel for u in units)
+        tr = sum(u.numel for u in units if u.trainable)
+        gathers = 0 if s.p == _N else once
+        b = Bucket(s, numel, tr, gathers)
+        mem = memory_of([b], n, m, pb, ab, OS_BYTES)
+        for k in states:
+            states[k] += mem[k]
+        plan = plan_of(s)
+        if s.p != _N:
+            gathered += pb * numel
+            gather_t += _seconds(env, plan.gather, numel, pb)
+        if tr:
+            if n > 1:
+                cast = gb if ab != gb else 0
+                grads = tr * cast + (tr * gb if s.os != Level.I else 0) if s.g == _N else 0
+                params = tr * pb * (2 if s.os == Level.G else 1) if s.p == _N and s.os != _N else 0
+                boundary_tmp += max(grads, params)
+                bq += gb * tr / s.g.divisor(n, m)
+            if plan.push:
+                pu += pb * tr / s.p.divisor(n, m)
+            if s.g != _N:
+                reducing += gb * tr
+                reduce_t += _seconds(env, plan.reduce, tr, gb)
+            boundary = traffic_of([b], n, m, 0, pb, gb, flat_below_bytes=env.flat_below_bytes)
+            boundary_t += sum(traffic_time(boundary, n, m, env.cluster).values())
+            opt_t += tr / s.os.divisor(n, m) * (28 + gb) / (env.cluster.memory_bandwidth_gbs * GB)
+    trainable = sum(u.numel for u in block.units if u.trainable)
+    grad_work = max(pb, gb) * trainable
+    w = states["P"] + states["G"] + states["OS"] + states["master_grads"] + boundary_tmp
+    kept = block.is_root or not env.reshard_after_forward
+    if kept:  # gathered from forward to backward: always there
+        w += gathered
+    tokens = env.work.micro_batch * env.work.seq_len
+    c_fwd, c_bwd = (f * tokens / (env.cluster.achieved_tflops * 1e12) for f in _flops(env, block))
+    phi, A = env.cluster.overlap, env.work.grad_accum
+    if block.is_root:
+        exp_fwd, exp_bwd = gather_t, reduce_t
+    else:
+        regather = gather_t if once == 2 else 0.0
+        exp_fwd = gather_t if position in ("first", "only") else max(0.0, gather_t - phi * c_fwd)
+        if position in ("last", "only"):
+            exp_bwd = regather + max(0.0, reduce_t - phi * c_bwd)
+        else:
+            exp_bwd = max(0.0, regather + reduce_t - phi * c_bwd)
+    t = A * (c_fwd + c_bwd + exp_fwd + exp_bwd) + boundary_t + opt_t
+    detail = {**states, "boundary": boundary_tmp, "gathered": gathered, "kept": kept, "compute": A * (c_fwd + c_bwd),
+              "exposed": A * (exp_fwd + exp_bwd) + boundary_t, "optimizer": opt_t}
+    return Option(w, t, (0.0 if kept else gathered, grad_work, reducing), (bq, pu), pick, detail)
+
+
+def _picks(block: Block, strategies: Sequence[Strategy], uniform: bool) -> list[tuple[Strategy, ...]]:
+    """The block's choices: a strategy for its trainable tensors; its frozen tensors' P level (the
+    trainable strategy itself when the levels agree: one group, one collective; else P at all three)."""
+    has_t = any(u.trainable for u in block.units)
+    out = []
+    for s in strategies:
+        frozen = [s] if uniform else [s] + [Strategy.parse(p * 3) for p in "NIG" if p != s.p.value]
+        for f in frozen:
+            pick = tuple(s if u.trainable else f for u in block.units)
+            if pick not in out:
+                out.append(pick)
+        if not has_t and not uniform:  # frozen only: the three P levels are the choices
+            break
+    if not has_t and not uniform:
+        out = [tuple(Strategy.parse(p * 3) for _ in block.units) for p in "NIG"]
+    return out
+
+
+@dataclass
+class BudgetPlan:
+    """The chosen strategy per block, its predicted footprint and step time, and the table to print."""
+
+    blocks: list[Block]
+    options: list[Option]
+    footprint: float
+    step_time: float
+    budget: float
+    breakdown: dict[str, float]
+    header: str = ""
+    single: list[tuple[str, float, float]] = field(default_factory=list)  # (strategy, footprint, time)
+
+    def strategies(self) -> dict[str, Strategy]:
+        """Every parameter name -> its strategy."""
+        return {name: s for b, o in zip(self.blocks, self.options) for u, s in zip(b.units, o.label)
+                for name in u.names}
+
+    def policy(self) -> dict[str, str]:
+        """The plan as ``paro_shard``'s fnmatch policy: ``"prefix.*"`` where a whole block takes one
+        strategy and no other block lies under it, else its parameter names (escaped); the root's
+        by name."""
+        prefixes = [b.prefix for b in self.blocks if b.prefix]
+        out: dict[str, str] = {}
+        for b, o in zip(self.blocks, self.options):
+            nested = any(p.startswith(b.prefix + ".") for p in prefixes)
+            if b.prefix and len(set(o.label)) == 1 and not nested:
+                out[_escape(b.prefix) + ".*"] = o.label[0].name
+                continue
+            for u, s in zip(b.units, o.label):
+                out.update({_escape(n): s.name for n in u.names})
+        return out
+
+    def table(self) -> str:
+        """Per block (runs of equal blocks folded): strategy, memory, time; the total against the budget."""
+        rows, i = [], 0
+        while i < len(self.blocks):
+            j = i + 1
+            same = lambda k: self.options[k].label == self.options[i].label and _shape(self.blocks[k]) == _shape(  # noqa: E731
+                self.blocks[i])
+            while j < len(self.blocks) and not self.blocks[i].is_root and same(j):
+                j += 1
+            b, o = self.blocks[i], self.options[i]
+            name = b.name if j == i + 1 else f"{b.name} .. {self.blocks[j - 1].name} ({j - i})"
+            strat = " ".join(f"{s.name}{'' if u.trainable else '(frozen)'}" for u, s in zip(b.units, o.label))
+            mem = o.w + (0.0 if o.detail["kept"] else o.detail["gathered"])
+            rows.append(f"  {name[:44]:44} {strat:22} {_size(mem):>12} {o.t * 1e3:12.4f} ms")
+            i = j
+        bd = self.breakdown
+        total = (f"  total: {_size(self.footprint)} predicted peak per rank of {_size(self.budget)} (states + boundary "
+                 f"{_size(bd['additive'])}, gathered {_size(bd['gathered'])}, gradients {_size(bd['gradients'])}, "
+                 f"queues {_size(bd['queues'])}, activations {_size(bd['activations'])}); step {self.step_time:.6f} s")
+        head = f"  {'block':44} {'strategy':22} {'memory':>12} {'time/step':>15}"
+        lines = [self.header, head, *rows, total]
+        fits = [x for x in self.single if x[1] <= self.budget]
+        if fits:
+            s, f, t = min(fits, key=lambda x: x[2])
+            lines.append(f"  best single strategy that fits: {s} ({_size(f)}, {t:.6f} s/step): "
+                         f"the plan is {t / self.step_time:.2f}x its predicted speed")
+        return "\n".join(line for line in lines if line)
+
+
+def _size(x: float) -> str:
+    return f"{x / GiB:.3f} GiB" if x >= GiB else f"{x / 2**20:.2f} MiB"
+
+
+def _shape(b: Block) -> tuple:
+    return tuple((u.numel, u.trainable) for u in b.units)
+
+
+def _escape(name: str) -> str:
+    return "".join(f"[{c}]" if c in "*?[" else c for c in name)
+
+
+def _env(n: int, m: int, cluster: Cluster, work: Workload, spec: Optional[ModelSpec], pb: int, gb: int, ab: int,
+         reshard_after_forward: bool, flat_below_bytes: int) -> _Env:
+    for name, v in (("micro_batch", work.micro_batch), ("seq_len", work.seq_len), ("grad_accum", work.grad_accum)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise AdvisorError(f"Workload.{name} must be a positive integer, got {v!r}")
+    if n % m:
+        raise AdvisorError(f"group size {m} does not divide the world size {n}")
+    return _Env(n, m, cluster, work, spec, pb, gb, ab, reshard_after_forward, flat_below_bytes)
+
+
+def _items(env: _Env, blocks: Sequence[Block], strategies: Sequence[Strategy], uniform: bool) -> list[list[Option]]:
+    layers = [i for i, b in enumerate(blocks) if not b.is_root]
+    cache: dict[tuple, list[Option]] = {}
+    out = []
+    for i, b in enumerate(blocks):
+        pos = "root" if b.is_root else ("only" if len(layers) == 1 else "first" if i == layers[0]
+                                        else "last" if i == layers[-1] else "middle")
+        key = (_shape(b), b.is_root, pos)
+        if key not in cache:
+            cache[key] = [_option(env, b, pos, pick) for pick in _picks(b, strategies, uniform)]
+        out.append(cache[key])
+    return out
+
+
+def plan_blocks(blocks: Sequence[Block], n: int, m: int, budget: Optional[float], cluster: Cluster,
+                workload: Workload = Workload(), spec: Optional[ModelSpec] = None, param_bytes: int = 2,
+                grad_bytes: int = 2, acc_bytes: int = 4, reshard_after_forward: bool = True,
+                flat_below_bytes: int = 0, strategies: Optional[Iterable[StrategyLike]] = None,
+                cells: int = DEFAULT_CELLS) -> BudgetPlan:
+    """The fastest plan within ``budget`` bytes per rank (a strategy per block), or, with
+    ``budget=None``, the fastest single strategy within the cluster's usable memory (what "auto"
+    meant before budgets). Raises :class:`BudgetError` when nothing fits."""
+    env = _env(n, m, cluster, workload, spec, param_bytes, grad_bytes, acc_bytes, reshard_after_forward,
+               flat_below_bytes)
+    cands = [Strategy.parse(s) for s in (strategies or ALL_STRATEGIES)]
+    acts = workload.activation_bytes
+    if acts is None:
+        acts = activation_bytes(spec, workload.micro_batch, workload.seq_len, param_bytes,
+                                workload.activation_checkpoint)["peak"] if spec is not None else 0.0
+    fp = Footprint(float(acts), _COEFS, (float(IN_FLIGHT_BYTES),) * 2)
+    uniform = budget is None
+    limit = cluster.usable_bytes if uniform else float(budget)
+    single = []
+    for s in cands:  # each single strategy: its footprint and time (printed beside the plan; the no-budget pick)
+        items = _items(env, blocks, [s], True)
+        chosen = [opts[0] for opts in items]
+        single.append((s.name, fp.of(chosen), sum(o.t for o in chosen)))
+    if uniform:
+        fits = [x for x in single if x[1] <= limit]
+        if not fits:
+            s, f, _ = min(single, key=lambda x: x[1])
+            raise BudgetError(f"no single strategy fits in {_size(limit)} per rank ({cluster.name}'s usable "
+                              f"memory): the smallest footprint is {_size(f)}, with {s}; pass memory_budget= "
+                              f"for a plan per block, or use activation checkpointing, a smaller micro-batch or more "
+                              f"ranks")
+        s = min(fits, key=lambda x: x[2])[0]
+        items = _items(env, blocks, [Strategy.parse(s)], True)
+        idx = [0] * len(items)
+    else:
+        items = _items(env, blocks, cands, False)
+        found = solve(items, limit, fp, cells)
+        if found is None:
+            small, plan = min_footprint(items, fp)
+            raise BudgetError(f"memory_budget = {_size(limit)} per rank is too small: the smallest footprint "
+                              f"possible is {_size(small)}, with {_describe(blocks, items, plan)}; raise the "
+                              f"budget, use activation checkpointing, a smaller micro-batch or more ranks")
+        idx = found[0]
+    chosen = [opts[i] for opts, i in zip(items, idx)]
+    breakdown = {"additive": sum(o.w for o in chosen),
+                 "gathered": _COEFS[0] * max(o.peaks[0] for o in chosen),
+                 "gradients": sum(c * max(o.peaks[d] for o in chosen) for d, c in enumerate(_COEFS) if d),
+                 "queues": sum(min(cap, sum(o.queues[j] for o in chosen)) for j, cap in enumerate(fp.caps)),
+                 "activations": float(acts)}
+    what = "the fastest single strategy that fits" if uniform else "a strategy per block"
+    acts_note = "" if spec is not None or workload.activation_bytes is not None else \
+        " (activations not modelled: pass Workload(model=...) or Workload(activation_bytes=...))"
+    header = (f"paro auto: {what}, {n} ranks = {n // m} groups x {m}, micro-batch {workload.micro_batch} x "
+              f"{workload.seq_len}, {workload.grad_accum} micro-steps, activation checkpointing "
+              f"{'on' if workload.activation_checkpoint else 'off'}, cluster {cluster.name}{acts_note}")
+    return BudgetPlan(list(blocks), chosen, fp.of(chosen), sum(o.t for o in chosen), limit, breakdown, header, single)
+
+
+def _describe(blocks: Sequence[Block], items, plan: Sequence[int]) -> str:
+    """A plan in a few words: its one strategy, or each strategy and how many blocks take it."""
+    names = [" ".join(s.name for s in items[k][i].label) for k, i in enumerate(plan)]
+    kinds = sorted(set(names))
+    if len(kinds) == 1:
+        return f"{kinds[0]} on every block"
+    return ", ".join(f"{k} on {names.count(k)} of {len(blocks)} blocks" for k in kinds)
+
+
+# ---- the API's entry: cluster, rank 0's plan for every rank, printed ----------------------------------------
+
+
+def auto_policy(model: Any, mesh: Any, block_modules: Sequence[Any], memory_budget: Optional[float],
+                mp: Any, workload: Optional[Workload] = None, cluster: Union[Cluster, str, os.PathLike, None] = None,
+                reshard_after_forward: bool = True, flat_below_bytes: int = 0,
+                log: Optional[Callable[[str], None]] = None) -> dict[str, str]:
+    """``strategy="auto"`` for ``paro_shard`` / ``fully_shard``: the plan for ``model`` on ``mesh``
+    as a per-tensor policy. ``cluster``: a ``Cluster``, a TOML file or preset name, or None to
+    calibrate this mesh now (collective: every rank calls it; rank 0's cluster is used by all).
+    Rank 0 prints the plan (``log``, default ``print``)."""
+    import torch.distributed as dist
+
+    if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float))
+                                      or not memory_budget > 0):
+        raise ValueError(f"memory_budget={memory_budget!r}: give bytes per rank as a positive number "
+                         f"(e.g. 40 * 2**30), or None for the fastest single strategy that fits")
+    work = workload or Workload()
+    if not isinstance(work, Workload):
+        raise TypeError(f"workload= takes a paro_fsdp.cost.budget.Workload, got {type(work).__name__}")
+    spec = spec_of(model, work)
+    mesh2 = as_2d(mesh)
+    n, m = mesh2.size(), mesh2.size(1)
+    pb, gb, ab = mp.param_dtype.itemsize, mp.grad_dtype.itemsize, mp.acc_dtype.itemsize
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if isinstance(cluster, Cluster):
+        c = cluster
+    elif cluster is not None:
+        c = load_cluster(cluster)
+    else:
+        from .calibrate import calibrate_in_process
+
+        args = None
+        if spec is not None:
+            args = LlamaArgs(dim=spec.dim, n_layers=spec.n_layers, n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads,
+                             ffn_dim=spec.ffn_dim, vocab_size=spec.vocab_size)
+        dtype = {1: "fp8", 2: "bf16", 4: "fp32"}.get(pb, "fp32")
+        if tuple(mesh2.mesh_dim_names) != ("inter", "intra"):
+            raise ValueError(f"strategy='auto' without cluster= calibrates the mesh, which needs the dimension names "
+                             f"('inter', 'intra') (init_paro_mesh's), got {mesh2.mesh_dim_names}; pass "
+                             f"cluster=<a TOML file or preset> or a mesh from init_paro_mesh")
+        c = calibrate_in_process(mesh2, args, work.micro_batch, work.seq_len, dtype)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            box = [c]
+            dist.broadcast_object_list(box, src=0)  # the plan is a function of the cluster: one for all ranks
+            c = box[0]
+    blocks = units_of(model, block_modules)
+    plan = plan_blocks(blocks, n, m, memory_budget, c, work, spec, pb, gb, ab, reshard_after_forward,
+                       flat_below_bytes)
+    if rank == 0:
+        (log or print)(plan.table())
+    return plan.policy()
