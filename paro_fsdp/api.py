@@ -3,7 +3,7 @@
 the hooks."""
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.nn as nn
@@ -57,7 +57,8 @@ def _default_blocks(model: nn.Module) -> list[nn.Module]:
 def paro_shard(model: nn.Module, mesh: DeviceMesh, policy: PolicyLike = "IIG", mp: Optional[MixedPrecision] = None,
                blocks: Optional[Iterable[nn.Module]] = None, reshard_after_forward: bool = True,
                param_init_fn: Optional[Callable[[str, torch.Tensor], None]] = None,
-               flat_below_bytes: int = 0) -> nn.Module:
+               flat_below_bytes: int = 0, memory_budget: Optional[float] = None, workload: Any = None,
+               cluster: Any = None) -> nn.Module:
     """Shard ``model`` in place with a PaRO ``policy`` and return it.
 
     Parameters are bucketed per block (``_default_blocks``, or ``blocks``: modules, or containers
@@ -73,13 +74,42 @@ def paro_shard(model: nn.Module, mesh: DeviceMesh, policy: PolicyLike = "IIG", m
     ``flat_below_bytes``: global collectives on smaller messages run as one flat collective over
     all ranks instead of PaRO-CC's two phases (the ledger follows the same rule); 0 (default):
     always hierarchical. Where flat wins depends on the links: ``tools.bench.collectives``.
+
+    ``policy="auto"``: a strategy per block (the root's parameters, each block; trainable and
+    frozen tensors apart) with the fastest predicted step whose predicted peak is within
+    ``memory_budget`` bytes per rank (``cost.budget``; without a budget, the fastest single
+    strategy within the cluster's usable memory). ``workload``: a ``cost.budget.Workload`` (micro
+    batch, sequence, micro-steps, checkpointing); ``cluster``: a ``Cluster``, TOML file or preset,
+    or None to calibrate the mesh now (collective). Rank 0 prints the plan.
     """
     if hasattr(model, "_paro_state"):
         raise ValueError("model is already sharded by paro_shard")
     block_modules = _blocks_of(blocks) if blocks is not None else _default_blocks(model)
+    policy = _auto(model, mesh, policy, block_modules, mp or MixedPrecision(), memory_budget, workload, cluster,
+                   reshard_after_forward, flat_below_bytes, "paro_shard(model, mesh, \"auto\", memory_budget=...)")
     strategies = resolve_policy(policy, list(model.named_parameters()))
     return build(model, mesh, strategies, block_modules, mp or MixedPrecision(), {}, reshard_after_forward,
                  param_init_fn, flat_below_bytes)
+
+
+def is_auto(policy: Any) -> bool:
+    return isinstance(policy, str) and policy.strip().lower() == "auto"
+
+
+def _auto(model: nn.Module, mesh: DeviceMesh, policy: Any, block_modules: list[nn.Module], mp: MixedPrecision,
+          memory_budget: Optional[float], workload: Any, cluster: Any, reshard_after_forward: bool,
+          flat_below_bytes: int, how: str) -> Any:
+    """``"auto"``: the budgeted plan as a per-tensor policy (``cost.budget.auto_policy``); any other
+    policy as it is, refusing the options only "auto" reads rather than ignoring them."""
+    if not is_auto(policy):
+        if memory_budget is not None or workload is not None or cluster is not None:
+            raise ValueError(f"memory_budget=, workload= and cluster= are read only by strategy \"auto\" (got "
+                             f"{policy!r}); use {how}, or drop them")
+        return policy
+    from .cost.budget import auto_policy
+
+    return auto_policy(model, mesh, block_modules, memory_budget, mp, workload, cluster, reshard_after_forward,
+                       flat_below_bytes)
 
 
 def build(model: nn.Module, mesh: DeviceMesh, strategies: dict[str, Strategy], block_modules: list[nn.Module],

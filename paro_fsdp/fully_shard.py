@@ -17,7 +17,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
-from .api import build
+from .api import _auto, _default_blocks, build, is_auto
 from .mesh import device_type_for_backend
 from .mixed_precision import MixedPrecision
 from .module import ParoModule
@@ -28,7 +28,8 @@ def fully_shard(module: nn.Module, *, mesh: Optional[DeviceMesh] = None, strateg
                 reshard_after_forward: bool = True, shard_placement_fn: Any = None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                 offload_policy: OffloadPolicy = OffloadPolicy(),
-                ignored_params: Any = None) -> nn.Module:
+                ignored_params: Any = None, memory_budget: Optional[float] = None, workload: Any = None,
+                cluster: Any = None) -> nn.Module:
     """Shard ``module`` in place, as ``torch.distributed.fsdp.fully_shard``, and return it.
 
     ``mesh``: 1D (one group) or 2D (dim 0 across groups, dim 1 inside a group, any names);
@@ -37,6 +38,10 @@ def fully_shard(module: nn.Module, *, mesh: Optional[DeviceMesh] = None, strateg
     ``paro_shard``'s policy); default, FSDP2's layout on that mesh (GGG on 1D, III on 2D).
     ``mp_policy``: torch's ``MixedPrecisionPolicy`` (``param_dtype``, ``reduce_dtype``,
     ``cast_forward_inputs``); the parameters themselves stay fp32, as FSDP2's.
+
+    ``strategy="auto"`` (with ``memory_budget=`` bytes per rank, ``workload=``, ``cluster=``, as
+    ``paro_shard``'s) plans the whole model at once, so it is one call on the root, with no
+    ``fully_shard`` on its blocks before it: the blocks are found as ``paro_shard`` finds them.
     """
     _refuse_unsupported(module, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy, ignored_params)
     mesh = mesh if mesh is not None else _world_mesh()
@@ -45,10 +50,22 @@ def fully_shard(module: nn.Module, *, mesh: Optional[DeviceMesh] = None, strateg
     mp = MixedPrecision(param_dtype=mp_policy.param_dtype or torch.float32, reduce_dtype=mp_policy.reduce_dtype,
                         cast_forward_inputs=mp_policy.cast_forward_inputs)
     adopted = _sharded_inside(module)
+    blocks: list[nn.Module] = []
+    if is_auto(strategy):
+        blocks = _default_blocks(module)
+        if adopted or not blocks:
+            name = type(module).__name__
+            why = "its blocks were sharded by earlier calls" if adopted else f"no blocks in this {name}"
+            raise ValueError(f"fully_shard(strategy=\"auto\"): {why}; \"auto\" plans a whole model at once: call it "
+                             f"once, on the root (blocks: the elements of its ModuleLists), not on each block, or use "
+                             f"paro_shard(model, mesh, \"auto\", memory_budget=...)")
+    strategy = _auto(module, mesh, strategy, blocks, mp, memory_budget, workload, cluster, reshard_after_forward, 0,
+                     "fully_shard(model, strategy=\"auto\", memory_budget=...) on the root")
     taken = {id(p) for st in adopted for g in st.groups for p in g.sharded_params}
     own = [(n, p) for n, p in module.named_parameters() if id(p) not in taken]
     strategies = resolve_policy(strategy, own) if own else {}
-    return build(module, mesh, strategies, [], mp, {}, reshard_after_forward, adopted=adopted, root_hooks_on=module)
+    return build(module, mesh, strategies, blocks, mp, {}, reshard_after_forward, adopted=adopted,
+                 root_hooks_on=module)
 
 
 def _sharded_inside(module: nn.Module) -> list:

@@ -128,6 +128,10 @@ class Parallelism:
     paro_strategy: str = "IIG"
     """PaRO strategy: three letters of N/I/G for P, G, OS (IIG, NIG, GGG = ZeRO-3, NNN = DDP, ...), or "auto" (the
     advisor picks)"""
+    memory_budget_gib: float = 0
+    """With paro_strategy = "auto": memory per rank in GiB; the plan takes a strategy per block (embeddings and
+    head, each transformer block; frozen and trainable tensors apart), the fastest predicted within it; 0: one
+    strategy for the whole model, the fastest that fits the cluster's memory"""
     paro_cluster_file: str = ""
     """With paro_strategy = "auto": cluster TOML for the advisor (a preset name of paro_fsdp/cost/clusters or
     tools.calibrate output); empty: calibrate at start-up"""

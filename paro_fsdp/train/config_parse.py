@@ -300,19 +300,26 @@ def validate(cfg: JobConfig, world_size: Optional[int], local_world_size: Option
         raise ConfigError(f"training.global_batch_size = {gbs} is not a multiple of training.local_batch_size "
                           f"({t.local_batch_size}) x data-parallel ranks ({world_size}) = {per_step}; valid: -1 or a "
                           f"multiple of {per_step} (e.g. {examples})")
-    if p.paro_strategy.strip().lower() == "auto":
-        if p.paro_policy:
-            raise ConfigError("parallelism.paro_strategy = \"auto\" cannot be combined with parallelism.paro_policy "
-                              "(the advisor picks one strategy for the whole model); valid: an explicit strategy, or "
-                              "no paro_policy")
-    elif not _is_strategy(p.paro_strategy):
+    auto = p.paro_strategy.strip().lower() == "auto"
+    if auto and p.paro_policy:
+        raise ConfigError("parallelism.paro_strategy = \"auto\" cannot be combined with parallelism.paro_policy "
+                          "(the advisor picks one strategy for the whole model); valid: an explicit strategy, or "
+                          "no paro_policy")
+    if not auto and not _is_strategy(p.paro_strategy):
         raise ConfigError(f"parallelism.paro_strategy = {_show(p.paro_strategy)} is not a PaRO strategy; valid: three "
                           "letters of N, I, G for the P, G, OS levels, e.g. IIG, NIG, IGG, ING, GGG (ZeRO-3), "
                           "NNG (ZeRO-1), NNN (DDP)")
+    if not auto and p.memory_budget_gib:
+        raise ConfigError(f"parallelism.memory_budget_gib = {p.memory_budget_gib} is read only by paro_strategy = "
+                          f"\"auto\" (got {_show(p.paro_strategy)}); valid: 0, or set parallelism.paro_strategy = "
+                          f"\"auto\"")
     for pattern, strategy in p.paro_policy.items():
         if not _is_strategy(strategy):
             raise ConfigError(f"parallelism.paro_policy.{pattern} = {_show(strategy)} is not a PaRO strategy; valid: "
                               "three letters of N, I, G, e.g. IIG")
+    if not p.memory_budget_gib >= 0 or p.memory_budget_gib == float("inf"):
+        raise ConfigError(f"parallelism.memory_budget_gib = {p.memory_budget_gib} is invalid; valid: 0 (no budget: "
+                          f"one strategy that fits) or the memory per rank in GiB, e.g. 40")
     if p.paro_flat_below_mb < 0:
         raise ConfigError(f"parallelism.paro_flat_below_mb = {p.paro_flat_below_mb} is invalid; valid: 0 (never flat) "
                           "or a positive size in MiB")
