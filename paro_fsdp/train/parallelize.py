@@ -214,6 +214,8 @@ def auto_strategy(cfg: JobConfig, args: LlamaArgs, mesh: Any, accum: int, device
             cluster = calibrate_in_process(mesh, args, t.local_batch_size, t.seq_len,
                                            short_name(t.mixed_precision_param))
             source = "calibrated at start-up"
+        if p.memory_budget_gib:
+            return _budgeted(cfg, args, mesh, accum, device, log, cluster, source)
         strategy, table = advise(cfg, args, dist.get_world_size(), mesh.size(1), accum, cluster, fraction)
     except AdvisorError as exc:
         raise ConfigError(f"parallelism.paro_strategy = \"auto\": {exc}") from None
@@ -222,3 +224,31 @@ def auto_strategy(cfg: JobConfig, args: LlamaArgs, mesh: Any, accum: int, device
     log(f"paro_strategy = auto ({source}):\n{table}")
     log(f"paro_strategy = auto: training with {choice[0]}")
     return choice[0]
+
+
+def _budgeted(cfg: JobConfig, args: LlamaArgs, mesh: Any, accum: int, device: torch.device,
+              log: Callable[[str], None], cluster: Any, source: str) -> str:
+    """``memory_budget_gib``: a strategy per block (``cost.budget``) on the model as built (meta device: LoRA
+    adapters and frozen weights as they will be), set as ``paro_policy``; rank 0's plan for every rank. Returns the
+    most used strategy, the policy's default."""
+    from collections import Counter
+
+    from paro_fsdp.cost.budget import Workload, plan_blocks, units_of
+    from paro_fsdp.cost.model import model_spec
+
+    t, p = cfg.training, cfg.parallelism
+    mp = MixedPrecision(param_dtype=dtype_of(t.mixed_precision_param), reduce_dtype=dtype_of(t.mixed_precision_reduce),
+                        accumulate_dtype=dtype_of(t.mixed_precision_accumulate))
+    meta = build_model(cfg, args, device)
+    work = Workload(t.local_batch_size, t.seq_len, accum, cfg.activation_checkpoint.mode == "full", model=args)
+    plan = plan_blocks(units_of(meta, transformer_blocks(meta)), dist.get_world_size(), mesh.size(1),
+                       p.memory_budget_gib * 2**30, cluster, work, model_spec(args), mp.param_dtype.itemsize,
+                       mp.grad_dtype.itemsize, mp.acc_dtype.itemsize, p.paro_reshard_after_forward,
+                       int(p.paro_flat_below_mb * 2**20))
+    box = [plan.policy()]
+    dist.broadcast_object_list(box, src=0)
+    log(f"paro_strategy = auto, memory_budget_gib = {p.memory_budget_gib:g} ({source}):\n{plan.table()}")
+    p.paro_policy = box[0]
+    default = Counter(box[0].values()).most_common(1)[0][0]
+    log(f"paro_strategy = auto: training with a strategy per block (parallelism.paro_policy), mostly {default}")
+    return default
