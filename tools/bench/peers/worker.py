@@ -106,8 +106,8 @@ _SKIP_ATTRS = {"_buffers", "_non_persistent_buffers_set", "_forward_hooks", "_fo
 
 def state_bytes(*roots: Any) -> int:
     """Bytes of every distinct storage reachable from ``roots`` through the peers' own objects
-    (attributes, containers, tensors' attributes such as DeepSpeed's ``ds_tensor``, DTensors'
-    local shards); torch modules contribute their parameters and sub-modules, not their buffers."""
+    (attributes, containers, tensors' attributes such as DeepSpeed's ``ds_tensor`` and their
+    ``.grad``, DTensors' local shards); torch modules contribute their parameters and sub-modules, not their buffers."""
     import torch
     from torch.distributed.tensor import DTensor
 
@@ -130,6 +130,8 @@ def state_bytes(*roots: Any) -> int:
             except (RuntimeError, NotImplementedError):
                 pass
             stack.extend(getattr(o, "__dict__", {}).values())
+            if o.is_leaf:
+                stack.append(o.grad)  # not in __dict__
             continue
         if isinstance(o, dict):
             stack.extend(o.values())
