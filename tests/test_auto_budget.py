@@ -254,3 +254,25 @@ def test_config_key_errors_in_one_line(argv, needle):
     assert needle in str(info.value) and "\n" not in str(info.value)
     cfg, _ = parse_args(["--parallelism.paro_strategy", "auto", "--parallelism.memory_budget_gib", "40"], world_size=4)
     assert cfg.parallelism.memory_budget_gib == 40.0
+
+
+# ---- memory measured on real ranks -----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_measured_peak_beside_the_prediction():
+    """4 gloo ranks, GGG and NNN: the profiler's peak inside the step is positive, above the
+    persistent states it must hold, and within 2x of the budgeted auto's footprint either way."""
+    from tools.bench.memory_peak import predictions
+    from tools.local_world import run_local_world
+
+    strategies = ["GGG", "NNN"]
+    payload = {"strategies": strategies, "group_size": 2, "flavor": "debug", "micro_batch": 2, "seq_len": 32,
+               "accum": 2}
+    per_rank = run_local_world(4, "tools.bench.memory_peak:_rank_main", payload)
+    pred = predictions(strategies, 4, 2, "debug", 2, 32, 2)
+    for i, s in enumerate(strategies):
+        for rank in per_rank:
+            r = rank[i]
+            assert r["strategy"] == s and r["measured"] >= r["report"]["total"] > 0
+            assert 0.5 < r["measured"] / pred[s]["footprint"] < 2.0, (s, r["measured"], pred[s])
