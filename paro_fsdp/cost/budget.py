@@ -460,7 +460,9 @@ class BudgetPlan:
         return out
 
     def table(self) -> str:
-        """Per block (runs of equal blocks folded): strategy, memory, time; the total against the budget."""
+        """Per block (runs of equal blocks folded): strategy, the memory it holds throughout (states,
+        boundary temporaries; the root's gathered parameters), its time per step; then the peak
+        against the budget, with the transient parts (gathered blocks, gradients, queues, activations)."""
         rows, i = [], 0
         while i < len(self.blocks):
             j = i + 1
@@ -471,14 +473,13 @@ class BudgetPlan:
             b, o = self.blocks[i], self.options[i]
             name = b.name if j == i + 1 else f"{b.name} .. {self.blocks[j - 1].name} ({j - i})"
             strat = " ".join(f"{s.name}{'' if u.trainable else '(frozen)'}" for u, s in zip(b.units, o.label))
-            mem = o.w + (0.0 if o.detail["kept"] else o.detail["gathered"])
-            rows.append(f"  {name[:44]:44} {strat:22} {_size(mem):>12} {o.t * 1e3:12.4f} ms")
+            rows.append(f"  {name[:44]:44} {strat:22} {_size(o.w):>12} {o.t * 1e3:12.4f} ms")
             i = j
         bd = self.breakdown
         total = (f"  total: {_size(self.footprint)} predicted peak per rank of {_size(self.budget)} (states + boundary "
                  f"{_size(bd['additive'])}, gathered {_size(bd['gathered'])}, gradients {_size(bd['gradients'])}, "
                  f"queues {_size(bd['queues'])}, activations {_size(bd['activations'])}); step {self.step_time:.6f} s")
-        head = f"  {'block':44} {'strategy':22} {'memory':>12} {'time/step':>15}"
+        head = f"  {'block':44} {'strategy':22} {'held':>12} {'time/step':>15}"
         lines = [self.header, head, *rows, total]
         fits = [x for x in self.single if x[1] <= self.budget]
         if fits:
@@ -566,7 +567,13 @@ def plan_blocks(blocks: Sequence[Block], n: int, m: int, budget: Optional[float]
             raise BudgetError(f"memory_budget = {_size(limit)} per rank is too small: the smallest footprint "
                               f"possible is {_size(small)}, with {_describe(blocks, items, plan)}; raise the "
                               f"budget, use activation checkpointing, a smaller micro-batch or more ranks")
-        idx = found[0]
+        idx = list(found[0])
+        groups: dict[int, list[int]] = {}  # identical blocks (one shared option list) cost the same in any order:
+        for k, opts in enumerate(items):  # their choices sorted, so the plan reads as runs
+            groups.setdefault(id(opts), []).append(k)
+        for ks in groups.values():
+            for k, i in zip(ks, sorted(idx[k] for k in ks)):
+                idx[k] = i
     chosen = [opts[i] for opts, i in zip(items, idx)]
     breakdown = {"additive": sum(o.w for o in chosen),
                  "gathered": _COEFS[0] * max(o.peaks[0] for o in chosen),
