@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Iterable, Optional, Sequence, Union
 
-from ..collectives import CommStats
+from ..collectives import CommStats, hops
 from ..dtypes import dtype_of
 from .ledger import Ledger, memory_of, traffic_of
 from ..models.llama import LlamaArgs
@@ -98,13 +98,18 @@ def _itemsize(dtype: str) -> int:
 
 def traffic_time(t: CommStats, n: int, m: int, cluster: Cluster) -> dict[str, float]:
     """Seconds per mesh dimension for the collectives in ``t`` (alpha-beta ring model) on the
-    (n / m, m) mesh, each dimension on the links its rings use (``link_for`` with the mesh shape;
-    a flat "global" one is a ring over all n ranks)."""
+    (n / m, m) mesh, each dimension on the links its rings use (``link_for`` with the mesh shape)."""
+    g = n // m
     out = {"intra": 0.0, "inter": 0.0, "global": 0.0}
     for key, e in t.as_dict().items():
         kind, dim = key.split("/")
-        k = {"intra": m, "inter": n // m, "global": n}[dim]
-        out[dim] += link_seconds(link_for(dim, cluster, n, m), kind, k, e["bytes"], e["count"])
+        if dim == "global":  # a flat collective over all ranks: a hierarchical all-reduce's latency
+            lat = sum(hops("all_reduce", k) * link_for(d, cluster, n, m).cost("all_reduce")[1]
+                      for d, k in (("intra", m), ("inter", g)))
+            out[dim] += e["count"] * lat + e["bytes"] / link_for("inter", cluster, n, m).cost("all_reduce")[0]
+        else:
+            out[dim] += link_seconds(link_for(dim, cluster, n, m), kind, m if dim == "intra" else g, e["bytes"],
+                                     e["count"])
     return out
 
 
