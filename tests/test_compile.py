@@ -101,7 +101,7 @@ def _fast(cases, keep):
     return [s if s in keep else pytest.param(s, marks=pytest.mark.slow) for s in cases]
 
 
-@pytest.mark.parametrize("strategy", _fast(PAIRS, ("NII", "IGG", "GGG")))
+@pytest.mark.parametrize("strategy", _fast(PAIRS, ("GGG",)))
 def test_one_collective_per_block_and_phase_in_the_graph(mesh, strategy):
     record, model, breaks = compiled_once(mesh, strategy)
     assert breaks == {}
@@ -135,7 +135,7 @@ def _g_n_falls_back(strategy: str, boundary_in_graph: bool) -> bool:
     return G_N_BOUNDARY_GRAPH_FALLS_BACK and boundary_in_graph and len(strategy) == 3 and strategy[1] == "N"
 
 
-@pytest.mark.parametrize("strategy", _fast(BOUNDARY, ("IIG", "NNN")))
+@pytest.mark.parametrize("strategy", _fast(BOUNDARY, ("IIG",)))
 def test_last_micro_step_reduces_to_the_os_level_inside_backward(mesh, strategy):
     record, model = compile_step(mesh, strategy, last=True)
     if _g_n_falls_back(strategy, True):  # torch 2.14 runs that frame eagerly; fails once torch fixes it
@@ -168,7 +168,7 @@ PUSH = {
 }
 
 
-@pytest.mark.parametrize("strategy", _fast(PUSH, ("IIG", "NNG", "GGG")))
+@pytest.mark.parametrize("strategy", _fast(PUSH, ("IIG", "GGG")))
 def test_compiled_push_to_p_is_one_graph_bucketed_per_dimension(mesh, strategy):
     from paro_fsdp.traced import compile_push
 

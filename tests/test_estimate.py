@@ -87,6 +87,7 @@ def test_flat_below_the_threshold_in_engine_and_ledger_alike():
     assert "all_gather/global" not in plain and plain["all_gather/inter"]["count"] == 2 * (2 * ARGS.n_layers + 1)
 
 
+@pytest.mark.slow  # make test-all: the full-depth case (measured = ledger) stays in make test
 def test_layer_extrapolation_is_exact_and_partial_training():
     # all trainable: 1- and 2-layer runs extended to 4 layers == running 4 layers
     full = estimate(ARGS, N, M, ["IIG", "GGG"], grad_accum=2, full=True)
@@ -119,6 +120,7 @@ def test_inter_traffic_vs_grad_accum():
 UNEVEN = LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=1000, ffn_dim=172, max_seq_len=32)
 
 
+@pytest.mark.slow  # make test-all
 def test_a_1024_rank_world_costs_about_what_a_64_rank_one_does():
     """``--world 1024`` once had not finished after 14 minutes. The layout's work for sizes the
     world size does not divide was per rank (DTensor's offsets asked rank by rank, one copy per

@@ -324,6 +324,7 @@ def world(tmp) -> dict[str, Any]:
 
 
 # ---- lost and hung ranks under torchrun ---------------------------------------------------------
+@pytest.mark.slow  # two torchrun restarts (about a minute): make test-all; the kill mid-step stays in make test
 def test_killed_while_saving_then_hung_rank_restarts_and_continues_exactly(world, tmp):
     """Rank 2 is SIGKILLed while step-8 is being written, then (next attempt) rank 1 is
     SIGSTOPped: the survivors time out with one line, torchrun restarts, every attempt resumes

@@ -304,6 +304,7 @@ def _stop_line(lines: list[str], name: str) -> re.Match:
     return said[0]
 
 
+@pytest.mark.slow  # the stopped torchrun runs (about a minute): make test-all
 def test_sigterm_to_torchrun_saves_the_step_reached_and_names_the_command(stopped):
     a = stopped["a"]
     m = _stop_line(a["lines"], "SIGTERM")
@@ -320,6 +321,7 @@ def test_sigterm_to_torchrun_saves_the_step_reached_and_names_the_command(stoppe
     print(f"SIGTERM -> torchrun gone: {a['s']:.1f} s; save of step {step}: {m.group(3)} s")
 
 
+@pytest.mark.slow  # the stopped torchrun runs (about a minute): make test-all
 def test_ctrl_c_then_resume_continues_exactly(stopped):
     b, losses, reference = stopped["b"], stopped["losses"], stopped["c"]["losses"][-1]
     first = int(_stop_line(stopped["a"]["lines"], "SIGTERM").group(1))
@@ -334,6 +336,7 @@ def test_ctrl_c_then_resume_continues_exactly(stopped):
     assert b["rc"] == 1  # torchrun's own status after a SIGINT, as after a SIGTERM
 
 
+@pytest.mark.slow  # the stopped torchrun runs (about a minute): make test-all
 def test_every_rank_exits_0_at_one_agreed_step_however_the_signals_arrive(stopped):
     c = stopped["c"]
     assert c["rc"] == [0, 0, 0, 0], (c["rc"], [lines[-5:] for lines in c["lines"]])
@@ -346,6 +349,7 @@ def test_every_rank_exits_0_at_one_agreed_step_however_the_signals_arrive(stoppe
         assert not [ln for ln in c["lines"][r] if "error" in ln or "stopped" in ln], c["lines"][r]
 
 
+@pytest.mark.slow  # the stopped torchrun runs (about a minute): make test-all
 def test_a_traced_step_does_not_trace_its_checkpoint(stopped):
     """profile_freq 4 and checkpoint.interval 4: steps 4 and 8 are traced and saved; the save's
     collectives (barriers, DCP's gathers and broadcasts of its plan) are not in their traces,

@@ -208,6 +208,7 @@ def world_target(payload: dict) -> dict:
     return {k: os.environ.get(k) for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GLOO_SOCKET_IFNAME", "PROBE")}
 
 
+@pytest.mark.slow  # spawned ranks import torch afresh (20 s on 2 cores): make test-all
 def test_one_gpu_world_is_spawned_on_gpu_0_and_a_failure_stops_it():
     """``device="cuda"``: spawned ranks (no CUDA needed to start them), every one on GPU 0 with the
     environment given; a rank that raises fails the world while another one still hangs."""

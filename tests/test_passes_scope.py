@@ -90,6 +90,7 @@ def scheduled(fn, **compile_kw) -> list[bool]:
     return seen
 
 
+@pytest.mark.slow  # two inductor compiles (18 s): make test-all
 def test_reorder_for_peak_memory_is_off_for_the_engines_graphs_only(mesh):
     """Inductor's memory re-sort undoes the reorder pass's prefetches, so the engine's graphs are
     scheduled without it; every other graph in the process as the user set it."""
