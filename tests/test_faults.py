@@ -26,38 +26,10 @@ for p in (str(REPO), str(Path(__file__).parent)):
 
 from dist_harness import run_world  # noqa: E402
 from tools.local_world import Torchrun as Launch, losses_by_attempt  # noqa: E402
+from workloads import TRAINER_ARGS  # noqa: E402
 
 # the debug model, 4 ranks = 2 groups x 2 (IIG), no accumulation, every step logged
-ARGS = [
-    "--model.flavor",
-    "debug",
-    "--training.seq_len",
-    "32",
-    "--training.local_batch_size",
-    "2",
-    "--training.global_batch_size",
-    "8",
-    "--training.mixed_precision_param",
-    "float32",
-    "--training.mixed_precision_reduce",
-    "float32",
-    "--optimizer.lr",
-    "3e-3",
-    "--lr_scheduler.warmup_steps",
-    "2",
-    "--lr_scheduler.decay_type",
-    "constant",
-    "--parallelism.paro_strategy",
-    "IIG",
-    "--parallelism.paro_group_size",
-    "2",
-    "--metrics.log_freq",
-    "1",
-    "--metrics.enable_tensorboard",
-    "false",
-    "--comm.backend",
-    "gloo",
-]
+ARGS = TRAINER_ARGS
 STEPS = 12
 
 

@@ -30,44 +30,11 @@ for p in (str(REPO), str(Path(__file__).parent)):
         sys.path.insert(0, p)
 
 from tools.local_world import losses_by_attempt  # noqa: E402
+from workloads import TRAINER_ARGS  # noqa: E402
 
 DEBUG = "train_configs/debug_paro.toml"
 # the debug model, 4 ranks = 2 groups x 2 (IIG), every step logged, a constant lr after warmup
-ARGS = [
-    "--model.flavor",
-    "debug",
-    "--training.seq_len",
-    "32",
-    "--training.local_batch_size",
-    "2",
-    "--training.global_batch_size",
-    "8",
-    "--training.mixed_precision_param",
-    "float32",
-    "--training.mixed_precision_reduce",
-    "float32",
-    "--optimizer.lr",
-    "3e-3",
-    "--lr_scheduler.warmup_steps",
-    "2",
-    "--lr_scheduler.decay_type",
-    "constant",
-    "--parallelism.paro_strategy",
-    "IIG",
-    "--parallelism.paro_group_size",
-    "2",
-    "--metrics.log_freq",
-    "1",
-    "--metrics.enable_tensorboard",
-    "false",
-    "--comm.backend",
-    "gloo",
-    "--training.steps",
-    "10000",
-    "--checkpoint.enable",
-    "--checkpoint.interval",
-    "1000",
-]
+ARGS = [*TRAINER_ARGS, "--training.steps", "10000", "--checkpoint.enable", "--checkpoint.interval", "1000"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 for _key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "MAKELEVEL"):
     ENV.pop(_key, None)

@@ -171,3 +171,13 @@ def close(got_losses, ref_losses, scale: float = 1.0) -> None:
     for (loss, norm), (ref_loss, ref_norm) in zip(got_losses, ref_losses):
         assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
         assert abs(norm - scale * ref_norm) <= 1e-5 * abs(scale * ref_norm) + 1e-7, (norm, scale * ref_norm)
+
+
+#: the trainer on the debug Llama, IIG on 2 x 2 gloo ranks, fp32: what the torchrun tests start from
+TRAINER_ARGS = [
+    "--model.flavor", "debug", "--training.seq_len", "32", "--training.local_batch_size", "2",
+    "--training.global_batch_size", "8", "--training.mixed_precision_param", "float32",
+    "--training.mixed_precision_reduce", "float32", "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "2",
+    "--lr_scheduler.decay_type", "constant", "--parallelism.paro_strategy", "IIG", "--parallelism.paro_group_size",
+    "2", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false", "--comm.backend", "gloo",
+]
