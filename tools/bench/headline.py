@@ -126,6 +126,10 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="skip the limit: each round again with the links unshaped (doubles the run)")
     p.add_argument("--budget-mib", type=float, default=None,
                    help="per-rank model-state budget for the verdict (default: FSDP2 HSDP's)")
+    p.add_argument("--budgets", default="",
+                   help="PaRO's strategy=\"auto\" under memory budgets, each timed beside the single strategies: "
+                        "comma separated, each 'A-B' (midway between the predicted peaks of strategies A and B), "
+                        "a number of MiB per rank, or 'max' (every strategy fits); needs the advisor's calibration")
     p.add_argument("--out-dir", default=None, help="* where bench.json and the PNGs go (outputs/bench)")
     p.add_argument("--quick", action="store_true",
                    help="A = 1 only, 2 rounds (--compiled: GGG and IIG unless --strategies, no warm-up, 2 rounds)")
@@ -153,6 +157,9 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.lora_rank < 0 or (args.lora_rank and (args.trainable != 1.0 or args.compiled)):
         p.error(f"--lora-rank {args.lora_rank} is invalid; valid: 0 (off) or a positive rank, without --trainable "
                 f"and --compiled")
+    if args.budgets and (args.model == "mlp" or args.compiled):
+        p.error("--budgets plans the Llama model (with or without --lora-rank) in eager runs: drop --model mlp / "
+                "--compiled")
     if args.lora_rank:
         args.no_advisor = True
     if args.model == "mlp":

@@ -120,6 +120,7 @@ def format_report(rows: list[dict], meta: dict, budget_mib: float | None) -> str
                 ratio = p["step_s"] / b["step_s"]
                 out.append(f"PaRO {pn} step time / {_label(b)}: {ratio:.2f}x "
                            f"({'within' if ratio <= 1.10 else 'OUTSIDE'} the 1.10x target)")
+        out += budget_verdicts(ok)
         pr = [r for r in ok if r["kind"] == "paro" and "pred_s" in r]
         if len(pr) >= 2:
             tau = _kendall([r["pred_s"] for r in pr], [r["step_s"] for r in pr])
@@ -128,6 +129,27 @@ def format_report(rows: list[dict], meta: dict, budget_mib: float | None) -> str
             out.append(f"advisor ranking vs measured (PaRO strategies): Kendall tau {tau:.2f}; predicted best "
                        f"{best_pred}, measured best {best_meas}")
     return "\n".join(out)
+
+
+def budget_verdicts(rows: list[dict]) -> list[str]:
+    """``--budgets``: each auto plan against the fastest single strategy measured here whose predicted
+    peak fits its budget. Between two strategies' peaks a plan per block should win (>= 1.05x);
+    elsewhere it should not lose (>= 0.97x)."""
+    mib, out = 2**20, []
+    for a in (r for r in rows if "budget_bytes" in r):
+        between = "-" in a["name"]
+        target = 1.05 if between else 0.97
+        fits = [r for r in rows if r["kind"] == "paro" and r["name"] in a["fits"]]
+        line = (f"{a['name']}: budget {a['budget_bytes'] / mib:.1f} MiB/rank, plan {' + '.join(a['plan'])}, predicted "
+                f"peak {a['pred_peak'] / mib:.1f} MiB, {a['step_s']:.3f} s")
+        if not fits:
+            out.append(line + f"; no single strategy measured here fits (fitting: {', '.join(a['fits']) or 'none'})")
+            continue
+        best = min(fits, key=lambda r: r["step_s"])
+        ratio = best["step_s"] / a["step_s"]
+        out.append(line + f"; best single that fits: {best['name']} {best['step_s']:.3f} s -> {ratio:.2f}x "
+                   f"({'meets' if ratio >= target else 'MISSES'} the {target:.2f}x target)")
+    return out
 
 
 def write_png(rows: list[dict], meta: dict, path: str) -> str | None:

@@ -33,6 +33,7 @@ class Runner:
     sent: dict[int, list[dict[str, int]]] = field(default_factory=dict)
     n_steps: int = 0
     error: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # what the report reads beside the times (auto's plan)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -101,7 +102,9 @@ def worker(args: argparse.Namespace) -> None:
         mp = MixedPrecision(param_dtype=torch.bfloat16) if bf16 else None
         model = paro_shard(make_model(), mesh, strategy, mp=mp)
         opt = torch.optim.AdamW(trainable(model), lr=LR, weight_decay=WD, foreach=True)  # the fp32 masters
+        return paro_step(strategy, model, opt)
 
+    def paro_step(name: str, model: Any, opt: Any) -> Runner:
         def step(i: int, accum: int):
             total = 0.0
             for a in range(accum):
@@ -114,7 +117,7 @@ def worker(args: argparse.Namespace) -> None:
             opt.zero_grad()
             return total
 
-        return Runner(strategy, "paro", step, lambda: model.memory_report(opt)["total"], model.wait_for_params)
+        return Runner(name, "paro", step, lambda: model.memory_report(opt)["total"], model.wait_for_params)
 
     def fsdp2(kind: str) -> Runner:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -172,16 +175,49 @@ def worker(args: argparse.Namespace) -> None:
         # (DDP's reducer buckets hold one more gradient copy, not counted)
         return Runner("ddp", "baseline", step, lambda: _baseline_memory(model, opt))
 
+    def auto(token: str) -> Runner:
+        """``strategy="auto"`` under the budget ``token`` names, built through ``paro_shard`` as a user
+        would (the plan printed by rank 0); the row carries the budget, the plan's predicted peak
+        and the single strategies whose predicted peak fits, for the verdict."""
+        from paro_fsdp.cost.budget import Workload, plan_blocks, units_of
+
+        mp = MixedPrecision(param_dtype=torch.bfloat16) if bf16 else MixedPrecision()
+        work = Workload(micro_batch=args.batch, seq_len=args.seq, grad_accum=accums[-1], model=margs)
+        model = make_model()
+        itemsizes = (mp.param_dtype.itemsize, mp.grad_dtype.itemsize, mp.acc_dtype.itemsize)
+        probe = plan_blocks(units_of(model, list(model.layers)), n, m, float(2**60), cluster, work, model_spec(margs),
+                            *itemsizes)
+        peak = {s: f for s, f, _ in probe.single}
+        if token == "max":
+            budget = max(peak.values())
+        elif "-" in token:
+            lo, hi = (peak[s.strip().upper()] for s in token.split("-"))
+            budget = (lo + hi) / 2
+        else:
+            budget = float(token) * 2**20
+        plan = plan_blocks(units_of(model, list(model.layers)), n, m, budget, cluster, work, model_spec(margs),
+                           *itemsizes)
+        model = paro_shard(model, mesh, "auto", mp=mp, memory_budget=budget, workload=work, cluster=cluster)
+        opt = torch.optim.AdamW(trainable(model), lr=LR, weight_decay=WD, foreach=True)
+        runner = paro_step(f"auto[{token}]", model, opt)
+        runner.extra = {"budget_bytes": budget, "pred_peak": plan.footprint, "plan_pred_s": plan.step_time,
+                        "plan": sorted({" ".join(s.name for s in o.label) for o in plan.options}),
+                        "fits": sorted(s for s, f in peak.items() if f <= budget), "single_peak": peak}
+        return runner
+
     # ---- advisor ----
     cluster, preds, pick = None, {}, None
     t0 = time.perf_counter()
-    if not args.no_advisor:
+    if not args.no_advisor or args.budgets:
         from paro_fsdp.cost.calibrate import calibrate_in_process
         from paro_fsdp.cost.predict import choose_strategy, predict
 
         cluster = calibrate_in_process(mesh, margs, micro_batch=args.batch, seq_len=args.seq, dtype=args.dtype, reps=2,
                                        name="emulated")
-        for a in accums:
+        box = [cluster]
+        dist.broadcast_object_list(box, src=0)  # one cluster, so every rank plans the same layout
+        cluster = box[0]
+        for a in (accums if not args.no_advisor else []):
             for s in args.strategies.split(","):
                 preds[(s, a)] = predict(margs, s, n, m, args.batch, a, args.seq, cluster, dtype=args.dtype,
                                         trainable_fraction=args.trainable).step_time
@@ -194,6 +230,8 @@ def worker(args: argparse.Namespace) -> None:
     runners: list[Runner] = []
     for s in args.strategies.split(","):
         runners.append(paro(s))
+    for token in filter(None, args.budgets.split(",")):
+        runners.append(auto(token.strip()))
     for b in filter(None, args.baselines.split(",")):
         try:
             runners.append(ddp() if b == "ddp" else fsdp2(b))
@@ -250,7 +288,7 @@ def worker(args: argparse.Namespace) -> None:
         dist.all_reduce(mem, op=dist.ReduceOp.MAX)
         for accum in accums:
             row: dict[str, Any] = {"name": r.name, "kind": r.kind, "accum": accum, "error": r.error,
-                                   "state_bytes": mem.item()}
+                                   "state_bytes": mem.item(), **r.extra}
             if not r.error:
                 t = statistics.median(r.times[accum])
                 row.update(step_s=t, tokens_per_s=n * accum * args.batch * args.seq / t, times=r.times[accum])
