@@ -108,9 +108,10 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--model",
         default="llama",
-        choices=("llama", "mlp"),
-        help="mlp: residual Linear-GELU-Linear blocks of --dim x --ffn, --layers of them (workload.MLPStack); "
-        "full training, fp32, no advisor",
+        choices=("llama", "hf-llama", "mlp"),
+        help="hf-llama: transformers' LlamaForCausalLM of the same shapes (--lora-rank: peft's LoRA on its "
+        "q/k/v/o projections); mlp: residual Linear-GELU-Linear blocks of --dim x --ffn, --layers of them "
+        "(workload.MLPStack); full training, fp32, no advisor",
     )
     p.add_argument("--dtype", default="fp32", choices=DTYPES,
                    help="parameter / gradient dtype (fp32 master weights and optimizer states either way)")
@@ -158,8 +159,10 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--lora-rank {args.lora_rank} is invalid; valid: 0 (off) or a positive rank, without --trainable "
                 f"and --compiled")
     if args.budgets and (args.model == "mlp" or args.compiled):
-        p.error("--budgets plans the Llama model (with or without --lora-rank) in eager runs: drop --model mlp / "
+        p.error("--budgets plans Llama models (with or without --lora-rank) in eager runs: drop --model mlp / "
                 "--compiled")
+    if args.model == "hf-llama" and (args.compiled or args.trainable != 1.0):
+        p.error("--model hf-llama measures eager full training or LoRA (no --compiled, --trainable)")
     if args.lora_rank:
         args.no_advisor = True
     if args.model == "mlp":

@@ -126,8 +126,13 @@ def format_report(rows: list[dict], meta: dict, budget_mib: float | None) -> str
             tau = _kendall([r["pred_s"] for r in pr], [r["step_s"] for r in pr])
             best_pred = min(pr, key=lambda r: r["pred_s"])["name"]
             best_meas = min(pr, key=lambda r: r["step_s"])["name"]
-            out.append(f"advisor ranking vs measured (PaRO strategies): Kendall tau {tau:.2f}; predicted best "
-                       f"{best_pred}, measured best {best_meas}")
+            errs = {r["name"]: r["pred_s"] / r["step_s"] - 1 for r in pr}
+            worst = max(errs, key=lambda k: abs(errs[k]))
+            within = sum(abs(e) <= 0.15 for e in errs.values())
+            out.append(f"advisor ranking vs measured (PaRO strategies): Kendall tau {tau:.2f} "
+                       f"({'meets' if tau >= 0.8 else 'MISSES'} the 0.8 target); predicted best {best_pred}, measured "
+                       f"best {best_meas}; predicted step within 15% of measured for {within} of {len(errs)} "
+                       f"(worst {worst} {errs[worst]:+.0%})")
     return "\n".join(out)
 
 

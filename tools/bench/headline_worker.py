@@ -59,10 +59,12 @@ def worker(args: argparse.Namespace) -> None:
 
     bf16 = args.dtype == "bf16"
     # partial training: the first t layers trainable, the rest and the root frozen (advisor's rule)
-    n_trainable = model_spec(margs, args.trainable).trainable_layers if args.model == "llama" else margs.n_layers
+    n_trainable = model_spec(margs, args.trainable).trainable_layers if args.model != "mlp" else margs.n_layers
 
     def make_model() -> torch.nn.Module:
         torch.manual_seed(0)
+        if args.model == "hf-llama":
+            return hf_causal_lm(margs, args.lora_rank)
         model = Llama(margs) if args.model == "llama" else MLPStack(args.dim, args.ffn, args.layers, args.vocab)
         if args.lora_rank:  # the same adapter for every variant: LoRA on the attention projections, base frozen
             from peft import LoraConfig, inject_adapter_in_model
@@ -332,6 +334,38 @@ def worker(args: argparse.Namespace) -> None:
         print(RESULT_TAG + json.dumps({"meta": meta, "rows": rows}), flush=True)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def hf_causal_lm(margs: Any, lora_rank: int) -> Any:
+    """transformers' LlamaForCausalLM of the bench's shapes behind the bench's call (tokens in, an
+    output with ``.loss``), with peft's LoRA on the attention projections when ``lora_rank``; its
+    decoder layers as ``layers`` for the FSDP2 baselines and the budget's blocks."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from paro_fsdp.integrations.hf import add_lora, decoder_blocks
+
+    config = LlamaConfig(hidden_size=margs.dim, num_hidden_layers=margs.n_layers,
+                         num_attention_heads=margs.n_heads, num_key_value_heads=margs.n_kv_heads,
+                         intermediate_size=margs.ffn_dim, vocab_size=margs.vocab_size,
+                         max_position_embeddings=margs.max_seq_len + 1, attn_implementation="sdpa")
+    lm = LlamaForCausalLM(config)
+    if lora_rank:
+        lm = add_lora(lm, lora_rank, alpha=2 * lora_rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm = lm
+
+        @property
+        def layers(self) -> list:
+            return decoder_blocks(self.lm)
+
+        def forward(self, tokens):
+            return self.lm(input_ids=tokens, labels=tokens)  # transformers shifts the labels
+
+    return Wrapped()
 
 
 def _bf16_allreduce_hook(state, bucket):  # no annotations: DDP checks them against its own types
