@@ -119,18 +119,9 @@ class ParoCC:
         self.max_chunks = max_chunks
         self.flat_below_bytes = flat_below_bytes
 
-    def runs_flat(self, nbytes: int) -> bool:
-        """Whether a message of ``nbytes`` runs flat (eager and compiled paths both ask here)."""
-        return runs_flat(nbytes, self.flat_below_bytes)
-
     @property
     def stats(self):
         return self.comm.stats
-
-    @property
-    def streams(self):
-        """Side streams on a GPU (streams.py); None: later phases are issued in ``wait()``."""
-        return self.comm.streams
 
     # ---- helpers ---------------------------------------------------------------------------
     def _nchunks(self, nbytes: int, limit: int, chunks: int | None) -> int:
@@ -163,7 +154,7 @@ class ParoCC:
     def _issue(self, kind: str, keep: torch.Tensor, body: Callable[[], HierPending]) -> HierPending:
         """``body()`` issues the first phase and returns the rest in ``wait()``; on a side stream
         the rest is issued at once there, and the consumer waits on an event (streams.py)."""
-        streams = active(self.streams)
+        streams = active(self.comm.streams)  # None: later phases are issued in wait()
         if streams is None:
             return body()
         with streams.issue(kind) as side:
@@ -211,7 +202,7 @@ class ParoCC:
             return HierPending(lambda: whole(_wait(res)))
         if s == 0:
             return _done(whole(x.new_empty(out_shape)))
-        if self.runs_flat(n * s * x.element_size()):
+        if runs_flat(n * s * x.element_size(), self.flat_below_bytes):
             res = self._ag(x, "global")  # flat rank order k * m + l
             if order == "nested":
                 return HierPending(lambda: whole(flat_to_nested(_wait(res), g, m)))
@@ -261,7 +252,7 @@ class ParoCC:
         s = x.numel() // n
         if s == 0:
             return _done(x.new_empty(out_shape))
-        if self.runs_flat(x.numel() * x.element_size()):
+        if runs_flat(x.numel() * x.element_size(), self.flat_below_bytes):
             res = self._rs(x if order == "flat" else nested_to_flat(x, g, m), "global", op)
             return HierPending(lambda: _wait(res).view(out_shape))
         bounds = _bounds(s, self._nchunks(x.numel() * x.element_size(), s, chunks))
@@ -309,7 +300,7 @@ class ParoCC:
         numel = x.numel()
         if numel == 0:
             return _done(t.clone())
-        if self.runs_flat(numel * x.element_size()):
+        if runs_flat(numel * x.element_size(), self.flat_below_bytes):
             res = self._ar(x, "global", op)
             return HierPending(lambda: _wait(res).view(shape))
         # chunks are whole rows of m elements (the intra reduce-scatter splits each into m

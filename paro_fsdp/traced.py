@@ -2,21 +2,15 @@
 
 Why a second path: the eager engine keeps collectives in flight across hooks, frees storage with
 ``resize_`` and calls back into Python from backward, none of which a graph captures. While
-tracing, a group's unshard is one autograd Function: forward all-gathers the P-level shard into
-whole tensors, backward reduces the whole-tensor gradients to the G level, both with the eager
-path's own moves (``ParoParamGroup.gather_params`` / ``whole_rows``, ``grad_buffer`` /
-``reduce_grad_buffer``), so eager and compiled runs move the same bytes. The G-level gradient goes
-to ``group.sink``, a leaf that holds no memory, whose hook adds it to the eager path's accumulator.
+tracing, a group's unshard is one autograd Function (``GatherForCompute``) built from the eager
+path's own moves, so eager and compiled runs move the same bytes; its G-level gradient goes to
+``group.sink``, a leaf holding no memory, whose hook feeds the eager accumulator. On a syncing
+backward the boundary's ``reduce_to_os`` runs in the graph too, into ``group.os_sink``, so the
+reorder pass can overlap it with the rest of backward.
 
-A block compiled on its own goes through ``compile_block``, not ``nn.Module.compile``: the latter
-compiles ``_call_impl``, a frame dynamo skips, so the engine's pre-forward hook and the block's
-forward became two graphs; the gathered whole tensors were the hook graph's outputs and the
-forward graph's inputs, saved for backward whatever ``unshard``'s checkpoint policy said.
-
-The last micro-step (``model.set_is_last_backward(True)``) also runs the boundary's reduction to
-the OS level (``boundary.reduce_to_os``) in the graph, into ``group.os_sink``, whose hook sets the
-master gradients: the reorder pass then overlaps it with the rest of backward. Ordering, bucketing
-and overlap are the passes' job. The sinks are made only when torch.compile starts.
+Why ``compile_block`` and not ``nn.Module.compile``: the latter compiles ``_call_impl``, a frame
+dynamo skips, so the pre-forward hook and the forward became two graphs and the gathered whole
+tensors, the hook graph's outputs, were saved for backward whatever the checkpoint policy said.
 """
 from __future__ import annotations
 

@@ -159,9 +159,7 @@ def estimate(model: Union[str, LlamaArgs] = "llama7b", world: int = 64, group: i
     names = [Strategy.parse(s).name for s in (strategies or ALL_STRATEGIES)]
     mp = MixedPrecision(DTYPES[dtype], DTYPES[reduce_dtype] if reduce_dtype else None,
                         DTYPES[accumulate_dtype] if accumulate_dtype else None)
-    pb = torch.empty((), dtype=mp.param_dtype).element_size()
-    gb = torch.empty((), dtype=mp.grad_dtype).element_size()
-    ab = torch.empty((), dtype=mp.acc_dtype).element_size()  # the G accumulator's bytes (memory)
+    pb, gb, ab = mp.param_dtype.itemsize, mp.grad_dtype.itemsize, mp.acc_dtype.itemsize  # ab: the G accumulator's
     mesh = fake_mesh(world, group)
 
     t = trainable_layers(args, trainable_fraction)

@@ -134,14 +134,18 @@ def build_model(cfg: JobConfig, args: LlamaArgs, device: torch.device) -> nn.Mod
         return Llama(args)
 
 
+def mixed_precision(cfg: JobConfig) -> MixedPrecision:
+    t = cfg.training
+    return MixedPrecision(dtype_of(t.mixed_precision_param), dtype_of(t.mixed_precision_reduce),
+                          dtype_of(t.mixed_precision_accumulate))
+
+
 def parallelize(model: nn.Module, cfg: JobConfig, mesh: Any, device: torch.device) -> nn.Module:
     """AC (if asked), then ``paro_shard``: parameters seeded by (``training.seed``, name), alike on every rank;
     a Hugging Face model's weights are then read from its folder, each rank reading its shards."""
     if cfg.activation_checkpoint.mode == "full":
         apply_activation_checkpointing(model)
-    t = cfg.training
-    mp = MixedPrecision(param_dtype=dtype_of(t.mixed_precision_param), reduce_dtype=dtype_of(t.mixed_precision_reduce),
-                        accumulate_dtype=dtype_of(t.mixed_precision_accumulate))
+    t, mp = cfg.training, mixed_precision(cfg)
     hf = cfg.model.name == "hf"
     if hf:
         from paro_fsdp.integrations.hf import init_for_load
@@ -236,9 +240,7 @@ def _budgeted(cfg: JobConfig, args: LlamaArgs, mesh: Any, accum: int, device: to
     from paro_fsdp.cost.budget import Workload, plan_blocks, units_of
     from paro_fsdp.cost.model import model_spec
 
-    t, p = cfg.training, cfg.parallelism
-    mp = MixedPrecision(param_dtype=dtype_of(t.mixed_precision_param), reduce_dtype=dtype_of(t.mixed_precision_reduce),
-                        accumulate_dtype=dtype_of(t.mixed_precision_accumulate))
+    t, p, mp = cfg.training, cfg.parallelism, mixed_precision(cfg)
     meta = build_model(cfg, args, device)
     work = Workload(t.local_batch_size, t.seq_len, accum, cfg.activation_checkpoint.mode == "full", model=args)
     plan = plan_blocks(units_of(meta, transformer_blocks(meta)), dist.get_world_size(), mesh.size(1),

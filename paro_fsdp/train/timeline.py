@@ -41,10 +41,12 @@ class Timeline:
     cuts: list[tuple[float, int]] = field(default_factory=list)  # (ms, micro-steps not traced) where time was cut
 
 
-def merge(iv: Intervals) -> Intervals:
+def merge(iv: Intervals, gap: float = 0.0) -> Intervals:
+    """Sorted, overlaps joined; ``gap`` > 0 (a pixel) also closes shorter gaps: at most a bar per
+    pixel, where a 7B step has a million ops."""
     out: Intervals = []
     for a, b in sorted(iv):
-        if out and a <= out[-1][1]:
+        if out and a - out[-1][1] <= gap:
             out[-1] = (out[-1][0], max(out[-1][1], b))
         elif b > a:
             out.append((a, b))
@@ -169,17 +171,6 @@ def fractions(tl: Timeline) -> dict[str, float]:
     return out
 
 
-def _coarse(iv: Intervals, gap: float) -> Intervals:
-    """Gaps under ``gap`` (a pixel) closed: at most a bar per pixel, where a 7B step has a million ops."""
-    out: Intervals = []
-    for a, b in iv:
-        if out and a - out[-1][1] < gap:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
-
-
 def render(tl: Timeline, title: str, width_px: int = 1200):
     """The timeline as an RGB uint8 image (HWC): a row per kind that occurs (compute, intra, inter always)."""
     import numpy as np
@@ -193,7 +184,7 @@ def render(tl: Timeline, title: str, width_px: int = 1200):
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     for y, row in enumerate(reversed(rows)):
-        ax.broken_barh([(a, b - a) for a, b in _coarse(tl.rows[row], tl.duration / width_px)], (y - 0.4, 0.8),
+        ax.broken_barh([(a, b - a) for a, b in merge(tl.rows[row], tl.duration / width_px)], (y - 0.4, 0.8),
                        facecolors=COLORS[row])
     ax.set_yticks(range(len(rows)), list(reversed(rows)), fontsize=13)
     ax.tick_params(axis="x", labelsize=12)
