@@ -18,7 +18,7 @@ from paro_fsdp.models.llama import LlamaArgs
 
 from .config import JobConfig, tokenizer_spec
 
-__all__ = ["HFModelError", "shape_args", "build_meta_model", "load", "architecture", "loss", "export",
+__all__ = ["HFModelError", "shape_args", "build_meta_model", "load", "loss", "export",
            "TOKENIZER_FILES"]
 
 # what a model folder carries besides the weights, copied into the export so it loads as a whole
@@ -64,14 +64,6 @@ def load(model: nn.Module, cfg: JobConfig, device: torch.device) -> None:
     """After ``paro_shard``: the buffers (RoPE tables), then each rank's shards of the weights. Collective."""
     hf.materialise_buffers(model, device)
     hf.load_weights(model, cfg.model.hf_path)
-
-
-def architecture(model: nn.Module) -> str:
-    """The transformers class of the (sharded, maybe LoRA-wrapped) model, e.g. LlamaForCausalLM."""
-    from paro_fsdp import ParoModule
-
-    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
-    return next(c.__name__ for c in type(base).__mro__ if not issubclass(c, ParoModule))
 
 
 def loss(model: nn.Module, window: torch.Tensor) -> torch.Tensor:

@@ -253,7 +253,7 @@ def startup_lines(trainer: Any) -> list[str]:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     strategies = sorted({str(s) for s in model.paro_strategies().values()})
     if cfg.model.name == "hf":
-        from .hf_model import architecture
+        from ..integrations.hf import architecture
 
         what = f"hf {cfg.model.hf_path} ({architecture(model)})"
     else:
