@@ -13,6 +13,7 @@ from typing import Any, Literal, Optional
 
 FLAVOR_NAMES = ("debug", "llama7b", "llama13b", "llama65b")  # paro_fsdp.models.llama.FLAVORS
 MODEL_NAMES = ("llama", "hf")
+TEXT_SUFFIXES, JSONL_SUFFIXES = (".txt", ".md", ".rst", ".text"), (".jsonl", ".json")  # dataset = text / jsonl files
 
 
 class ConfigError(ValueError):

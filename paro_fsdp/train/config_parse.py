@@ -19,7 +19,8 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Iterator, Literal, Optional, get_args, get_origin
 
-from .config import FLAVOR_NAMES, GRAPH_PASSES, MODEL_NAMES, SECTIONS, ConfigError, JobConfig, tokenizer_spec
+from .config import (FLAVOR_NAMES, GRAPH_PASSES, JSONL_SUFFIXES, MODEL_NAMES, SECTIONS, TEXT_SUFFIXES, ConfigError,
+                     JobConfig, tokenizer_spec)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -226,13 +227,12 @@ def imply_dataset(cfg: JobConfig, dataset_on_cli: bool) -> None:
         raise ConfigError(f"training.dataset_path = {_show(t.dataset_path)} is read only with training.dataset = "
                           f"\"text\" or \"jsonl\", and the command line also says --training.dataset embedded; "
                           f"valid: drop one of the two (a path alone implies text, or jsonl for .jsonl files)")
-    jsonl, text = (".jsonl", ".json"), (".txt", ".md", ".rst", ".text")  # data.JSONL_SUFFIXES, data.TEXT_SUFFIXES
     path = t.dataset_path
     if os.path.isdir(path):
         suffixes = {os.path.splitext(f)[1].lower() for _, _, files in os.walk(path) for f in files}
-        t.dataset = "jsonl" if suffixes & set(jsonl) and not suffixes & set(text) else "text"
+        t.dataset = "jsonl" if suffixes & set(JSONL_SUFFIXES) and not suffixes & set(TEXT_SUFFIXES) else "text"
     else:
-        t.dataset = "jsonl" if path.lower().endswith(jsonl) else "text"
+        t.dataset = "jsonl" if path.lower().endswith(JSONL_SUFFIXES) else "text"
 
 
 def _is_strategy(text: str) -> bool:

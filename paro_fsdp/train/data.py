@@ -19,11 +19,10 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 
+from .config import JSONL_SUFFIXES, TEXT_SUFFIXES
 from .tokenizer import Tokenizer
 
 CORPUS_DIR = Path(__file__).parent / "corpus"
-TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text")
-JSONL_SUFFIXES = (".jsonl", ".json")
 
 
 def _files(path: str, suffixes: tuple[str, ...]) -> list[Path]:
