@@ -158,12 +158,11 @@ class ParoModule:
         """Bytes this rank holds: ``P``, ``G`` (the accumulator: held while gradients accumulate
         unsynced and during a syncing backward, freed once their sum is in ``.grad``), ``OS`` (the
         fp32 parameters, with the optimizer's states when given) and their ``total``, the peak of
-        the three; what the boundary adds for a
-        while: ``master_grads`` (the parameters' fp32 ``.grad``, until ``zero_grad``),
-        ``boundary`` (the largest full-size temporaries of G = N or P = N groups) and
-        ``in_flight`` (what overlap keeps alive: the second block of gradient reductions in flight
-        with the boundary's queue, or the pushes' queue, each within its bound); ``peak`` = total
-        + master_grads + boundary + in_flight."""
+        the three; what the boundary adds for a while: ``master_grads`` (the parameters' fp32
+        ``.grad``, until ``zero_grad``), ``boundary`` (the largest full-size temporaries of G = N or
+        P = N groups) and ``in_flight`` (what overlap keeps alive: the second block of gradient
+        reductions in flight with the boundary's queue, or the pushes' queue, each within its
+        bound); ``peak`` = total + master_grads + boundary + in_flight."""
         inner = getattr(optimizer, "inner", optimizer)  # the deprecated ParoOptimizer wraps one
         states = inner.state if inner is not None else None
         total = {"P": 0, "G": 0, "OS": 0, "master_grads": 0, "boundary_grads": 0, "boundary_params": 0}
