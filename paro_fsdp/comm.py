@@ -59,6 +59,31 @@ def on_side_stream(streams: CommStreams, kind: str, keep: Any, issue: Callable[[
     return Pending(out, False, event, keep, streams)
 
 
+class BufferPool:
+    """Flat buffers handed back after a collective consumed them, taken again by the next one of
+    the same size. Why: a CPU has no caching allocator, and a fresh block-sized buffer costs a page
+    fault per 4 KiB (the kernel zeroes each page), every gather and reduction of every micro-step.
+    Only eager CPU runs use it (``MeshComm.pool`` is None with side streams: CUDA's caching
+    allocator reuses memory, and streams.py's lifetimes stay as written; the traced path never
+    takes). It holds what was in flight at once (a gather and a reduction), emptied at the step
+    boundary (``ParoState.end_backward``), so neither the peak nor the state between steps grows."""
+
+    def __init__(self) -> None:
+        self.free: dict[tuple, list[torch.Tensor]] = {}
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A 1-D buffer of ``numel`` elements, contents undefined."""
+        got = self.free.get((numel, dtype, device))
+        return got.pop() if got else torch.empty(numel, dtype=dtype, device=device)
+
+    def give(self, t: torch.Tensor) -> None:
+        """``t`` (from ``take``) is no longer read or written by anyone."""
+        self.free.setdefault((t.numel(), t.dtype, t.device), []).append(t)
+
+    def clear(self) -> None:
+        self.free.clear()
+
+
 class MeshComm:
     """Collectives over one mesh dimension ("intra", "inter") or all ranks ("global", flat).
 
@@ -71,6 +96,7 @@ class MeshComm:
         self.stats = CommStats()
         use_safe_gloo_all_gather()
         self.streams = streams  # side streams for collectives on a GPU (None on CPU): streams.py
+        self.pool = BufferPool() if streams is None else None
 
     def _issue(self, kind: str, dim: str, keep: torch.Tensor, issue: Callable[[], torch.Tensor]) -> Pending:
         if self.info.size(dim) == 1:  # nothing to exchange: the input is the result
@@ -86,9 +112,11 @@ class MeshComm:
         self.stats.record(kind, dim, ring_bytes(kind, numel * t.element_size(), self.info.size(dim)))
 
     # ---- issued where the caller stands: the functional result ---------------------------------
-    def functional_all_gather(self, shard: torch.Tensor, dim: str) -> torch.Tensor:
+    def functional_all_gather(self, shard: torch.Tensor, dim: str, out: torch.Tensor | None = None) -> torch.Tensor:
         k = self.info.size(dim)
         self._count("all_gather", dim, shard.numel() * k, shard)
+        if out is not None:  # into a given buffer (eager: a pooled one)
+            return _ops.all_gather_into_tensor_out(shard, k, self.info.group_names[dim], out=out)
         return _ops.all_gather_into_tensor(shard, k, self.info.group_names[dim])
 
     def functional_reduce_scatter(self, full: torch.Tensor, dim: str, *, op: str = "sum") -> torch.Tensor:
@@ -101,10 +129,13 @@ class MeshComm:
         return _ops.all_reduce(t, op, self.info.group_names[dim])
 
     # ---- on the side stream of its kind on a GPU: a Pending ------------------------------------
-    def all_gather(self, shard: torch.Tensor, dim: str, *, params: bool = False) -> Pending:
-        """Concatenate every rank's 1-D ``shard`` in rank order along ``dim``. ``params``: a
-        micro-step's parameter gather, which waits only for earlier copy-outs (streams.py)."""
-        return self._issue("params" if params else "gather", dim, shard, lambda: self.functional_all_gather(shard, dim))
+    def all_gather(self, shard: torch.Tensor, dim: str, *, params: bool = False,
+                   out: torch.Tensor | None = None) -> Pending:
+        """Concatenate every rank's 1-D ``shard`` in rank order along ``dim`` (into ``out`` where
+        given). ``params``: a micro-step's parameter gather, which waits only for earlier
+        copy-outs (streams.py)."""
+        return self._issue("params" if params else "gather", dim, shard,
+                           lambda: self.functional_all_gather(shard, dim, out))
 
     def reduce_scatter(self, full: torch.Tensor, dim: str, *, op: str = "sum") -> Pending:
         """Reduce the 1-D ``full`` over ``dim`` and keep this rank's 1/k piece."""

@@ -161,6 +161,7 @@ class ParoParamGroup:
         self._pending: Work | None = None
         self.grad_acc = GradAccumulator(self.t_layout.numel(strategy.g), mp.acc_dtype, device)
         self._pending_rs: Work | None = None
+        self._gather_buf = self._rs_buf = None  # pooled buffers in flight (comm.BufferPool)
         self.grads = GradState.EMPTY
         # a backward reduces to the OS level (the parameters' .grad) when both are set: FSDP2's
         # set_requires_gradient_sync and set_is_last_backward, True by default (as FSDP2 reduces)
@@ -215,7 +216,22 @@ class ParoParamGroup:
         (move,) = self.plan.gather
         if move.dim == "global":
             return self.cc.all_gather(self.p_flat, order="nested", params=True, parts=parts)
-        return self.comm.all_gather(self.p_flat, move.dim, params=True)
+        out = self._take(self.info.m * self.p_layout.sum_i, self.mp.param_dtype) if parts else None
+        self._gather_buf = out  # handed back to the pool after the copy-out (``unshard``)
+        return self.comm.all_gather(self.p_flat, move.dim, params=True, out=out)
+
+    def _take(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """A pooled buffer for the eager path (comm.BufferPool); None where collectives allocate
+        their own (a GPU, the traced path)."""
+        pool = self.comm.pool
+        return None if pool is None or torch.compiler.is_compiling() else pool.take(numel, dtype, self.device)
+
+    def _give(self, buf: torch.Tensor | None) -> None:
+        if buf is not None:
+            self.comm.pool.give(buf)
+
+    def _rs_buf_ptr(self) -> int:
+        return -1 if self._rs_buf is None else self._rs_buf.untyped_storage().data_ptr()
 
     def whole_rows(self, gathered: torch.Tensor, t: TensorLayout) -> torch.Tensor:
         """Tensor ``t``'s rows in ``gather_params``' result (a view where the layout allows):
@@ -245,17 +261,25 @@ class ParoParamGroup:
         present = all(g_ is not None for g_ in grads)
         if G == Level.G:
             dense = present and layout.nested_uniform
-            buf = (torch.empty if dense else torch.zeros)(layout.numel_nested(), dtype=dt, device=self.device)
+            buf = self._new(layout.numel_nested(), dt, dense)
             for t, grad in zip(layout.tensors, grads):
                 if grad is not None:
                     layout.copy_in_nested(buf, t, grad.to(dt))
             return buf
         dense = present and all(t.d0 == self.info.m * t.c for t in layout.tensors)
-        full = (torch.empty if dense else torch.zeros)(layout.numel(Level.N), dtype=dt, device=self.device)
+        full = self._new(layout.numel(Level.N), dt, dense)
         for t, grad in zip(layout.tensors, grads):
             if grad is not None:
                 layout.copy_in(full, t, grad.to(dt))
         return full
+
+    def _new(self, numel: int, dtype: torch.dtype, dense: bool) -> torch.Tensor:
+        """The reduction's input: pooled where eager (``_rs_buf``, handed back once it is
+        reduced), zeroed unless every element is written."""
+        buf = self._rs_buf = self._take(numel, dtype)
+        if buf is None:
+            return (torch.empty if dense else torch.zeros)(numel, dtype=dtype, device=self.device)
+        return buf if dense else buf.zero_()
 
     def reduce_grad_buffer(self, buf: torch.Tensor) -> Work | None:
         """Issue the reduction of ``grad_buffer``'s result to this rank's G-level shard: the
@@ -290,6 +314,8 @@ class ParoParamGroup:
         streams = active(self.comm.streams)
         if streams is not None:  # the result's memory is reused only after these copies (streams.py)
             streams.copied_out(gathered)
+        self._give(self._gather_buf)
+        self._gather_buf = None
         self.state = ShardState.UNSHARDED
 
     def reshard(self) -> None:
@@ -298,6 +324,8 @@ class ParoParamGroup:
         if self.state == ShardState.GATHERING:
             self._pending.wait()
             self._pending = None
+            self._give(self._gather_buf)
+            self._gather_buf = None
         else:
             for p in self.params:
                 p.whole_buf.untyped_storage().resize_(0)
@@ -325,6 +353,9 @@ class ParoParamGroup:
             return
         shard = self._pending_rs.wait()  # G=G: issues the inter phase and waits for it
         self._pending_rs = None
+        if shard.untyped_storage().data_ptr() != self._rs_buf_ptr():  # not the input itself (a size-1 dim)
+            self._give(self._rs_buf)  # its input, reduced
+        self._rs_buf = None
         self.grad_acc.add(shard)  # reduce dtype on the wire, summed in the accumulate dtype
 
     def zero_grad(self) -> None:
