@@ -268,6 +268,11 @@ class ParoParamGroup:
             return buf
         dense = present and all(t.d0 == self.info.m * t.c for t in layout.tensors)
         full = self._new(layout.numel(Level.N), dt, dense)
+        if dense:  # one op: each whole gradient as [m, size_i] columns of FULL
+            m = self.info.m
+            torch.cat([g_.to(dt).reshape(m, t.size_i) for t, g_ in zip(layout.tensors, grads)], dim=1,
+                      out=full.view(m, layout.sum_i))
+            return full
         for t, grad in zip(layout.tensors, grads):
             if grad is not None:
                 layout.copy_in(full, t, grad.to(dt))
@@ -306,11 +311,17 @@ class ParoParamGroup:
         self.issue_unshard()
         gathered = self._pending.wait()  # FULL (P=I) or NESTED chunks (P=G)
         self._pending = None
-        for p in self.params:
-            b = p.whole_buf
+        bufs = tuple(p.whole_buf for p in self.params)
+        for b in bufs:
             b.untyped_storage().resize_(b.numel() * b.element_size())
-            with torch.autograd._unsafe_preserve_version_counter(b):
-                self.copy_out(gathered, p.layout, b)
+        with torch.autograd._unsafe_preserve_version_counter(bufs):
+            if self.strategy.p == Level.I:  # one op: each tensor's [m, size_i] columns into its buffer (FSDP2's)
+                m, sizes = self.info.m, [t.size_i for t in self.p_layout.tensors]
+                torch.split_with_sizes_copy(gathered.view(m, -1), sizes, dim=1,
+                                            out=[b.view(m, n) for b, n in zip(bufs, sizes)])
+            else:
+                for p in self.params:
+                    self.copy_out(gathered, p.layout, p.whole_buf)
         streams = active(self.comm.streams)
         if streams is not None:  # the result's memory is reused only after these copies (streams.py)
             streams.copied_out(gathered)

@@ -52,7 +52,8 @@ def counting_mode():
             elif func.is_view or name not in COPY | ALLOC:
                 return out
             self.ops[name] += 1
-            for t in (out if isinstance(out, (list, tuple)) else [out]):
+            written = (kwargs or {}).get("out") if out is None else out  # split_with_sizes_copy: into ``out=``
+            for t in (written if isinstance(written, (list, tuple)) else [written]):
                 if isinstance(t, torch.Tensor):
                     t = t._local_tensor if isinstance(t, DTensor) else t
                     self.bytes[name] += t.numel() * t.element_size()
@@ -159,6 +160,12 @@ def worker(args: argparse.Namespace) -> None:
 
         results.update(_steps(micro, lambda: (torch.nn.utils.clip_grad_norm_(params, 1.0), opt.step(), opt.zero_grad()),
                               A, os.path.dirname(paro_fsdp.__file__)))
+    if args.target != "local":  # CPU times: the mean over ranks (the counts are rank 0's)
+        keys = [(row, k) for row in sorted(results) for k in ("cpu_ms", "main_ms")]
+        t = torch.tensor([results[row][k] for row, k in keys], dtype=torch.float64)
+        dist.all_reduce(t)
+        for (row, k), v in zip(keys, (t / dist.get_world_size()).tolist()):
+            results[row][k] = v
     if rank == 0:
         print(TAG + json.dumps({args.target: results}), flush=True)
     dist.barrier()
@@ -198,7 +205,9 @@ def launch(target: str, python: str, accum: int) -> dict[str, Any]:
 def report(all_rows: dict[str, dict[str, Any]]) -> None:
     """One line per row: data-movement ops (count, MiB written; allocation ops apart), allocations
     (all; of 64 KiB and more: count, MiB), collectives, Python calls into the package, minor page
-    faults, CPU ms of the process (all its threads: gloo's too) and of the main thread, wall ms."""
+    faults, CPU ms of the process (all its threads: gloo's too) and of the main thread (means over
+    ranks), wall ms. Counts are load-independent; CPU and wall times are not (other processes on
+    the cores, memory bandwidth): compare them only within one run."""
     head = ("moves", "MiB", "allocs", ">=64K", "MiB", "colls", "py", "faults", "cpu ms", "main", "wall")
     print(f"\n{'system / micro-step':<34}" + "".join(f"{h:>8}" for h in head))
     for target, rows in all_rows.items():
