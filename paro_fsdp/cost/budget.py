@@ -63,9 +63,9 @@ from ..overlap import IN_FLIGHT_BYTES
 from ..plan import plan_of
 from ..strategy import ALL_STRATEGIES, Level, Strategy, StrategyLike
 from .cluster import GB, AdvisorError, Cluster, GiB, load_cluster
-from .ledger import Bucket, Ledger, memory_of, traffic_of
+from .ledger import PEAK_MAX, Bucket, Ledger, peak_coefs, peak_of, peak_terms, traffic_of
 from .model import ModelSpec, activation_bytes, model_spec
-from .predict import OS_BYTES, traffic_time
+from .predict import traffic_time
 
 __all__ = ["BudgetError", "BudgetPlan", "Footprint", "Option", "Workload", "auto_policy", "min_footprint",
            "plan_blocks", "solve", "units_of"]
@@ -319,11 +319,6 @@ class _Env:
     flat_below_bytes: int
 
 
-_PEAKS = ("gathered", "grad_work", "reducing")  # the max terms, x2, x2, x1
-_COEFS = (2.0, 2.0, 1.0)
-_QUEUES = ("boundary_queue", "push_queue")
-
-
 def _seconds(env: _Env, moves, psi: float, itemsize: int, times: float = 1.0) -> float:
     t = Ledger(env.n, env.m, env.flat_below_bytes)
     t.count(moves, psi, itemsize, times)
@@ -352,44 +347,26 @@ def _option(env: _Env, block: Block, position: str, pick: tuple[Strategy, ...]) 
     by_strategy: dict[Strategy, list[Unit]] = {}
     for u, s in zip(block.units, pick):
         by_strategy.setdefault(s, []).append(u)
-    once = 1 if (block.is_root or not env.reshard_after_forward) else 2
-    w = gathered = reducing = bq = pu = 0.0
+    kept = block.is_root or not env.reshard_after_forward
+    once = 1 if kept else 2
     gather_t = reduce_t = boundary_t = opt_t = 0.0
-    states = {"P": 0.0, "G": 0.0, "OS": 0.0, "master_grads": 0.0}
-    boundary_tmp = 0.0
+    terms = []
     for s, units in by_strategy.items():
         numel = sum(u.numel for u in units)
         tr = sum(u.numel for u in units if u.trainable)
-        gathers = 0 if s.p == _N else once
-        b = Bucket(s, numel, tr, gathers)
-        mem = memory_of([b], n, m, pb, ab, OS_BYTES)
-        for k in states:
-            states[k] += mem[k]
+        b = Bucket(s, numel, tr, 0 if s.p == _N else once)
+        terms.append(peak_terms(b, n, m, pb, gb, ab, kept, block.is_root))
         plan = plan_of(s)
         if s.p != _N:
-            gathered += pb * numel
             gather_t += _seconds(env, plan.gather, numel, pb)
         if tr:
-            if n > 1:
-                cast = gb if ab != gb else 0
-                grads = tr * cast + (tr * gb if s.os != Level.I else 0) if s.g == _N else 0
-                params = tr * pb * (2 if s.os == Level.G else 1) if s.p == _N and s.os != _N else 0
-                boundary_tmp += max(grads, params)
-                bq += gb * tr / s.g.divisor(n, m)
-            if plan.push:
-                pu += pb * tr / s.p.divisor(n, m)
             if s.g != _N:
-                reducing += gb * tr
                 reduce_t += _seconds(env, plan.reduce, tr, gb)
             boundary = traffic_of([b], n, m, 0, pb, gb, flat_below_bytes=env.flat_below_bytes)
             boundary_t += sum(traffic_time(boundary, n, m, env.cluster).values())
             opt_t += tr / s.os.divisor(n, m) * (28 + gb) / (env.cluster.memory_bandwidth_gbs * GB)
-    trainable = sum(u.numel for u in block.units if u.trainable)
-    grad_work = max(pb, gb) * trainable
-    w = states["P"] + states["G"] + states["OS"] + states["master_grads"] + boundary_tmp
-    kept = block.is_root or not env.reshard_after_forward
-    if kept:  # gathered from forward to backward: always there
-        w += gathered
+    t = {k: sum(x[k] for x in terms) for k in terms[0]}  # a block's groups: one item, their parts summed
+    ckpt = env.work.activation_checkpoint
     tokens = env.work.micro_batch * env.work.seq_len
     c_fwd, c_bwd = (f * tokens / (env.cluster.achieved_tflops * 1e12) for f in _flops(env, block))
     phi, A = env.cluster.overlap, env.work.grad_accum
@@ -402,10 +379,11 @@ def _option(env: _Env, block: Block, position: str, pick: tuple[Strategy, ...]) 
             exp_bwd = regather + max(0.0, reduce_t - phi * c_bwd)
         else:
             exp_bwd = max(0.0, regather + reduce_t - phi * c_bwd)
-    t = A * (c_fwd + c_bwd + exp_fwd + exp_bwd) + boundary_t + opt_t
-    detail = {**states, "boundary": boundary_tmp, "gathered": gathered, "kept": kept, "compute": A * (c_fwd + c_bwd),
-              "exposed": A * (exp_fwd + exp_bwd) + boundary_t, "optimizer": opt_t}
-    return Option(w, t, (0.0 if kept else gathered, grad_work, reducing), (bq, pu), pick, detail)
+    step = A * (c_fwd + c_bwd + exp_fwd + exp_bwd) + boundary_t + opt_t
+    detail = {**t, "compute": A * (c_fwd + c_bwd), "exposed": A * (exp_fwd + exp_bwd) + boundary_t, "optimizer": opt_t}
+    # with checkpointing overlap's in flight, max(slack + queue, pushes), bounded by their sum
+    return Option(t["states"] + t["kept"], step, tuple(t[k] for k in PEAK_MAX) + (t["reducing"] if ckpt else 0.0,),
+                  (t["queue"] if ckpt else 0.0, t["push_queue"] if ckpt else 0.0), pick, detail)
 
 
 def _picks(block: Block, strategies: Sequence[Strategy], uniform: bool) -> list[tuple[Strategy, ...]]:
@@ -540,14 +518,19 @@ def plan_blocks(blocks: Sequence[Block], n: int, m: int, budget: Optional[float]
     if acts is None:
         acts = activation_bytes(spec, workload.micro_batch, workload.seq_len, param_bytes,
                                 workload.activation_checkpoint)["peak"] if spec is not None else 0.0
-    fp = Footprint(float(acts), _COEFS, (float(IN_FLIGHT_BYTES),) * 2)
+    ckpt = workload.activation_checkpoint
+    fp = Footprint(float(acts), (*peak_coefs(ckpt), 1.0), (float(IN_FLIGHT_BYTES),) * 2)
+
+    def peak(chosen: Sequence[Option]) -> dict[str, float]:  # the three moments: ledger.peak_of
+        return peak_of([o.detail for o in chosen], float(acts), ckpt, float(IN_FLIGHT_BYTES))
+
     uniform = budget is None
     limit = cluster.usable_bytes if uniform else float(budget)
     single = []
     for s in cands:  # each single strategy: its footprint and time (printed beside the plan; the no-budget pick)
         items = _items(env, blocks, [s], True)
         chosen = [opts[0] for opts in items]
-        single.append((s.name, fp.of(chosen), sum(o.t for o in chosen)))
+        single.append((s.name, peak(chosen)["peak"], sum(o.t for o in chosen)))
     if uniform:
         fits = [x for x in single if x[1] <= limit]
         if not fits:
@@ -561,7 +544,15 @@ def plan_blocks(blocks: Sequence[Block], n: int, m: int, budget: Optional[float]
         idx = [0] * len(items)
     else:
         items = _items(env, blocks, cands, False)
-        found = solve(items, limit, fp, cells)
+        room, found = limit, None
+        for _ in range(8):  # the knapsack bounds the backward moment; the boundary's and the push's are checked
+            found = solve(items, room, fp, cells)
+            if found is None:
+                break
+            over = peak([opts[i] for opts, i in zip(items, found[0])])["peak"] - limit
+            if over <= 0:
+                break
+            room, found = room - over, None
         if found is None:
             small, plan = min_footprint(items, fp)
             raise BudgetError(f"memory_budget = {_size(limit)} per rank is too small: the smallest footprint "
@@ -576,17 +567,18 @@ def plan_blocks(blocks: Sequence[Block], n: int, m: int, budget: Optional[float]
                 idx[k] = i
     chosen = [opts[i] for opts, i in zip(items, idx)]
     breakdown = {"additive": sum(o.w for o in chosen),
-                 "gathered": _COEFS[0] * max(o.peaks[0] for o in chosen),
-                 "gradients": sum(c * max(o.peaks[d] for o in chosen) for d, c in enumerate(_COEFS) if d),
+                 "gathered": fp.coefs[0] * max(o.peaks[0] for o in chosen),
+                 "gradients": sum(c * max(o.peaks[d] for o in chosen) for d, c in enumerate(fp.coefs) if d),
                  "queues": sum(min(cap, sum(o.queues[j] for o in chosen)) for j, cap in enumerate(fp.caps)),
-                 "activations": float(acts)}
+                 "activations": float(acts), **peak(chosen)}
     what = "the fastest single strategy that fits" if uniform else "a strategy per block"
     acts_note = "" if spec is not None or workload.activation_bytes is not None else \
         " (activations not modelled: pass Workload(model=...) or Workload(activation_bytes=...))"
     header = (f"paro auto: {what}, {n} ranks = {n // m} groups x {m}, micro-batch {workload.micro_batch} x "
               f"{workload.seq_len}, {workload.grad_accum} micro-steps, activation checkpointing "
               f"{'on' if workload.activation_checkpoint else 'off'}, cluster {cluster.name}{acts_note}")
-    return BudgetPlan(list(blocks), chosen, fp.of(chosen), sum(o.t for o in chosen), limit, breakdown, header, single)
+    return BudgetPlan(list(blocks), chosen, breakdown["peak"], sum(o.t for o in chosen), limit, breakdown, header,
+                      single)
 
 
 def _describe(blocks: Sequence[Block], items, plan: Sequence[int]) -> str:

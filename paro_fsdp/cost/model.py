@@ -125,8 +125,10 @@ def activation_bytes(spec: ModelSpec, micro_batch: int, seq_len: int, act_bytes:
 
     ``saved``: the tensors autograd keeps from forward to backward for this Llama, counted from
     its code and checked against saved-tensor hooks on CPU (tests/test_advisor.py) for 2- and
-    4-byte activations; ``peak``: saved + the largest transient (one layer's worth of gradients
-    in backward, the recomputed layer with checkpointing, or the logits at the loss)."""
+    4-byte activations; ``peak``: saved + the transient at the peak, measured on CPU ranks
+    (``tools.bench.memory_peak``): the loss's fp32 gradients of the logits at the start of backward,
+    or, with checkpointing, mid-backward, the recomputed layer less what its backward has freed
+    (0.8 of it)."""
     h, f, nh, V, L = spec.dim, spec.ffn_dim, spec.n_heads, spec.vocab_size, spec.n_layers
     tokens = micro_batch * seq_len
     a = act_bytes
@@ -135,10 +137,9 @@ def activation_bytes(spec: ModelSpec, micro_batch: int, seq_len: int, act_bytes:
     # head), the attention output (wo's input), SwiGLU: w1 out, silu out, w3 out, their product
     per_layer = 2 * norm + 3 * a * h + 4 * nh + a * h + 4 * a * f
     root = norm + 4 * V + 8 + 8  # final norm, fp32 log-softmax, tokens, targets (int64)
-    logits = a * V + (4 * V if a < 4 else 0)  # at the loss: the logits and their fp32 copy
     kept = L * a * h if checkpoint else L * per_layer  # checkpointing keeps each block's input only
     saved = (kept + root) * tokens + 8 * micro_batch + 4  # + the tokens column, the loss weight
-    transient = ((per_layer if checkpoint else 0) + max(per_layer, logits)) * tokens  # + the recomputed layer
+    transient = (0.8 * per_layer if checkpoint else 8 * V + (a * V if a < 4 else 0)) * tokens
     return {"saved": float(saved), "peak": float(saved + transient), "per_layer_token": float(per_layer),
             "root_token": float(root)}
 

@@ -4,10 +4,10 @@ Why: PaRO's benefit depends on the model, the cluster and the batch, so the user
 trainer's ``paro_strategy = "auto"``) needs to know which of the 27 strategies to run before
 renting GPUs. Plain arithmetic; model states and bytes are the ledger's, exact for the engine.
 
-Memory per GPU = model states + gathered parameters (P != N: the current and the prefetched
-  block's + the root's; all of Psi with ``reshard_after_forward=False``) + gradient working set
-  (one block's whole gradient and the one in flight) + activations (``model.activation_bytes``);
-  it fits when at most ``memory_gib x usable_memory_fraction``.
+Memory per GPU = the peak of a step, ``ledger.peak_of`` (the max of three moments: the last
+  backward's, with the activations of ``model.activation_bytes``, the boundary's, the push's;
+  ``cost.budget`` prices a plan per block with the same terms); it fits when at most
+  ``memory_gib x usable_memory_fraction``.
 Step time = A x (compute_fwd + compute_bwd + exposed_fwd + exposed_bwd) + boundary + optimizer.
   Compute: ``model.flops_per_token`` / ``achieved_tflops``. Communication: hops x latency + ring
   bytes / bandwidth on the links each mesh dimension's rings use (``cluster.link_for``).
@@ -28,7 +28,7 @@ from typing import Iterable, Optional, Sequence, Union
 
 from ..collectives import CommStats, hops
 from ..dtypes import dtype_of
-from .ledger import Ledger, memory_of, traffic_of
+from .ledger import IN_FLIGHT_CAP, Ledger, memory_of, peak_of, peak_terms, traffic_of
 from ..models.llama import LlamaArgs
 from ..plan import Move, plan_of
 from ..strategy import ALL_STRATEGIES, Level, Strategy, StrategyLike
@@ -56,7 +56,7 @@ class Prediction:
     exposed_comm: float  # per step: A x exposed per micro-step + boundary collectives
     optimizer: float
     comm_total: float  # all collective time per step, hidden or not
-    memory: dict[str, float]  # P, G, OS, states, gathered, grad_work, activations, total
+    memory: dict[str, float]  # P, G, OS, master_grads, states, activations, backward, boundary, push, peak = total
     fits: bool
     activation_checkpoint: bool
     traffic: CommStats
@@ -142,12 +142,10 @@ def predict(model: Union[str, LlamaArgs, ModelSpec], strategy: StrategyLike, n: 
 
     mem = memory_of(bks, n, m, pb, ab, OS_BYTES)
     states = mem.pop("total")
-    kept = spec.root + min(2, spec.n_layers) * spec.layer if reshard_after_forward else spec.psi
-    gathered = 0.0 if s.p == _N else pb * kept
-    grad_work = 2 * spec.layer * max(pb, gb) if spec.psi_trainable else 0.0
     acts = activation_bytes(spec, micro_batch, seq_len, pb, ckpt)["peak"]
-    memory = {**mem, "states": states, "gathered": gathered, "grad_work": grad_work, "activations": acts,
-              "total": states + mem["master_grads"] + gathered + grad_work + acts}
+    terms = [peak_terms(b, n, m, pb, gb, ab, i == 0 or not reshard_after_forward, i == 0) for i, b in enumerate(bks)]
+    peak = peak_of(terms, acts, ckpt, IN_FLIGHT_CAP)
+    memory = {**mem, "states": states, "activations": acts, **peak, "total": peak["peak"]}
 
     traffic = traffic_of(bks, n, m, A, pb, gb)
     boundary = traffic_of(bks, n, m, 0, pb, gb)  # A = 0: only the once-per-step collectives

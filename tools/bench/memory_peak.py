@@ -31,21 +31,26 @@ def _cpu_peak(prof: Any) -> tuple[float, float]:
     """(peak of the running sum of allocations inside the measured step, the sum when it started)."""
     from torch._C._profiler import _EventType
 
-    allocs: list[tuple[int, int]] = []
+    allocs: list[tuple[int, int, int]] = []
     window: list[tuple[int, int]] = []
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         node = stack.pop()
         if node.tag == _EventType.Allocation and str(node.extra_fields.device) == "cpu":
-            allocs.append((node.start_time_ns, node.extra_fields.alloc_size))
-        elif node.name == STEP:
+            allocs.append((node.start_time_ns, node.extra_fields.alloc_size, node.extra_fields.ptr))
+        elif node.tag == _EventType.TorchOp and node.name == STEP:
             window.append((node.start_time_ns, node.end_time_ns))
         stack.extend(node.children)
     if len(window) != 1:
         raise RuntimeError(f"memory_peak: expected one {STEP!r} range in the profile, found {len(window)}")
     start, end = window[0]
     total, at_start, peak = 0, None, None
-    for t, size in sorted(allocs):
+    live: dict[int, int] = {}
+    for t, size, ptr in sorted(allocs):
+        if size < 0 and live.pop(ptr, None) is None:
+            continue  # freed, not allocated inside the profile: an earlier run's (its garbage collected now)
+        if size > 0:
+            live[ptr] = size
         if t >= start and at_start is None:
             at_start = peak = total
         total += size
@@ -79,6 +84,10 @@ def _one(strategy: str, payload: dict) -> dict:
     def run() -> tuple[Any, Any]:
         with torch.device("meta"):
             model = Llama(args)
+        if payload.get("checkpoint"):
+            from paro_fsdp.train.parallelize import apply_activation_checkpointing
+
+            apply_activation_checkpointing(model)
         model = paro_shard(model, mesh, strategy, param_init_fn=partial(model.init_param, seed=0))
         model.init_buffers(device)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
@@ -101,8 +110,11 @@ def _one(strategy: str, payload: dict) -> dict:
         torch.cuda.synchronize()
         peak, base = float(torch.cuda.max_memory_allocated()), 0.0
     else:
+        import gc
+
         from torch.profiler import ProfilerActivity, profile, record_function
 
+        gc.collect()  # an earlier strategy's engine (reference cycles) is not freed inside this one's window
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             model, opt, step = run()
             with record_function(STEP):
@@ -118,7 +130,7 @@ def _rank_main(payload: dict) -> list[dict]:
 
 
 def predictions(strategies: Sequence[str], nproc: int, group: int, flavor_name: str, micro_batch: int, seq_len: int,
-                accum: int) -> dict[str, dict[str, float]]:
+                accum: int, checkpoint: bool = False) -> dict[str, dict[str, float]]:
     """Per strategy: the cost model's activation peak and the budgeted auto's footprint (fp32, CPU)."""
     import torch
 
@@ -130,11 +142,11 @@ def predictions(strategies: Sequence[str], nproc: int, group: int, flavor_name: 
 
     with torch.device("meta"):
         model = Llama(flavor(flavor_name, max_seq_len=seq_len))
-    work = Workload(micro_batch, seq_len, accum)
+    work = Workload(micro_batch, seq_len, accum, checkpoint)
     spec = spec_of(model, work)
     plan = plan_blocks(units_of(model, _default_blocks(model)), nproc, group, None, load_cluster("a100_ib"), work,
                        spec, 4, 4, 4, strategies=strategies)
-    acts = activation_bytes(spec, micro_batch, seq_len, 4)["peak"]
+    acts = activation_bytes(spec, micro_batch, seq_len, 4, checkpoint)["peak"]
     return {s: {"activations": acts, "footprint": f} for s, f, _ in plan.single}
 
 
@@ -163,6 +175,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--accum", type=int, default=2)
+    ap.add_argument("--checkpoint", action="store_true", help="activation checkpointing on every layer (the trainer's)")
     ap.add_argument("--cuda", action="store_true", help="ranks on GPU 0 (torch.cuda.max_memory_allocated)")
     a = ap.parse_args(argv)
     if a.nproc % a.group_size:
@@ -177,11 +190,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"memory_peak: error: --strategies: {exc}", file=sys.stderr)
         return 2
     payload = {"strategies": strategies, "group_size": a.group_size, "flavor": a.flavor, "micro_batch": a.micro_batch,
-               "seq_len": a.seq_len, "accum": a.accum, "cuda": a.cuda}
+               "seq_len": a.seq_len, "accum": a.accum, "cuda": a.cuda,
+               "checkpoint": a.checkpoint}
     per_rank = run_local_world(a.nproc, "tools.bench.memory_peak:_rank_main", payload,
                                device="cuda" if a.cuda else "cpu")
     results = [max((rank[i] for rank in per_rank), key=lambda r: r["measured"]) for i in range(len(strategies))]
-    pred = predictions(strategies, a.nproc, a.group_size, a.flavor, a.micro_batch, a.seq_len, a.accum)
+    pred = predictions(strategies, a.nproc, a.group_size, a.flavor, a.micro_batch, a.seq_len, a.accum, a.checkpoint)
     print(f"{a.flavor} Llama, fp32, micro-batch {a.micro_batch} x {a.seq_len}, {a.accum} micro-steps, {a.nproc} ranks "
           f"= {a.nproc // a.group_size} groups x {a.group_size}; the largest rank's peak; MiB per rank")
     print(table(results, pred))
