@@ -11,21 +11,15 @@ tensors apart (a block's choice is a pair: the trainable tensors' strategy, the 
 level, which is all a frozen tensor uses). Per choice, from the ledger (``memory_of``,
 ``traffic_of``, ``Ledger``) and the plan (``plan_of``), never a table of its own:
 
-Memory per rank (bytes), the predicted peak:
-  additive  model states P + G + OS + fp32 master gradients (``memory_of``); the boundary's
-            full-size temporaries, per bucket the larger of G = N's cast and collective buffer
-            and P = N's gathered push (``memory_report`` takes the larger of their two sums: the
-            per-bucket larger is an upper bound); the root's gathered parameters (kept from
-            forward to backward); with ``reshard_after_forward=False`` every block's.
-  max       2 x the largest block's gathered parameters (current + prefetched); 2 x the largest
-            block's whole gradient in max(param, grad) dtype (the one computed and the one being
-            reduced, as ``predict``'s grad working set); the largest block's G-level reduction
-            input in flight (``memory_report``'s slack).
-  capped    overlap's queues: min(256 MiB, the boundary reductions' G-level inputs) +
-            min(256 MiB, the pushes' P-level results) (``memory_report`` takes the larger of the
-            two: their sum is an upper bound).
-  constant  activations of one micro-step (``cost.model.activation_bytes``: batch, sequence,
-            checkpointing) when the model is Llama-shaped; else what the caller passes.
+Memory per rank (bytes), the predicted peak: ``ledger.peak_of`` over the blocks' ``peak_terms`` (what
+  ``predict`` computes for a whole-model strategy), the max of the last backward's moment, the
+  boundary's and the push's. The knapsack bounds the backward moment, in its terms: additive, the
+  states P + G + OS and the root's gathered parameters and gradient buffer (every block's
+  parameters with ``reshard_after_forward=False``); max, 3 x the largest block's gathered
+  parameters (current, prefetched, the gather's buffer) and 2 x its gradient (3 x and its NESTED
+  copy with checkpointing); capped (checkpointing: the peak is mid-backward), overlap's queues;
+  constant, the activations (``cost.model.activation_bytes``, or the caller's). A solved plan whose
+  boundary or push moment is over the budget is solved again with the room short by the excess.
 Time per step (seconds): compute (per block, FLOPs / ``achieved_tflops``, the same per-token
   counts as ``model.flops_per_token``) + per micro-step collectives, each block's hidden behind up
   to ``overlap`` of its own compute (prefetch is one block deep; the first layer's forward gather

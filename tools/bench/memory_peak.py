@@ -1,6 +1,6 @@
 """The engine's peak allocated bytes per rank during a training step, measured, beside what is
-predicted: ``memory_report()["peak"]`` + the cost model's activations, and the budgeted auto's
-footprint for that strategy (``paro_fsdp.cost.budget``).
+predicted: the cost model's peak (``cost.ledger.peak_of``, as ``cost.predict`` and the budgeted
+auto price it), and ``memory_report()["peak"]`` + the activations (every term summed, as if at once).
 
 Why: memory was computed (the ledger's formulas, checked against the engine's own counts), never
 measured as allocated bytes at the peak; the budgeted ``auto`` keeps a plan within a budget only as
@@ -131,7 +131,7 @@ def _rank_main(payload: dict) -> list[dict]:
 
 def predictions(strategies: Sequence[str], nproc: int, group: int, flavor_name: str, micro_batch: int, seq_len: int,
                 accum: int, checkpoint: bool = False) -> dict[str, dict[str, float]]:
-    """Per strategy: the cost model's activation peak and the budgeted auto's footprint (fp32, CPU)."""
+    """Per strategy: the cost model's activation peak and predicted peak per rank (fp32, CPU)."""
     import torch
 
     from paro_fsdp.api import _default_blocks
@@ -152,13 +152,14 @@ def predictions(strategies: Sequence[str], nproc: int, group: int, flavor_name: 
 
 def table(results: list[dict], pred: dict[str, dict[str, float]]) -> str:
     MiB = 2**20
-    head = (f"{'strat':5} {'measured MiB':>12} {'report+acts':>11} {'meas/that':>9} {'budget fp':>9} "
-            f"{'meas/fp':>7} | {'P':>6} {'G':>6} {'OS':>6} {'master':>6} {'bound':>6} {'flight':>6} {'acts':>6}")
+    head = (f"{'strat':5} {'measured MiB':>12} {'max rank':>8} {'report+acts':>11} {'meas/that':>9} {'predicted':>9} "
+            f"{'meas/pr':>7} | {'P':>6} {'G':>6} {'OS':>6} {'master':>6} {'bound':>6} {'flight':>6} {'acts':>6}")
     lines = [head, "-" * len(head)]
     for r in results:
         p, rep = pred[r["strategy"]], r["report"]
         that = rep["peak"] + p["activations"]
-        lines.append(f"{r['strategy']:5} {r['measured'] / MiB:12.3f} {that / MiB:11.3f} {r['measured'] / that:9.2f} "
+        lines.append(f"{r['strategy']:5} {r['measured'] / MiB:12.3f} {r['largest'] / MiB:8.3f} {that / MiB:11.3f} "
+                     f"{r['measured'] / that:9.2f} "
                      f"{p['footprint'] / MiB:9.3f} {r['measured'] / p['footprint']:7.2f} | "
                      + " ".join(f"{rep[k] / MiB:6.2f}" for k in ("P", "G", "OS", "master_grads", "boundary",
                                                                   "in_flight"))
@@ -194,10 +195,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                "checkpoint": a.checkpoint}
     per_rank = run_local_world(a.nproc, "tools.bench.memory_peak:_rank_main", payload,
                                device="cuda" if a.cuda else "cpu")
-    results = [max((rank[i] for rank in per_rank), key=lambda r: r["measured"]) for i in range(len(strategies))]
+    # the median rank (the upper one): when gloo's threads free a collective's buffers moves a rank's peak
+    results = [dict(sorted((rank[i] for rank in per_rank), key=lambda r: r["measured"])[len(per_rank) // 2],
+                    largest=max(rank[i]["measured"] for rank in per_rank)) for i in range(len(strategies))]
     pred = predictions(strategies, a.nproc, a.group_size, a.flavor, a.micro_batch, a.seq_len, a.accum, a.checkpoint)
     print(f"{a.flavor} Llama, fp32, micro-batch {a.micro_batch} x {a.seq_len}, {a.accum} micro-steps, {a.nproc} ranks "
-          f"= {a.nproc // a.group_size} groups x {a.group_size}; the largest rank's peak; MiB per rank")
+          f"= {a.nproc // a.group_size} groups x {a.group_size}; the median rank's peak; MiB per rank")
     print(table(results, pred))
     return 0
 
