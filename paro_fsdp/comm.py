@@ -65,8 +65,9 @@ class BufferPool:
     fault per 4 KiB (the kernel zeroes each page), every gather and reduction of every micro-step.
     Only eager CPU runs use it (``MeshComm.pool`` is None with side streams: CUDA's caching
     allocator reuses memory, and streams.py's lifetimes stay as written; the traced path never
-    takes). It holds what was in flight at once (a gather and a reduction), emptied at the step
-    boundary (``ParoState.end_backward``), so neither the peak nor the state between steps grows."""
+    takes). It keeps one idle buffer per size and is emptied at the end of every backward
+    (``ParoState.end_backward``): what it holds beyond the old engine's buffers at any moment is at
+    most one buffer of a size not in flight then, and nothing between micro-steps or steps."""
 
     def __init__(self) -> None:
         self.free: dict[tuple, list[torch.Tensor]] = {}
@@ -78,7 +79,9 @@ class BufferPool:
 
     def give(self, t: torch.Tensor) -> None:
         """``t`` (from ``take``) is no longer read or written by anyone."""
-        self.free.setdefault((t.numel(), t.dtype, t.device), []).append(t)
+        idle = self.free.setdefault((t.numel(), t.dtype, t.device), [])
+        if not idle:  # a second idle one of a size is freed
+            idle.append(t)
 
     def clear(self) -> None:
         self.free.clear()

@@ -272,8 +272,8 @@ class ParoState:
         self.finish_grad_reductions()
         self.boundary.finish()  # the boundary's reductions started under backward (overlap.py)
         drive([finalize_grads(g) for g in self.groups if g.last_backward and g.grads is GradState.AT_G])
-        if self.comm.pool is not None and any(g.last_backward for g in self.groups):
-            self.comm.pool.clear()  # the step boundary: the optimizer's step does not hold them
+        if self.comm.pool is not None:
+            self.comm.pool.clear()  # nothing held between micro-steps (comm.BufferPool)
         for b in self.blocks:
             for g in b.groups:
                 b.release(g)
