@@ -375,9 +375,8 @@ def _option(env: _Env, block: Block, position: str, pick: tuple[Strategy, ...]) 
             exp_bwd = max(0.0, regather + reduce_t - phi * c_bwd)
     step = A * (c_fwd + c_bwd + exp_fwd + exp_bwd) + boundary_t + opt_t
     detail = {**t, "compute": A * (c_fwd + c_bwd), "exposed": A * (exp_fwd + exp_bwd) + boundary_t, "optimizer": opt_t}
-    # with checkpointing overlap's in flight, max(slack + queue, pushes), bounded by their sum
-    return Option(t["states"] + t["kept"], step, tuple(t[k] for k in PEAK_MAX) + (t["reducing"] if ckpt else 0.0,),
-                  (t["queue"] if ckpt else 0.0, t["push_queue"] if ckpt else 0.0), pick, detail)
+    return Option(t["states"] + t["kept"], step, tuple(t[k] for k in PEAK_MAX), (t["queue"] if ckpt else 0.0,), pick,
+                  detail)
 
 
 def _picks(block: Block, strategies: Sequence[Strategy], uniform: bool) -> list[tuple[Strategy, ...]]:
@@ -513,7 +512,7 @@ def plan_blocks(blocks: Sequence[Block], n: int, m: int, budget: Optional[float]
         acts = activation_bytes(spec, workload.micro_batch, workload.seq_len, param_bytes,
                                 workload.activation_checkpoint)["peak"] if spec is not None else 0.0
     ckpt = workload.activation_checkpoint
-    fp = Footprint(float(acts), (*peak_coefs(ckpt), 1.0), (float(IN_FLIGHT_BYTES),) * 2)
+    fp = Footprint(float(acts), peak_coefs(ckpt), (float(IN_FLIGHT_BYTES),))
 
     def peak(chosen: Sequence[Option]) -> dict[str, float]:  # the three moments: ledger.peak_of
         return peak_of([o.detail for o in chosen], float(acts), ckpt, float(IN_FLIGHT_BYTES))

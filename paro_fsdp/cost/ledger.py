@@ -129,35 +129,36 @@ def peak_terms(b: Bucket, n: int, m: int, param_bytes: int, grad_bytes: int, acc
     gathered = param_bytes * b.numel if s.p != _N else 0.0
     reducing = grad_bytes * tr if s.g != _N and tr else 0.0
     return {"states": mem["total"], "G": mem["G"], "master_grads": mem["master_grads"],
-            "kept": (gathered if kept else 0.0) + (reducing if root else 0.0),
-            "gathered": 0.0 if kept else gathered, "reducing": 0.0 if root else reducing,
+            "kept": gathered if kept else 0.0,  # a P = G block's prefetch is in flight as PaRO-CC's 1/m chunks:
+            "gathered": 0.0 if kept else gathered / (2 if s.p == Level.G else 1),  # half a block, measured
+            "reducing": 0.0 if root else reducing,
             "nested": reducing if s.g == Level.G and not root else 0.0,
             "queue": grad_bytes * tr / s.g.divisor(n, m) if tr and n > 1 else 0.0,
             "boundary": grad_bytes * tr if s.g == _N and s.os != Level.I and tr and n > 1 else 0.0,
-            "push": param_bytes * tr if s.p == _N and s.os != _N else 0.0,
-            "push_queue": param_bytes * tr / s.p.divisor(n, m) if tr and plan_of(s).push else 0.0}
+            "push": param_bytes * tr if s.p == _N and s.os != _N else 0.0}
 
 
 #: overlap.IN_FLIGHT_BYTES, the engine's default bound on what overlap keeps in flight (the ledger
 #: imports no engine module; tests/test_auto_budget.py checks they agree)
 IN_FLIGHT_CAP = 256 << 20
 
-#: the backward phase's max terms (``peak_terms`` keys) and their multiples: the gathered block, the one
-#: prefetched and the gather's pooled buffer; the block's gradients and the reduction in flight;
-#: with checkpointing also the slack reduction and PaRO-CC's NESTED copy (the peak is mid-backward)
+#: the backward phase's max terms (``peak_terms`` keys) and their multiples: at the loss (no
+#: checkpointing) the block re-gathered and the one prefetched; mid-backward (checkpointing) also
+#: the gather's buffer, the block's gradients, the reduction in flight, the slack one and
+#: PaRO-CC's NESTED copy (measured on CPU ranks, ``tools.bench.memory_peak``)
 PEAK_MAX = ("gathered", "reducing", "nested")
 
 
 def peak_coefs(checkpoint: bool) -> tuple[float, ...]:
-    return (3.0, 2.0, 1.0) if checkpoint else (3.0, 2.0, 0.0)
+    return (3.0, 3.0, 1.0) if checkpoint else (2.0, 0.0, 0.0)
 
 
 def peak_of(terms: list[dict], activations: float, checkpoint: bool, cap: float) -> dict[str, float]:
     """The predicted per-rank peak of a step from its buckets' ``peak_terms``, as the max of three
     moments (measured on CPU ranks, ``tools.bench.memory_peak``): ``backward`` (the last micro-step's
-    backward: states, G, activations, the root's gathered parameters and gradient, the largest
-    blocks' gathered parameters and gradients in flight; with checkpointing the peak is
-    mid-backward, with overlap's boundary reductions in flight, within ``cap``), ``boundary`` (the end of
+    backward: states, G, activations, the root's gathered parameters, the largest blocks'
+    gathered parameters (and gradients in flight with checkpointing, where the peak is
+    mid-backward, with overlap's boundary reductions in flight, within ``cap``)), ``boundary`` (the end of
     backward: G = N's full-size reduction input and overlap's queue) and ``push`` (after the
     optimizer step: master gradients, P = N's gathered push); ``peak`` their max."""
     add = lambda k: sum(t[k] for t in terms)  # noqa: E731
@@ -165,8 +166,7 @@ def peak_of(terms: list[dict], activations: float, checkpoint: bool, cap: float)
     states = add("states")
     queue = min(cap, add("queue"))
     backward = states + activations + add("kept") + sum(c * top(k) for c, k in zip(peak_coefs(checkpoint), PEAK_MAX))
-    if checkpoint:  # what overlap keeps in flight mid-backward (``memory_report``'s in_flight)
-        backward += max(top("reducing") + queue, min(cap, add("push_queue")))
+    backward += queue if checkpoint else 0.0  # the boundary's reductions in flight mid-backward
     boundary = states + add("boundary") + top("reducing") + queue
     push = states - add("G") + add("master_grads") + add("push")
     return {"backward": backward, "boundary": boundary, "push": push, "peak": max(backward, boundary, push)}
