@@ -320,7 +320,8 @@ def _check_named(micro_batch, ckpt):
     payload = {"group_size": 2, "flavor": "debug", "micro_batch": micro_batch, "seq_len": 64, "accum": 2,
                "checkpoint": ckpt}
     pred = predictions(NAMED, 4, 2, "debug", micro_batch, 64, 2, ckpt)
-    got = {s: sum(mid) / 2 for s, mid in zip(NAMED, _measured(payload, list(NAMED)))}
+    # the lower of the middle ranks: a buffer a gloo thread frees late only adds to a rank's peak
+    got = {s: min(mid) for s, mid in zip(NAMED, _measured(payload, list(NAMED)))}
     ratios = {s: round(got[s] / pred[s]["footprint"], 3) for s in NAMED}
     assert all(0.9 <= r <= 1.1 for r in ratios.values()), ratios
 
