@@ -204,7 +204,8 @@ def worker(args: argparse.Namespace) -> None:
         runner = paro_step(f"auto[{token}]", model, opt)
         runner.extra = {"budget_bytes": budget, "pred_peak": plan.footprint, "plan_pred_s": plan.step_time,
                         "plan": sorted({" ".join(s.name for s in o.label) for o in plan.options}),
-                        "fits": sorted(s for s, f in peak.items() if f <= budget), "single_peak": peak}
+                        "fits": sorted(s for s, f in peak.items() if f <= budget), "single_peak": peak,
+                        "best_single": min((x for x in probe.single if x[1] <= budget), key=lambda x: x[2])[0]}
         return runner
 
     # ---- advisor ----
@@ -234,6 +235,9 @@ def worker(args: argparse.Namespace) -> None:
         runners.append(paro(s))
     for token in filter(None, args.budgets.split(",")):
         runners.append(auto(token.strip()))
+    best_singles = {r.extra["best_single"] for r in runners if "best_single" in r.extra}
+    for name in sorted(best_singles - {r.name for r in runners}):
+        runners.append(paro(name))  # each budget's predicted-fastest single strategy, measured beside the plan
     for b in filter(None, args.baselines.split(",")):
         try:
             runners.append(ddp() if b == "ddp" else fsdp2(b))
