@@ -217,7 +217,8 @@ class ParoParamGroup:
         if move.dim == "global":
             return self.cc.all_gather(self.p_flat, order="nested", params=True, parts=parts)
         out = self._take(self.info.m * self.p_layout.sum_i, self.mp.param_dtype) if parts else None
-        self._gather_buf = out  # handed back to the pool after the copy-out (``unshard``)
+        if out is not None:  # (never set while tracing: torch 2.11's dynamo refuses the mutation in a HOP)
+            self._gather_buf = out  # handed back to the pool after the copy-out (``unshard``)
         return self.comm.all_gather(self.p_flat, move.dim, params=True, out=out)
 
     def _take(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
@@ -281,9 +282,10 @@ class ParoParamGroup:
     def _new(self, numel: int, dtype: torch.dtype, dense: bool) -> torch.Tensor:
         """The reduction's input: pooled where eager (``_rs_buf``, handed back once it is
         reduced), zeroed unless every element is written."""
-        buf = self._rs_buf = self._take(numel, dtype)
-        if buf is None:
+        buf = self._take(numel, dtype)
+        if buf is None:  # a GPU or the traced path: nothing pooled, the group left as it is
             return (torch.empty if dense else torch.zeros)(numel, dtype=dtype, device=self.device)
+        self._rs_buf = buf
         return buf if dense else buf.zero_()
 
     def reduce_grad_buffer(self, buf: torch.Tensor) -> Work | None:
