@@ -284,13 +284,6 @@ def test_measured_peak_beside_the_prediction():
 NAMED = ("NNN", "NNG", "NGG", "GGG", "III", "NIG", "IIG", "IGG", "ING")
 
 
-def test_in_flight_cap_is_the_engines():
-    from paro_fsdp.cost.ledger import IN_FLIGHT_CAP
-    from paro_fsdp.overlap import IN_FLIGHT_BYTES
-
-    assert IN_FLIGHT_CAP == IN_FLIGHT_BYTES
-
-
 @pytest.mark.parametrize("ckpt", [False, True])
 def test_budget_prices_a_uniform_plan_as_predict_does(ckpt):
     """One table: the per-block footprint of a whole-model plan is predict's peak for that strategy."""

@@ -138,10 +138,6 @@ def peak_terms(b: Bucket, n: int, m: int, param_bytes: int, grad_bytes: int, acc
             "push": param_bytes * tr if s.p == _N and s.os != _N else 0.0}
 
 
-#: overlap.IN_FLIGHT_BYTES, the engine's default bound on what overlap keeps in flight (the ledger
-#: imports no engine module; tests/test_auto_budget.py checks they agree)
-IN_FLIGHT_CAP = 256 << 20
-
 #: the backward phase's max terms (``peak_terms`` keys) and their multiples: at the loss (no
 #: checkpointing) the block re-gathered and the one prefetched; mid-backward (checkpointing) also
 #: the gather's buffer, the block's gradients, the reduction in flight, the slack one and

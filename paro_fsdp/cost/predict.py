@@ -28,8 +28,9 @@ from typing import Iterable, Optional, Sequence, Union
 
 from ..collectives import CommStats, hops
 from ..dtypes import dtype_of
-from .ledger import IN_FLIGHT_CAP, Ledger, memory_of, peak_of, peak_terms, traffic_of
+from .ledger import Ledger, memory_of, peak_of, peak_terms, traffic_of
 from ..models.llama import LlamaArgs
+from ..overlap import IN_FLIGHT_BYTES
 from ..plan import Move, plan_of
 from ..strategy import ALL_STRATEGIES, Level, Strategy, StrategyLike
 from .cluster import GB, AdvisorError, Cluster, GiB, link_for, link_seconds, load_cluster
@@ -144,7 +145,7 @@ def predict(model: Union[str, LlamaArgs, ModelSpec], strategy: StrategyLike, n: 
     states = mem.pop("total")
     acts = activation_bytes(spec, micro_batch, seq_len, pb, ckpt)["peak"]
     terms = [peak_terms(b, n, m, pb, gb, ab, i == 0 or not reshard_after_forward, i == 0) for i, b in enumerate(bks)]
-    peak = peak_of(terms, acts, ckpt, IN_FLIGHT_CAP)
+    peak = peak_of(terms, acts, ckpt, IN_FLIGHT_BYTES)
     memory = {**mem, "states": states, "activations": acts, **peak, "total": peak["peak"]}
 
     traffic = traffic_of(bks, n, m, A, pb, gb)
