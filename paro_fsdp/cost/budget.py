@@ -65,6 +65,11 @@ __all__ = ["BudgetError", "BudgetPlan", "Footprint", "Option", "Workload", "auto
            "plan_blocks", "solve", "units_of"]
 
 DEFAULT_CELLS = 1 << 14
+# A plan per block is taken only where it is predicted this much faster than the fastest single
+# strategy that fits. The per-block time prices each block as if it hid its own traffic; a mix runs
+# every strategy's collectives, each on its own dimension, and measured (tools.bench --budgets,
+# 1.0M Llama, 200 Mbit/s) 6-14% slower than the single strategy it was predicted to beat by 3-4%.
+MIX_GAIN = 1.05
 _N = Level.N
 
 
@@ -517,7 +522,7 @@ def plan_blocks(blocks: Sequence[Block], n: int, m: int, budget: Optional[float]
     def peak(chosen: Sequence[Option]) -> dict[str, float]:  # the three moments: ledger.peak_of
         return peak_of([o.detail for o in chosen], float(acts), ckpt, float(IN_FLIGHT_BYTES))
 
-    uniform = budget is None
+    uniform, note = budget is None, ""
     limit = cluster.usable_bytes if uniform else float(budget)
     single = []
     for s in cands:  # each single strategy: its footprint and time (printed beside the plan; the no-budget pick)
@@ -552,6 +557,15 @@ def plan_blocks(blocks: Sequence[Block], n: int, m: int, budget: Optional[float]
                               f"possible is {_size(small)}, with {_describe(blocks, items, plan)}; raise the "
                               f"budget, use activation checkpointing, a smaller micro-batch or more ranks")
         idx = list(found[0])
+        plan_t = sum(opts[i].t for opts, i in zip(items, idx))
+        fits = [x for x in single if x[1] <= limit]
+        best = min(fits, key=lambda x: x[2]) if fits else None
+        if best is not None and best[2] <= plan_t * MIX_GAIN:  # a mix must gain clearly, else the single
+            uniform, note = True, (f" (a plan per block was predicted {best[2] / plan_t:.3f}x faster, under the "
+                                   f"{MIX_GAIN:.2f}x a mix must gain)")
+            items = _items(env, blocks, [Strategy.parse(best[0])], True)
+            idx = [0] * len(items)
+    if not uniform:
         groups: dict[int, list[int]] = {}  # identical blocks (one shared option list) cost the same in any order:
         for k, opts in enumerate(items):  # their choices sorted, so the plan reads as runs
             groups.setdefault(id(opts), []).append(k)
@@ -564,7 +578,7 @@ def plan_blocks(blocks: Sequence[Block], n: int, m: int, budget: Optional[float]
                  "gradients": sum(c * max(o.peaks[d] for o in chosen) for d, c in enumerate(fp.coefs) if d),
                  "queues": sum(min(cap, sum(o.queues[j] for o in chosen)) for j, cap in enumerate(fp.caps)),
                  "activations": float(acts), **peak(chosen)}
-    what = "the fastest single strategy that fits" if uniform else "a strategy per block"
+    what = f"the fastest single strategy that fits{note}" if uniform else "a strategy per block"
     acts_note = "" if spec is not None or workload.activation_bytes is not None else \
         " (activations not modelled: pass Workload(model=...) or Workload(activation_bytes=...))"
     header = (f"paro auto: {what}, {n} ranks = {n // m} groups x {m}, micro-batch {workload.micro_batch} x "
