@@ -134,7 +134,8 @@ def test_calibration_on_4_ranks_gives_a_usable_cluster(four_ranks):
     assert isinstance(c, Cluster) and c.gpus_per_node == 2 and c.measured["inter_size"] == 2
     for value in (c.achieved_tflops, c.memory_bandwidth_gbs, c.intra.bandwidth_gbs, c.inter.bandwidth_gbs):
         assert value > 0 and math.isfinite(value)
-    assert 0 <= c.overlap <= 1
+    assert 0 <= c.overlap <= 1 and c.intra_overlap is not None and 0 <= c.intra_overlap <= 1
+    assert c.measured["model_seconds"] > 0  # the whole (small) model timed for the compute rate
     import tomllib
 
     again = cluster_from_dict(tomllib.loads(cluster_to_toml(c)), "roundtrip")
@@ -142,8 +143,29 @@ def test_calibration_on_4_ranks_gives_a_usable_cluster(four_ranks):
         for link, link2 in ((c.intra, again.intra), (c.inter, again.inter)):
             assert link2.cost(kind) == pytest.approx(link.cost(kind), rel=1e-7)
     assert again.achieved_tflops == pytest.approx(c.achieved_tflops, rel=1e-7)
+    assert again.intra_overlap == pytest.approx(c.intra_overlap, abs=1e-9)
     p = predict(ARGS4, "IIG", 4, 2, 1, 2, 8, again)
     assert p.step_time > 0 and p.fits
+
+
+def test_each_dimension_hides_behind_its_own_overlap():
+    """Ranks sharing a host: the intra collective is a copy competing with compute (calibrated
+    overlap about 0 on CPU), the inter one waits on the network. With one overlap for both it is
+    the old formula, max(0, total - overlap x compute)."""
+    from paro_fsdp.cost.predict import exposed_seconds
+
+    c = load_cluster("a100_ib")
+    t = {"intra": 0.3, "inter": 0.4, "global": 0.1}
+    for compute in (0.2, 0.6, 2.0):
+        assert exposed_seconds(t, compute, c) == pytest.approx(max(0.0, 0.8 - c.overlap * compute))
+    cpu = replace(c, overlap=0.5, intra_overlap=0.0)
+    assert exposed_seconds(t, 2.0, cpu) == pytest.approx(0.3)  # the intra part exposed, the rest hidden
+    assert exposed_seconds(t, 0.6, cpu) == pytest.approx(0.3 + 0.5 - 0.3)
+    half = replace(c, overlap=0.5, intra_overlap=0.5)  # the compute the slow traffic hid behind is used
+    assert exposed_seconds(t, 1.2, half) == pytest.approx(0.3 + 0.5 - 0.5 - 0.1)
+    iii = [predict(ARGS4, "III", 4, 2, 1, 2, 8, x).step_time for x in (c, replace(c, intra_overlap=0.0))]
+    nnn = [predict(ARGS4, "NNN", 4, 2, 1, 2, 8, x).step_time for x in (c, replace(c, intra_overlap=0.0))]
+    assert iii[1] > iii[0] and nnn[1] == nnn[0]  # III's per micro-step collectives are intra, NNN has none
 
 
 # ---- the model's other parts ----------------------------------------------------------------------

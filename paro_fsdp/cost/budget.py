@@ -59,7 +59,7 @@ from ..strategy import ALL_STRATEGIES, Level, Strategy, StrategyLike
 from .cluster import GB, AdvisorError, Cluster, GiB, load_cluster
 from .ledger import PEAK_MAX, Bucket, Ledger, peak_coefs, peak_of, peak_terms, traffic_of
 from .model import ModelSpec, activation_bytes, model_spec
-from .predict import traffic_time
+from .predict import exposed_seconds, traffic_time
 
 __all__ = ["BudgetError", "BudgetPlan", "Footprint", "Option", "Workload", "auto_policy", "min_footprint",
            "plan_blocks", "solve", "units_of"]
@@ -318,10 +318,15 @@ class _Env:
     flat_below_bytes: int
 
 
-def _seconds(env: _Env, moves, psi: float, itemsize: int, times: float = 1.0) -> float:
+def _seconds(env: _Env, moves, psi: float, itemsize: int) -> dict[str, float]:
+    """Seconds per mesh dimension."""
     t = Ledger(env.n, env.m, env.flat_below_bytes)
-    t.count(moves, psi, itemsize, times)
-    return sum(traffic_time(t.stats, env.n, env.m, env.cluster).values())
+    t.count(moves, psi, itemsize)
+    return traffic_time(t.stats, env.n, env.m, env.cluster)
+
+
+def _plus(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    return {d: a.get(d, 0.0) + b.get(d, 0.0) for d in ("intra", "inter", "global")}
 
 
 def _flops(env: _Env, block: Block) -> tuple[float, float]:
@@ -348,7 +353,9 @@ def _option(env: _Env, block: Block, position: str, pick: tuple[Strategy, ...]) 
         by_strategy.setdefault(s, []).append(u)
     kept = block.is_root or not env.reshard_after_forward
     once = 1 if kept else 2
-    gather_t = reduce_t = boundary_t = opt_t = 0.0
+    gather_t: dict[str, float] = {}
+    reduce_t: dict[str, float] = {}
+    boundary_t = opt_t = 0.0
     terms = []
     for s, units in by_strategy.items():
         numel = sum(u.numel for u in units)
@@ -357,10 +364,10 @@ def _option(env: _Env, block: Block, position: str, pick: tuple[Strategy, ...]) 
         terms.append(peak_terms(b, n, m, pb, gb, ab, kept, block.is_root))
         plan = plan_of(s)
         if s.p != _N:
-            gather_t += _seconds(env, plan.gather, numel, pb)
+            gather_t = _plus(gather_t, _seconds(env, plan.gather, numel, pb))
         if tr:
             if s.g != _N:
-                reduce_t += _seconds(env, plan.reduce, tr, gb)
+                reduce_t = _plus(reduce_t, _seconds(env, plan.reduce, tr, gb))
             boundary = traffic_of([b], n, m, 0, pb, gb, flat_below_bytes=env.flat_below_bytes)
             boundary_t += sum(traffic_time(boundary, n, m, env.cluster).values())
             opt_t += tr / s.os.divisor(n, m) * (28 + gb) / (env.cluster.memory_bandwidth_gbs * GB)
@@ -368,16 +375,16 @@ def _option(env: _Env, block: Block, position: str, pick: tuple[Strategy, ...]) 
     ckpt = env.work.activation_checkpoint
     tokens = env.work.micro_batch * env.work.seq_len
     c_fwd, c_bwd = (f * tokens / (env.cluster.achieved_tflops * 1e12) for f in _flops(env, block))
-    phi, A = env.cluster.overlap, env.work.grad_accum
+    c, A = env.cluster, env.work.grad_accum
     if block.is_root:
-        exp_fwd, exp_bwd = gather_t, reduce_t
+        exp_fwd, exp_bwd = sum(gather_t.values()), sum(reduce_t.values())
     else:
-        regather = gather_t if once == 2 else 0.0
-        exp_fwd = gather_t if position in ("first", "only") else max(0.0, gather_t - phi * c_fwd)
+        regather = gather_t if once == 2 else {}
+        exp_fwd = sum(gather_t.values()) if position in ("first", "only") else exposed_seconds(gather_t, c_fwd, c)
         if position in ("last", "only"):
-            exp_bwd = regather + max(0.0, reduce_t - phi * c_bwd)
+            exp_bwd = sum(regather.values()) + exposed_seconds(reduce_t, c_bwd, c)
         else:
-            exp_bwd = max(0.0, regather + reduce_t - phi * c_bwd)
+            exp_bwd = exposed_seconds(_plus(regather, reduce_t), c_bwd, c)
     step = A * (c_fwd + c_bwd + exp_fwd + exp_bwd) + boundary_t + opt_t
     detail = {**t, "compute": A * (c_fwd + c_bwd), "exposed": A * (exp_fwd + exp_bwd) + boundary_t, "optimizer": opt_t}
     return Option(t["states"] + t["kept"], step, tuple(t[k] for k in PEAK_MAX), (t["queue"] if ckpt else 0.0,), pick,

@@ -19,11 +19,17 @@ import torch.distributed as dist
 from .. import _compat
 from ..collectives import KINDS, hops, ring_bytes
 from ..dtypes import dtype_of
-from ..models.llama import LlamaArgs, TransformerBlock, flavor, rope_tables
+from ..models.llama import Llama, LlamaArgs, TransformerBlock, flavor, rope_tables
 from .cluster import GB, Cluster, GiB, Link
 from .model import flops_per_token, model_spec
 
 __all__ = ["calibrate_in_process", "fit_alpha_beta"]
+
+# Up to this size the whole model's forward + backward is timed for the compute rate, else one
+# block's. A small model's step is dominated by what a block's FLOPs do not see (the loss over the
+# vocabulary, each op's fixed cost: 70 ms against 58 predicted from a block for the bench's 1.0M
+# Llama); a large one's by its blocks' matmuls, and it may not fit unsharded.
+WHOLE_MODEL_PARAMS = 50_000_000
 
 
 def fit_alpha_beta(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
@@ -58,7 +64,8 @@ def calibrate_in_process(mesh: Any, model_args: Optional[Union[str, LlamaArgs]] 
     collective kind, times ``reps`` calls at several sizes (every group at once, as in training;
     the fastest call, the slowest rank) and fits hops x latency + ring bytes / bandwidth; measures
     matmul FLOP/s, a transformer block's forward + backward at ``model_args``' shape (the
-    ``achieved_tflops``), memory bandwidth and how much a collective overlaps compute.
+    ``achieved_tflops``; the whole model's, up to ``WHOLE_MODEL_PARAMS``), memory bandwidth and how
+    much a collective on each dimension overlaps compute.
     ``gpus_per_node`` is the intra size, so the intra dimension maps to the ``intra`` link."""
     groups = {d: mesh.get_group(d) for d in ("intra", "inter")}
     sizes = {d: dist.get_world_size(grp) for d, grp in groups.items()}
@@ -83,6 +90,17 @@ def calibrate_in_process(mesh: Any, model_args: Optional[Union[str, LlamaArgs]] 
         """The fastest of ``r`` timed calls after a warm-up: the least disturbed on a shared machine."""
         seconds(fn)
         return min(seconds(fn) for _ in range(r))
+
+    def together(fn, r: int) -> float:
+        """The median of ``r`` calls, every rank starting each at once, as in training: on a shared
+        host the fastest call of ranks left to drift apart is one run while others wait (the block's
+        time moved 2x between calibrations; this way, 15%)."""
+        seconds(fn)
+        samples = []
+        for _ in range(r):
+            dist.barrier()
+            samples.append(seconds(fn))
+        return statistics.median(samples)
 
     def slowest(values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=dev)
@@ -131,8 +149,7 @@ def calibrate_in_process(mesh: Any, model_args: Optional[Union[str, LlamaArgs]] 
     nmm = 4096 if device == "cuda" else 512
     a_ = torch.randn(nmm, nmm, device=dev, dtype=tdtype)
     b_ = torch.randn(nmm, nmm, device=dev, dtype=tdtype)
-    dist.barrier()
-    t_mm = timed(lambda: a_ @ b_, max(reps, 3))
+    t_mm = together(lambda: a_ @ b_, max(reps, 5))
     # a transformer block's forward + backward at the model's shape
     args = flavor(model_args) if isinstance(model_args, str) else (model_args or LlamaArgs(
         dim=256, n_layers=1, n_heads=4, ffn_dim=704, vocab_size=1024, max_seq_len=seq_len))
@@ -140,21 +157,24 @@ def calibrate_in_process(mesh: Any, model_args: Optional[Union[str, LlamaArgs]] 
     block = TransformerBlock(args).to(device=dev, dtype=tdtype)
     x = torch.randn(micro_batch, seq_len, args.dim, device=dev, dtype=tdtype, requires_grad=True)
     cos, sin = (t.to(dev) for t in rope_tables(args.dim // args.n_heads, seq_len, args.rope_theta))
-    dist.barrier()
-    t_block = timed(lambda: block(x, cos, sin).float().sum().backward(), max(reps, 3))
+    t_block = together(lambda: block(x, cos, sin).float().sum().backward(), max(reps, 7))
     spec1 = replace(model_spec(replace(args, n_layers=1)), vocab_size=0)
     f_fwd, f_bwd = flops_per_token(replace(spec1, trainable_layers=1), seq_len, False)
     block_flops = (f_fwd + f_bwd) * micro_batch * seq_len
+    t_model = model_flops = None
+    if model_args is not None and args.num_params() <= WHOLE_MODEL_PARAMS:
+        whole = Llama(args).to(device=dev, dtype=tdtype)
+        tokens = torch.randint(0, args.vocab_size, (micro_batch, seq_len + 1), device=dev)
+        t_model = together(lambda: whole(tokens).loss.backward(), max(reps, 7))
+        model_flops = sum(flops_per_token(model_spec(args), seq_len, False)) * micro_batch * seq_len
+        del whole
     # memory bandwidth: y += x reads 2 and writes 1 buffer
     nbw = (64 if device == "cuda" else 16) * 2**20
     xb, yb = torch.ones(nbw, device=dev), torch.ones(nbw, device=dev)
-    dist.barrier()
-    t_bw = timed(lambda: yb.add_(xb), max(reps, 3))
-    # overlap: a collective on the widest dimension issued async while matmuls run
-    d_ov = "inter" if g > 1 else ("intra" if m > 1 else None)
-    overlap = 0.0
-    if d_ov is not None:
-        comm = collective("all_gather", d_ov, sizes_mib[-1])
+    t_bw = together(lambda: yb.add_(xb), max(reps, 5))
+    def overlap_on(d: str) -> float:
+        """How much of a collective on ``d`` issued async hides behind matmuls of the same length."""
+        comm = collective("all_gather", d, sizes_mib[-1])
         n_mm = max(1, int(round(timed(comm, reps) / max(t_mm, 1e-9))))
         comp = lambda: [a_ @ b_ for _ in range(n_mm)]  # noqa: E731
 
@@ -170,8 +190,15 @@ def calibrate_in_process(mesh: Any, model_args: Optional[Union[str, LlamaArgs]] 
                 dist.barrier()
                 samples[key].append(seconds(fn))
         t_comm, t_comp, t_both = slowest([statistics.median(samples[k]) for k in ("comm", "comp", "both")])
-        overlap = min(1.0, max(0.0, (t_comm + t_comp - t_both) / max(min(t_comm, t_comp), 1e-12)))
-    t_mm, t_block, t_bw = slowest([t_mm, t_block, t_bw])
+        return min(1.0, max(0.0, (t_comm + t_comp - t_both) / max(min(t_comm, t_comp), 1e-12)))
+
+    # overlap per dimension: the widest one's is the cluster's, the intra one's apart where both exist
+    d_ov = "inter" if g > 1 else ("intra" if m > 1 else None)
+    overlap = overlap_on(d_ov) if d_ov is not None else 0.0
+    intra_overlap = overlap_on("intra") if g > 1 and m > 1 else None
+    t_mm, t_block, t_bw, t_model = slowest([t_mm, t_block, t_bw, t_model or 0.0])
+    # the whole model's rate where it was timed: the root, the loss and each op's fixed cost counted
+    tflops = model_flops / t_model / 1e12 if model_flops else block_flops / t_block / 1e12
     if device == "cuda":
         mem_gib = torch.cuda.get_device_properties(dev).total_memory / GiB
     else:  # this host's memory shared by its ranks
@@ -181,11 +208,13 @@ def calibrate_in_process(mesh: Any, model_args: Optional[Union[str, LlamaArgs]] 
             total = 16 * GiB
         mem_gib = total / GiB / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", m * g)))
     measured.update(matmul_n=nmm, block_dim=args.dim, block_seq=seq_len, block_micro_batch=micro_batch,
-                    block_seconds=round(t_block, 6), overlap_dim=d_ov or "-")
+                    block_seconds=round(t_block, 6), overlap_dim=d_ov or "-",
+                    **({"model_seconds": round(t_model, 6)} if model_flops else {}))
     return Cluster(
-        name=name, gpus_per_node=m, memory_gib=round(mem_gib, 3), achieved_tflops=block_flops / t_block / 1e12,
+        name=name, gpus_per_node=m, memory_gib=round(mem_gib, 3), achieved_tflops=tflops,
         memory_bandwidth_gbs=3 * nbw * 4 / t_bw / GB, intra=links["intra"], inter=links["inter"],
-        overlap=round(overlap, 3), usable_memory_fraction=0.9,
+        overlap=round(overlap, 3), intra_overlap=None if intra_overlap is None else round(intra_overlap, 3),
+        usable_memory_fraction=0.9,
         description=f"measured by tools.calibrate on {m * g} ranks ({g} groups x {m}), "
                     f"{dist.get_backend()} on {device}",
         source="tools.calibrate", measured={**measured, "matmul_tflops": 2 * nmm**3 / t_mm / 1e12},

@@ -73,12 +73,19 @@ class Cluster:
     intra: Link
     inter: Link
     overlap: float = 0.8
+    intra_overlap: Optional[float] = None  # the intra dimension's, where it differs (None: ``overlap``)
     usable_memory_fraction: float = 0.9
     node_gbps: Optional[float] = None
     inter_efficiency: Optional[float] = None
     description: str = ""
     source: str = ""
     measured: Mapping[str, Any] = field(default_factory=dict)
+
+    def overlap_of(self, dim: str) -> float:
+        """The fraction of compute a collective on ``dim`` hides behind. Apart per dimension because
+        they differ where ranks share a host: the inter link's collective waits on a network while
+        the intra one is a copy competing with compute for the same cores."""
+        return self.intra_overlap if dim == "intra" and self.intra_overlap is not None else self.overlap
 
     @property
     def usable_bytes(self) -> float:
@@ -112,6 +119,7 @@ _TOP = {"name": (str, "", False), "description": (str, "", False), "source": (st
         "gpus_per_node": (int, "> 0", True), "memory_gib": (float, "> 0", True),
         "usable_memory_fraction": (float, "in [0, 1]", False), "achieved_tflops": (float, "> 0", True),
         "memory_bandwidth_gbs": (float, "> 0", True), "overlap": (float, "in [0, 1]", False),
+        "intra_overlap": (float, "in [0, 1]", False),
         "peak_tflops": (float, "", False), "matmul_tflops": (float, "", False)}
 _LINK = {"bandwidth_gbs": (float, "> 0", True), "latency_us": (float, ">= 0", True),
          **{f"{k}_{u}": (float, rule, False) for k in KINDS for u, rule in (("gbs", "> 0"), ("latency_us", ">= 0"))}}

@@ -11,11 +11,12 @@ Memory per GPU = the peak of a step, ``ledger.peak_of`` (the max of three moment
 Step time = A x (compute_fwd + compute_bwd + exposed_fwd + exposed_bwd) + boundary + optimizer.
   Compute: ``model.flops_per_token`` / ``achieved_tflops``. Communication: hops x latency + ring
   bytes / bandwidth on the links each mesh dimension's rings use (``cluster.link_for``).
-  Per micro-step collectives hide behind up to ``overlap`` of that micro-step's compute, except
-  what cannot be prefetched (forward: the root's and the first layer's gathers; backward: the
-  first re-gathered layer and the last reduction): exposed = first + max(0, rest - overlap x
-  compute). Boundary collectives and the optimizer (AdamW on the OS shard, (28 + grad bytes)
-  bytes per element / ``memory_bandwidth_gbs``) are fully exposed.
+  Per micro-step collectives hide behind up to ``overlap`` of that micro-step's compute (each
+  mesh dimension its own, ``exposed_seconds``), except what cannot be prefetched (forward: the
+  root's and the first layer's gathers; backward: the first re-gathered layer and the last
+  reduction): exposed = first + max(0, rest - overlap x compute). Boundary collectives and the
+  optimizer (AdamW on the OS shard, (28 + grad bytes) bytes per element / ``memory_bandwidth_gbs``)
+  are fully exposed.
 Not modelled: framework overhead, accumulation adds, stragglers, congestion beyond the per-node
 NIC share, PaRO-CC's chunked overlap of one collective's phases.
 """
@@ -36,7 +37,7 @@ from ..strategy import ALL_STRATEGIES, Level, Strategy, StrategyLike
 from .cluster import GB, AdvisorError, Cluster, GiB, link_for, link_seconds, load_cluster
 from .model import ModelSpec, activation_bytes, buckets, flops_per_token, model_spec
 
-__all__ = ["ACTIVATION_CHECKPOINT_MODES", "NAMED_STRATEGIES", "Prediction", "choose_strategy",
+__all__ = ["ACTIVATION_CHECKPOINT_MODES", "NAMED_STRATEGIES", "Prediction", "choose_strategy", "exposed_seconds",
            "format_table", "predict", "rank_strategies", "traffic_time"]
 
 ACTIVATION_CHECKPOINT_MODES = ("none", "full", "auto")
@@ -114,6 +115,18 @@ def traffic_time(t: CommStats, n: int, m: int, cluster: Cluster) -> dict[str, fl
     return out
 
 
+def exposed_seconds(by_dim: dict[str, float], compute: float, cluster: Cluster) -> float:
+    """What of the collectives in ``by_dim`` (seconds per mesh dimension) does not hide behind
+    ``compute`` seconds: each dimension hides up to its ``cluster.overlap_of`` of the compute, the
+    slow (inter, flat) traffic first, the intra traffic in the compute it leaves. With one overlap
+    for both: max(0, total - overlap x compute)."""
+    slow, fast = by_dim.get("inter", 0.0) + by_dim.get("global", 0.0), by_dim.get("intra", 0.0)
+    phi_slow, phi_fast = cluster.overlap_of("inter"), cluster.overlap_of("intra")
+    hid_slow = min(slow, phi_slow * compute)
+    left = max(0.0, compute - hid_slow / phi_slow) if phi_slow > 0 else compute
+    return slow + fast - hid_slow - min(fast, phi_fast * left)
+
+
 def predict(model: Union[str, LlamaArgs, ModelSpec], strategy: StrategyLike, n: int, m: int, micro_batch: int,
             grad_accum: int, seq_len: int, cluster: Cluster, trainable_fraction: float = 1.0, dtype: str = "bf16",
             reduce_dtype: Optional[str] = None, activation_checkpoint: str = "none",
@@ -151,27 +164,34 @@ def predict(model: Union[str, LlamaArgs, ModelSpec], strategy: StrategyLike, n: 
     traffic = traffic_of(bks, n, m, A, pb, gb)
     boundary = traffic_of(bks, n, m, 0, pb, gb)  # A = 0: only the once-per-step collectives
 
-    def seconds(moves: tuple[Move, ...], psi: int, itemsize: int) -> float:
+    def seconds(moves: tuple[Move, ...], psi: int, itemsize: int) -> dict[str, float]:
         t = Ledger(n, m)
         t.count(moves, psi, itemsize)
-        return sum(traffic_time(t.stats, n, m, cluster).values())
+        return traffic_time(t.stats, n, m, cluster)
 
+    def total(*parts: dict[str, float], times: Sequence[float] = ()) -> dict[str, float]:
+        k = list(times) or [1.0] * len(parts)
+        return {d: sum(w * p[d] for w, p in zip(k, parts)) for d in ("intra", "inter", "global")}
+
+    zero = total()
     plan = plan_of(s)
     gathers = [seconds(plan.gather, b.numel, pb) for b in bks]  # root, then the layers (all alike)
-    reductions = [seconds(plan.reduce, b.trainable, gb) if b.trainable else 0.0 for b in bks]
-    g_layer = gathers[1] if len(bks) > 1 else 0.0
-    bwd_first = g_layer if len(bks) > 1 and bks[1].gathers == 2 else 0.0  # the first layer re-gathered
-    fwd_all, fwd_first = sum(gathers), gathers[0] + g_layer
-    bwd_all = (len(bks) - 1) * bwd_first + sum(reductions)
+    reductions = [seconds(plan.reduce, b.trainable, gb) if b.trainable else zero for b in bks]
+    g_layer = gathers[1] if len(bks) > 1 else zero
+    bwd_first = g_layer if len(bks) > 1 and bks[1].gathers == 2 else zero  # the first layer re-gathered
+    fwd_first = total(gathers[0], g_layer)
+    fwd_rest = total(*gathers, fwd_first, times=[1.0] * len(gathers) + [-1.0])
     # backward finishes with the root's reduction (its embedding gradient comes last), or, when
     # the root is frozen, with the earliest trainable layer's
-    last_red = reductions[0] if bks[0].trainable else (reductions[1] if len(reductions) > 1 else 0.0)
+    last_red = reductions[0] if bks[0].trainable else (reductions[1] if len(reductions) > 1 else zero)
+    bwd_rest = total(bwd_first, *reductions, bwd_first, last_red,
+                     times=[len(bks) - 1] + [1.0] * len(reductions) + [-1.0, -1.0])
+    fwd_all, bwd_all = sum(total(fwd_first, fwd_rest).values()), sum(total(bwd_first, last_red, bwd_rest).values())
 
     tokens = micro_batch * seq_len
     c_fwd, c_bwd = (f * tokens / (cluster.achieved_tflops * 1e12) for f in flops_per_token(spec, seq_len, ckpt))
-    phi = cluster.overlap
-    exp_fwd = fwd_first + max(0.0, fwd_all - fwd_first - phi * c_fwd)
-    exp_bwd = bwd_first + last_red + max(0.0, bwd_all - bwd_first - last_red - phi * c_bwd)
+    exp_fwd = sum(fwd_first.values()) + exposed_seconds(fwd_rest, c_fwd, cluster)
+    exp_bwd = sum(bwd_first.values()) + sum(last_red.values()) + exposed_seconds(bwd_rest, c_bwd, cluster)
     t_boundary = sum(traffic_time(boundary, n, m, cluster).values())
     t_opt = spec.psi_trainable / s.os.divisor(n, m) * (28 + gb) / (cluster.memory_bandwidth_gbs * GB)
     step = A * (c_fwd + c_bwd + exp_fwd + exp_bwd) + t_boundary + t_opt

@@ -214,6 +214,7 @@ def worker(args: argparse.Namespace) -> None:
     if not args.no_advisor or args.budgets:
         from paro_fsdp.cost.calibrate import calibrate_in_process
         from paro_fsdp.cost.predict import choose_strategy, predict
+        from paro_fsdp.cost.cluster import cluster_to_toml
 
         cluster = calibrate_in_process(mesh, margs, micro_batch=args.batch, seq_len=args.seq, dtype=args.dtype, reps=2,
                                        name="emulated")
@@ -332,6 +333,7 @@ def worker(args: argparse.Namespace) -> None:
                 "intra_gbs": cluster.intra.bandwidth_gbs,
                 "inter_gbs": cluster.inter.bandwidth_gbs,
                 "tflops": cluster.achieved_tflops,
+                "toml": cluster_to_toml(cluster),  # the whole calibration: the predictions can be recomputed
             },
         }
         print(format_report(rows, meta, args.budget_mib), flush=True)
