@@ -33,6 +33,7 @@ import time
 
 from paro_fsdp.dtypes import DTYPES, dtype_of
 from tools.emulate.emulator import Emulator, EmulatorError, check_privileges, local_tx_bytes
+from tools.emulate.gloo_rs import install_from_env
 from tools.emulate.launch import ResultTee, launch, worker_or_driver
 
 #: the command line the driver starts on every emulated node (as ``--worker``)
@@ -76,6 +77,7 @@ def worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+    install_from_env()
     m = int(os.environ.get("LOCAL_WORLD_SIZE", args.ranks_per_node))
     info = MeshInfo.from_mesh(init_paro_mesh(m))
     n, rank = info.n, dist.get_rank()

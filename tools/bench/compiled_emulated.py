@@ -57,6 +57,7 @@ import torch.distributed as dist
 
 from .compiled_emulated_report import MODES, format_table, label, link_series, parse_recompile, slug, write_timeline_png
 from tools.emulate.emulator import local_tx_bytes, parse_rate
+from tools.emulate.gloo_rs import install_from_env
 from .headline_worker import RESULT_TAG
 from .workload import LR, MAX_NORM, WD, make_model
 
@@ -241,6 +242,7 @@ def worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+    install_from_env()
     n, rank = dist.get_world_size(), dist.get_rank()
     m = int(os.environ.get("LOCAL_WORLD_SIZE", args.ranks_per_node))
     isolate_compile_cache(rank)

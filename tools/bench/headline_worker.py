@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from tools.emulate.emulator import UNSHAPED, local_tx_bytes, parse_rate, set_link_rate
+from tools.emulate.gloo_rs import install_from_env
 from .headline_report import format_report
 from .workload import LR, MAX_NORM, WD, MLPStack
 
@@ -48,6 +49,7 @@ def worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+    gloo_rs = install_from_env()
     n, rank = dist.get_world_size(), dist.get_rank()
     m = int(os.environ.get("LOCAL_WORLD_SIZE", args.ranks_per_node))
     mesh = init_paro_mesh(m)
@@ -320,6 +322,7 @@ def worker(args: argparse.Namespace) -> None:
             "m": m,
             "topology": os.environ.get("PARO_EMU_TOPOLOGY", "none"),
             "rate": os.environ.get("PARO_EMU_RATE", "?"),
+            "gloo_reduce_scatter": gloo_rs,
             "params": sum(p.numel() for p in ref.parameters()),
             "trainable_params": sum(p.numel() for p in trainable(ref)),
             "dtype": args.dtype,

@@ -112,7 +112,8 @@ def launch(emu: Emulator, command: list[str], launcher: str = "torchrun", torchr
     env.update(OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"), PARO_EMU_IFNAMES=",".join(emu.gloo_ifnames()),
                GLOO_SOCKET_IFNAME=emu.ifname(0), PARO_EMU_TOPOLOGY=emu.topology, PARO_EMU_RATE=emu.rate,
                PARO_EMU_NODES=str(emu.nodes), PARO_EMU_RANKS_PER_NODE=str(emu.ranks_per_node),
-               PARO_EMU_SHAPED=json.dumps(emu.shaped), PYTHONUNBUFFERED="1")
+               PARO_EMU_SHAPED=json.dumps(emu.shaped), PYTHONUNBUFFERED="1",
+               PARO_EMU_GLOO_RS=env.get("PARO_EMU_GLOO_RS", "all_to_all"))  # gloo_rs.py: a ring's bytes
     if extra_env:
         env.update(extra_env)
     procs: list[subprocess.Popen] = []

@@ -36,6 +36,7 @@ from typing import Any
 
 from tools.bench.workload import LR, MAX_NORM, WD
 from tools.emulate.emulator import UNSHAPED, local_tx_bytes, parse_rate, set_link_rate
+from tools.emulate.gloo_rs import install_from_env
 
 from . import PEERS
 from . import patches as P
@@ -189,6 +190,7 @@ def worker(args: argparse.Namespace) -> None:
     active = P.active(peer, set(filter(None, args.no_patch.split(","))))
     if not dist.is_initialized():
         dist.init_process_group("gloo")
+    install_from_env()
     n, rank = dist.get_world_size(), dist.get_rank()
     m = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "2"))
     accums = [int(a) for a in args.accum.split(",")]
