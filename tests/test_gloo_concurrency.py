@@ -23,6 +23,10 @@ def stress(payload: dict) -> int:
 
     if payload["safe"]:
         use_safe_gloo_all_gather()
+    if payload.get("gloo_rs"):  # the emulator's reduce-scatter (tools/emulate/gloo_rs.py)
+        from tools.emulate import gloo_rs
+
+        gloo_rs.install()
     info = MeshInfo.from_mesh(init_paro_mesh(2))
     ops = torch.ops._c10d_functional
     checks = 0

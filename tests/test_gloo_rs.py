@@ -79,36 +79,11 @@ def test_every_path_gives_gloos_result_at_a_rings_bytes():
         assert r["a2a_bytes"] < 1.1 * ring
 
 
-def in_flight(payload: dict) -> int:
-    """Reduce-scatters on both dimensions of a 2 x 2 mesh in flight together with all-gathers and
-    all-reduces, each result checked."""
-    from paro_fsdp._compat import use_safe_gloo_all_gather
-    from paro_fsdp.mesh import MeshInfo, init_paro_mesh
-    from tools.emulate import gloo_rs
-
-    use_safe_gloo_all_gather()
-    gloo_rs.install()
-    info = MeshInfo.from_mesh(init_paro_mesh(2))
-    ops = torch.ops._c10d_functional
-    checks = 0
-    for it in range(payload["iters"]):
-        sizes = [2 * int(s) for s in torch.randint(1, 2000, (3,), generator=torch.Generator().manual_seed(it))]
-        pending = []
-        for s in sizes:
-            for dim in ("intra", "inter"):
-                name = info.group_names[dim]
-                pending.append((ops.reduce_scatter_tensor(torch.ones(s), "sum", 2, name), s))
-                pending.append((ops.all_gather_into_tensor(torch.ones(s), 2, name), 2 * s))
-                pending.append((ops.all_reduce(torch.ones(s), "sum", name), 2 * s))
-        for tensor, expected in pending:
-            assert float(ops.wait_tensor(tensor).sum()) == expected
-            checks += 1
-    return checks
-
-
 def test_in_flight_with_the_other_dimension():
-    results = run_world(4, "test_gloo_rs:in_flight", {"iters": 100})
-    assert results == [100 * 3 * 6] * 4
+    """test_gloo_concurrency's stress loop (gathers, reduce-scatters and all-reduces on both
+    dimensions of a 2 x 2 mesh, in flight together), the reduce-scatters through the emulator's."""
+    results = run_world(4, "test_gloo_concurrency:stress", {"safe": True, "iters": 100, "gloo_rs": True})
+    assert results == [100 * 4 * 6] * 4
 
 
 def test_an_unknown_choice_is_one_line(monkeypatch):
