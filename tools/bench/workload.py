@@ -20,6 +20,14 @@ from paro_fsdp.models.llama import Llama, LlamaArgs
 
 WORLD, GROUP = 4, 2
 LR, WD, MAX_NORM = 1e-3, 0.1, 1.0
+SGD_LR = 0.1  # the peers' ``--optimizer sgd``: plain SGD shows a gradient's scale, which Adam hides
+
+
+def make_optimizer(params: Any, optimizer: str = "adamw") -> torch.optim.Optimizer:
+    """The bench's AdamW, or plain SGD (``SGD_LR``, no momentum) for the gradient-scale checks."""
+    if optimizer == "sgd":
+        return torch.optim.SGD(params, lr=SGD_LR, foreach=True)
+    return torch.optim.AdamW(params, lr=LR, weight_decay=WD, foreach=True)
 
 
 def make_model(args: LlamaArgs, seed: int = 0) -> Llama:

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from . import Peer
 from . import patches as P
-from .worker import make_optimizer
+from tools.bench.workload import make_optimizer
 
 
 def config(peer: Peer, args: argparse.Namespace, m: int, accum: int, world: int, block: int) -> dict:
@@ -48,7 +48,7 @@ def build(peer: Peer, args: argparse.Namespace, model: Any, m: int, active: set[
     cfg = config(peer, args, m, accum0, world, block)
     if peer.mode == "mics":  # MiCS's optimizer takes MiCS parameters only: convert the model built (same init)
         deepspeed.zero.MiCS_Init(module=model, config_dict_or_path=cfg)
-    opt = make_optimizer(model.parameters(), args)
+    opt = make_optimizer(model.parameters(), args.optimizer)
     engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
     state = {"accum": accum0}
 

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from . import Peer
 from . import patches as P
-from .worker import make_optimizer
+from tools.bench.workload import make_optimizer
 
 
 def clip_grad_norm(params: list, max_norm: float) -> float:
@@ -81,7 +81,7 @@ def build(peer: Peer, args: argparse.Namespace, model: Any, m: int, active: set[
     # gloo has no PREMUL_SUM: divide by the data-parallel size as a step of its own (Megatron-FSDP's option)
     fmodel.ddp_config.gradient_reduce_div_fusion = False
     params = list(fmodel.parameters())
-    opt = fully_shard_optimizer(make_optimizer(params, args))
+    opt = fully_shard_optimizer(make_optimizer(params, args.optimizer))
 
     def step(batch: Callable[[int], Any], accum: int, probe: Callable[[], None] | None) -> float:
         total = 0.0

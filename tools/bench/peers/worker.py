@@ -34,7 +34,7 @@ import time
 import warnings
 from typing import Any
 
-from tools.bench.workload import LR, MAX_NORM, WD
+from tools.bench.workload import MAX_NORM, make_optimizer
 from tools.emulate.emulator import UNSHAPED, local_tx_bytes, parse_rate, set_link_rate
 from tools.emulate.gloo_rs import install_from_env
 
@@ -43,7 +43,6 @@ from . import patches as P
 
 RESULT_TAG = "PARO_PEER_JSON "
 RTOL = 1e-6  # fp32: runs agree within ~2e-7 of ~7 over a few steps
-SGD_LR = 0.1  # --optimizer sgd
 APPROX_RTOL = 5e-2  # int8 / int4 quantized weights and gradients (the stand-in): close, not equal
 
 
@@ -61,7 +60,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-limit", action="store_true")
     p.add_argument("--check-steps", type=int, default=3, help="steps checked against one process (0: none)")
     p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"),
-                   help="sgd (lr SGD_LR, no momentum): gradients' scale shows in the losses (Adam hides it)")
+                   help="sgd (workload.SGD_LR, no momentum): gradients' scale shows in the losses (Adam hides it)")
     p.add_argument("--max-norm", type=float, default=MAX_NORM, help="gradient clipping (0: none)")
     p.add_argument("--ranks-per-node", type=int, default=None,
                    help="m, the ranks of a node (default: torchrun's LOCAL_WORLD_SIZE); set it under plain torchrun")
@@ -88,15 +87,6 @@ def batch(args: argparse.Namespace, rank: int, i: int, a: int) -> Any:
 
     gen = torch.Generator().manual_seed(10_000 * i + 100 * a + rank)
     return torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
-
-
-def make_optimizer(params: Any, args: argparse.Namespace) -> Any:
-    """The bench's AdamW (``workload.py``), or plain SGD for the gradient-scale checks."""
-    import torch
-
-    if args.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=SGD_LR, foreach=True)
-    return torch.optim.AdamW(params, lr=LR, weight_decay=WD, foreach=True)
 
 
 # ---- model-state memory ---------------------------------------------------------------------------
@@ -159,7 +149,7 @@ def reference_losses(args: argparse.Namespace, world: int, steps: list[int]) -> 
     import torch
 
     model = make_model(args)
-    opt = make_optimizer(model.parameters(), args)
+    opt = make_optimizer(model.parameters(), args.optimizer)
     out = []
     for i, accum in enumerate(steps):
         total = 0.0
