@@ -80,7 +80,7 @@ def _one(strategy: str, payload: dict) -> dict:
 
     cuda = torch.cuda.is_available() and payload.get("cuda", False)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    args = flavor(payload["flavor"], max_seq_len=payload["seq_len"])
+    args = flavor(payload["flavor"], max_seq_len=payload["seq_len"], **payload.get("overrides", {}))
     if "mesh" not in _MESH:  # one mesh per rank process, for every strategy
         _MESH["mesh"] = init_paro_mesh(payload["group_size"])
     mesh = _MESH["mesh"]
