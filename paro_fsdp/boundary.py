@@ -142,8 +142,8 @@ def set_master_grads(group: ParoParamGroup, reduced: torch.Tensor) -> None:
 def push_params(group: ParoParamGroup) -> Steps:
     """After the parameters changed (an optimizer step, a load): the fp32 masters to the P level in
     param dtype (the plan's push, under ``torch.no_grad()``); nothing where P is the master
-    (``shares_p``). A P level finer than the push's result is a local slice."""
-    if not group.trainable or group.shares_p:
+    (``shares_p``, or ``casts_p``: gathers cast them). A P level finer than the push's result is a local slice."""
+    if not group.trainable or group.shares_p or group.casts_p:
         return
     layout, P, OS, dt = group.t_layout, group.strategy.p, group.strategy.os, group.mp.param_dtype
     if OS == Level.N:  # every rank updated whole tensors: slice

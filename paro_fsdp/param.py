@@ -49,10 +49,11 @@ class ParoParam:
     """One tensor of a group. ``param``: the module's parameter, an fp32 DTensor at the OS level
     (trainable; what the user's optimizer updates) or the P-level one (frozen: its only copy);
     ``working``: this rank's P-level shard in param dtype, a view of the group's P storage (the
-    master itself where fp32 P = OS); ``master``: this rank's OS-level fp32 shard (``param``'s
-    local tensor; None when frozen); ``whole`` / ``whole_buf``: the whole tensor while gathered
-    and its padded buffer (None for P = N, where ``whole`` is ``working``); ``grad_offset``:
-    where its rows start in the group's G-level accumulator (trainable only)."""
+    master itself where P = OS: fp32, or a lower param dtype that gathers cast); ``master``: this
+    rank's OS-level fp32 shard (``param``'s local tensor; None when frozen); ``whole`` /
+    ``whole_buf``: the whole tensor while gathered and its padded buffer (None for P = N, where
+    ``whole`` is ``working``); ``grad_offset``: where its rows start in the group's G-level
+    accumulator (trainable only)."""
 
     ref: ParamRef
     layout: TensorLayout

@@ -107,24 +107,29 @@ class ParoParamGroup:
                     param_init_fn(r.fqn, originals[i])
         P, OS = strategy.p, strategy.os
         n_t = len(self.trainable)
+        # Where P and OS are one level the fp32 masters are the P storage: in fp32 they are shared
+        # (``shares_p``); in a lower param dtype, where every tensor trains, a gather sends them cast
+        # (``casts_p``, FSDP2's copy-in: a block's shard for the gather's time) and no param-dtype
+        # copy is kept beside them (2 bytes a parameter in bf16: GGG holds FSDP2's 16, not 18)
+        self.shares_p = P == OS and mp.param_dtype == torch.float32
+        self.casts_p = P == OS != Level.N and mp.param_dtype != torch.float32 and n_t == len(self.refs)
         with torch.no_grad():
             # P storage: the working copies view it
             if P == Level.N:
-                self.p_flat = None
+                flat = None
                 working = [o.to(device=device, dtype=mp.param_dtype, copy=True) for o in originals]
             else:
-                self.p_flat = self.p_layout.new(P, mp.param_dtype, device)
+                flat = self.p_layout.new(P, torch.float32 if self.casts_p else mp.param_dtype, device)
                 # its size differs per group: left dynamic, the next block's graph would recompile symbolic
-                torch._dynamo.mark_static(self.p_flat)
-                working = [self.p_layout.local_view(self.p_flat, t, P) for t in layouts]
+                torch._dynamo.mark_static(flat)
+                working = [self.p_layout.local_view(flat, t, P) for t in layouts]
                 for local, t, o in zip(working, layouts, originals):
                     local.copy_(t.local_slice(o, P, info.k))
+            self.p_flat = None if self.casts_p else flat
             self.params = [ParoParam(r, t, w) for r, t, w in zip(self.refs, layouts, working)]
-            # fp32 master at the OS level: the module's parameters, which the user's optimizer updates.
-            # Where P is the same level and dtype (fp32 P = OS) the P storage is the master: one copy.
-            self.shares_p = P == OS and mp.param_dtype == torch.float32
-            if self.shares_p:  # trainable tensors come first in P: the masters are its prefix
-                self.master_flat = self.p_flat if n_t == len(self.refs) else None
+            # fp32 master at the OS level: the module's parameters, which the user's optimizer updates
+            if self.shares_p or self.casts_p:  # trainable tensors come first in P: the masters are its prefix
+                self.master_flat = flat if n_t == len(self.refs) else None
                 masters = working[:n_t]
             elif OS == Level.N:
                 self.master_flat = None
@@ -215,11 +220,15 @@ class ParoParamGroup:
         its chunks as they arrived, for ``copy_out``)."""
         (move,) = self.plan.gather
         if move.dim == "global":
-            return self.cc.all_gather(self.p_flat, order="nested", params=True, parts=parts)
+            return self.cc.all_gather(self.p_send(), order="nested", params=True, parts=parts)
         out = self._take(self.info.m * self.p_layout.sum_i, self.mp.param_dtype) if parts else None
         if out is not None:  # (never set while tracing: torch 2.11's dynamo refuses the mutation in a HOP)
             self._gather_buf = out  # handed back to the pool after the copy-out (``unshard``)
-        return self.comm.all_gather(self.p_flat, move.dim, params=True, out=out)
+        return self.comm.all_gather(self.p_send(), move.dim, params=True, out=out)
+
+    def p_send(self) -> torch.Tensor:
+        """What a parameter gather sends: the P storage, or (``casts_p``) the fp32 masters cast."""
+        return self.master_flat.to(self.mp.param_dtype) if self.casts_p else self.p_flat
 
     def _take(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
         """A pooled buffer for the eager path (comm.BufferPool); None where collectives allocate
@@ -386,8 +395,8 @@ class ParoParamGroup:
         def size(dtype: torch.dtype) -> int:
             return torch.empty((), dtype=dtype).element_size()
 
-        p_tensors = [self.p_flat] if self.p_flat is not None else self.p_locals
-        p_bytes = sum(t.numel() * t.element_size() for t in p_tensors)
+        p_tensors = [] if self.casts_p else [self.p_flat] if self.p_flat is not None else self.p_locals
+        p_bytes = sum(t.numel() * t.element_size() for t in p_tensors)  # casts_p: the masters, counted in OS
         S, OS, layout = self.strategy, self.strategy.os, self.t_layout
         g_numel = layout.numel(S.g) if self.trainable else 0
         g_bytes = g_numel * size(self.mp.acc_dtype)

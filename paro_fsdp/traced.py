@@ -91,7 +91,7 @@ def unshard(group: "ParoParamGroup") -> list[torch.Tensor]:
     ``reshard_after_forward`` (P = I or G), the gather runs under a selective-checkpoint policy
     that makes the compiler recompute it in backward rather than keep whole tensors alive (as
     the eager engine frees and re-gathers them)."""
-    p = group.p_locals if group.strategy.p == Level.N else [group.p_flat]
+    p = group.p_locals if group.strategy.p == Level.N else [group.master_flat if group.casts_p else group.p_flat]
     if not group.trainable or not torch.is_grad_enabled():
         with torch.no_grad():
             return _gather(group, None, None, False, *p)

@@ -143,7 +143,7 @@ def test_compile_accounting_tells_own_recompiles_from_other_variants(recompile_c
         fa(torch.ones(3), a)
         a.last = True
         fa(torch.ones(3), a)
-    assert (first_a.graphs, first_a.recompiles, len(first_a.frames)) == (2, 1, 2)
+    assert (first_a.graphs, first_a.recompiles, len(first_a.frames)) == (2, 1, 2), first_a.frames
     assert first_a.reasons == [f"body (test_bench_compiled.py:{body.__code__.co_firstlineno}): flag.last == False"]
     with C.watch_compiles(first_b, own_b):  # another variant, same code: a's entries fail, b's first capture
         fb(torch.ones(3), b)

@@ -110,7 +110,8 @@ def memory_of(buckets: Iterable[Bucket], n: int, m: int, param_bytes: int = 2, g
     out = {"P": 0.0, "G": 0.0, "OS": 0.0, "master_grads": 0.0}
     for b in buckets:
         s = b.strategy
-        out["P"] += param_bytes * b.numel / s.p.divisor(n, m)
+        cast = s.p == s.os != _N and param_bytes != 4 and b.numel == b.trainable  # P is the master, sent cast
+        out["P"] += 0.0 if cast else param_bytes * b.numel / s.p.divisor(n, m)
         out["G"] += grad_bytes * b.trainable / s.g.divisor(n, m)
         shared = 4 if s.p == s.os and param_bytes == 4 else 0  # fp32 P = OS: the parameter is the master
         out["OS"] += (os_bytes - shared) * b.trainable / s.os.divisor(n, m)

@@ -19,11 +19,11 @@ FROZEN = ("layers.0.attention.wq.weight", "layers.1.ffn_norm.weight", "norm.weig
 B, T, STEPS, LR, MAX_NORM = 2, 8, 3, 1e-3, 0.5
 
 
-def make_model(seed: int = 0, args: LlamaArgs = TINY) -> Llama:
+def make_model(seed: int = 0, args: LlamaArgs = TINY, frozen: tuple[str, ...] = FROZEN) -> Llama:
     torch.manual_seed(seed)
     model = Llama(args)
     for name, p in model.named_parameters():
-        if name in FROZEN:
+        if name in frozen:
             p.requires_grad_(False)
     return model
 
@@ -92,7 +92,7 @@ def clip(model, max_norm: float) -> torch.Tensor:
 
 def train_paro(strategy, group_size: int, accum: int, mp: MixedPrecision | None = None, steps: int = STEPS,
                ac: str | None = None, args: LlamaArgs = TINY, chunk_bytes: int | None = None,
-               compile: dict | None = None):
+               compile: dict | None = None, frozen: tuple[str, ...] = FROZEN):
     """The FSDP2 way: torch's AdamW over ``model.parameters()``, ``set_requires_gradient_sync``
     on the last micro-step (the boundary's reductions under its backward; A = 1: every
     backward), torch's ``clip_grad_norm_``. ``chunk_bytes``: PaRO-CC chunk size (the default
@@ -102,7 +102,7 @@ def train_paro(strategy, group_size: int, accum: int, mp: MixedPrecision | None 
     mesh = init_paro_mesh(group_size)
     if compile is not None:
         torch._dynamo.reset()  # before paro_shard: a reset drops the compile-start callback that makes its sinks
-    model = make_model(args=args)
+    model = make_model(args=args, frozen=frozen)
     if ac == "wrapper":  # torch's checkpoint_wrapper around each block before sharding (FSDP2's order)
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
         apply_activation_checkpointing(model, check_fn=lambda m: m in set(model.layers))

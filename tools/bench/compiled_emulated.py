@@ -110,6 +110,9 @@ def watch_compiles(into: Compiles, own: set[str]):
                 counters["inductor"]["fxgraph_cache_miss"], len(_RECOMPILES))
 
     g, h, m, r = now()
+    # what dynamo recorded before (earlier work in this process, never inside a watch; held, so no
+    # new record can take an old one's id): not this block's, though its compile id may be unseen
+    before = get_compilation_metrics()
     try:
         yield into
     finally:
@@ -117,8 +120,9 @@ def watch_compiles(into: Compiles, own: set[str]):
         into.graphs += g2 - g
         into.cache_hits += h2 - h
         into.cache_misses += m2 - m
+        old = {id(c) for c in before}
         for c in get_compilation_metrics():
-            if c.compile_id is not None and str(c.compile_id) not in _SEEN:
+            if c.compile_id is not None and id(c) not in old and str(c.compile_id) not in _SEEN:
                 _SEEN.add(str(c.compile_id))
                 own.add(str(c.compile_id))
                 into.frames.append(f"{c.co_name} ({os.path.basename(str(c.co_filename))}:{c.co_firstlineno})")

@@ -37,12 +37,13 @@ def fake_mesh(device: str, shape: tuple[int, int] = (2, 4)):
 
 
 # the engine internals the brief names: each must be found where the strategy has it
-def _required_internals(strategy) -> list[str]:
+def _required_internals(group: Any) -> list[str]:
     from paro_fsdp.strategy import Level
 
+    strategy = group.strategy
     need = ["p_locals", "master", "grad_acc"]
-    if strategy.p != Level.N:
-        need += ["p_flat", "full_bufs"]
+    if strategy.p != Level.N:  # P = OS in bf16: the masters are the P storage (``casts_p``)
+        need += ["full_bufs"] if group.casts_p else ["p_flat", "full_bufs"]
     if strategy.os != Level.N:
         need += ["master_flat"]
     return need
@@ -114,7 +115,7 @@ def buffer_devices(model: Any, opt: Any, device_type: str) -> dict[str, Any]:
                 for suffix, t in _tensors_of(value):
                     if id(t) not in visited:
                         visit(f"{g.name}.params[{i}].{attr}{suffix}", f"params.{attr}", t)
-        for attr in _required_internals(g.strategy):
+        for attr in _required_internals(g):
             if attr == "grad_acc" and not g.trainable:
                 continue
             value = attrs.get(attr)
