@@ -227,8 +227,16 @@ class ParoParamGroup:
         return self.comm.all_gather(self.p_send(), move.dim, params=True, out=out)
 
     def p_send(self) -> torch.Tensor:
-        """What a parameter gather sends: the P storage, or (``casts_p``) the fp32 masters cast."""
-        return self.master_flat.to(self.mp.param_dtype) if self.casts_p else self.p_flat
+        """What a parameter gather sends: the P storage, or (``casts_p``) the fp32 masters cast, on
+        a GPU on the stream the gather runs on: ordered before it, and after the masters' writes
+        (``streams.params_written``, once per forward) but not the compute queued since."""
+        if not self.casts_p:
+            return self.p_flat
+        streams = active(self.comm.streams)
+        if streams is None:
+            return self.master_flat.to(self.mp.param_dtype)
+        with streams.issue("params"):
+            return self.master_flat.to(self.mp.param_dtype)
 
     def _take(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
         """A pooled buffer for the eager path (comm.BufferPool); None where collectives allocate

@@ -339,6 +339,13 @@ def test_sanitized_ranks_with_cuda_faked():
         sw.run_cases("cpu", [{"id": "IIG+missing-wait", "strategy": "IIG", "plant": "missing-wait"}], target=target)
 
 
+def test_sanitized_bf16_pair_with_cuda_faked():
+    """The plumbing of part (e)'s bf16 pair on CPU: GGG's masters sent cast train as IGG's pushed copy."""
+    runs = sw.run_cases("cpu", list(sw.BF16_PAIR), target="test_gpu_check_streams:fake_cuda_rank_sanitized",
+                        timeout=300)
+    assert sw.same_training(runs["GGG+bf16"], runs["IGG+bf16"]) == []
+
+
 def test_sync_counter_records_where_each_synchronisation_was_made():
     modes: list = []
     counter = sw.SyncCounter(1, 3, set_mode=modes.append)

@@ -59,6 +59,13 @@ def test_reserved_memory_beside_allocated(runs, strategy, record_property):
     assert 0 < r["allocated"] <= r["reserved"]
 
 
+def test_bf16_masters_sent_cast_on_the_gather_stream_race_free():
+    """GGG in bf16 casts the fp32 masters on the gather stream for each gather (no bf16 copy
+    kept): no race, and the same training as IGG's pushed copy, bit for bit."""
+    runs = sw.run_cases("cuda", list(sw.BF16_PAIR), target=SANITIZED, env=ENV)
+    assert sw.same_training(runs["GGG+bf16"], runs["IGG+bf16"]) == []
+
+
 def test_the_sanitizer_reports_a_planted_missing_wait():
     with pytest.raises(RuntimeError, match="CUDASanitizerErrors"):
         sw.run_cases("cuda", [{"id": "IIG+missing-wait", "strategy": "IIG", "plant": "missing-wait"}], target=SANITIZED,

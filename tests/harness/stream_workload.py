@@ -181,20 +181,21 @@ def graph_collectives(record: Any) -> dict[str, int]:
 
 def train_sharded(mesh: Any, strategy: str, device: torch.device, *, delay_cycles: int = 0, stall_cycles: int = 0,
                   compiled: bool = False, step_hook: Optional[Callable[[int], None]] = None,
-                  guard: Any = None) -> dict[str, Any]:
+                  guard: Any = None, bf16: bool = False) -> dict[str, Any]:
     """``strategy`` on ``mesh``: the workload's 3 steps; returns this rank's per-step losses (its
     own micro-batches), the gradient norms, the final full parameters (on the CPU) and, when
     ``compiled``, the collectives in the compiled block's graphs. ``step_hook(step)`` runs before
     each step (part (e) turns the sync debug mode on there); ``guard``: a trainer
-    ``NonFiniteGuard`` that decides whether the optimizer steps, as in ``train.py``."""
+    ``NonFiniteGuard`` that decides whether the optimizer steps, as in ``train.py``; ``bf16``: P in
+    bf16 (where P = OS, the gathers send the fp32 masters cast, on the gather stream)."""
     import torch.distributed as dist
 
-    from paro_fsdp import paro_shard
+    from paro_fsdp import MixedPrecision, paro_shard
 
     exact_math()
     if compiled:
         torch._dynamo.reset()  # before paro_shard: a reset drops the compile-start callback that makes its sinks
-    model = paro_shard(make_model(), mesh, strategy)
+    model = paro_shard(make_model(), mesh, strategy, mp=MixedPrecision(torch.bfloat16) if bf16 else None)
     add_delays(model, delay_cycles)
     record = compile_first_block(model, device.type) if compiled else None
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
@@ -313,6 +314,20 @@ DELAY_MS, RESULT_MS = 0.5, 2.0
 #: GEMM shapes (4x the batch), so a little looser -- still far below what one stale or poisoned
 #: buffer does (NaN, or AdamW steps of ~1e-3 in the wrong direction)
 TOL = {"cpu": (1e-5, 1e-5, 2e-5), "cuda": (1e-4, 1e-4, 1e-4)}
+# bf16 P: GGG gathers the fp32 masters cast (P = OS), IGG a pushed bf16 copy; otherwise the same
+# moves, so the same training bit for bit
+BF16_PAIR = ({"id": "GGG+bf16", "strategy": "GGG", "bf16": True}, {"id": "IGG+bf16", "strategy": "IGG", "bf16": True})
+
+
+def same_training(a: dict[int, dict[str, Any]], b: dict[int, dict[str, Any]]) -> list[str]:
+    """What differs between two cases' per-rank results (losses, norms, final parameters)."""
+    bad = []
+    for rank in a:
+        for key in ("losses", "norms"):
+            if a[rank][key] != b[rank][key]:
+                bad.append(f"rank {rank} {key}")
+        bad += [f"rank {rank} {n}" for n, v in a[rank]["params"].items() if not torch.equal(v, b[rank]["params"][n])]
+    return bad
 
 
 def rank_device(kind: str) -> torch.device:
@@ -331,7 +346,7 @@ def _mesh(device: torch.device) -> Any:
 
 
 def rank_cases(payload: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Every case of ``payload["cases"]`` ({id, strategy, compiled, plant}) on this rank, through
+    """Every case of ``payload["cases"]`` ({id, strategy, compiled, plant, bf16}) on this rank, through
     the stand-in (on CUDA behind its result delay, the compute stream stalled): per case the
     result of ``train_sharded``, what the stand-in served and the seconds it took."""
     from standin import StandIn
@@ -345,7 +360,8 @@ def rank_cases(payload: dict[str, Any]) -> dict[str, dict[str, Any]]:
         t0, before = time.monotonic(), standin.stats.snapshot()
         with planted(case.get("plant"), device.type):
             got = train_sharded(mesh, case["strategy"], device, delay_cycles=int(DELAY_MS * cpm),
-                                stall_cycles=int(DELAY_MS * cpm), compiled=case.get("compiled", False))
+                                stall_cycles=int(DELAY_MS * cpm), compiled=case.get("compiled", False),
+                                bf16=case.get("bf16", False))
         out[case["id"]] = {"seconds": time.monotonic() - t0, "standin": standin.stats.since(before), **got}
     return out
 
@@ -414,7 +430,7 @@ def rank_sanitized(payload: dict[str, Any]) -> dict[str, dict[str, Any]]:
         try:
             with planted(case.get("plant"), "cuda"):
                 got = train_sharded(mesh, case["strategy"], device, step_hook=counter.hook,
-                                    guard=NonFiniteGuard("skip", 0))
+                                    guard=NonFiniteGuard("skip", 0), bf16=case.get("bf16", False))
         except csan.CUDASanitizerErrors as exc:  # its message is a count: name the first race
             raise RuntimeError(f"CUDASanitizerErrors: {str(exc.errors[0]).strip()[:600]}") from exc
         out[case["id"]] = {"sanitizer": bool(csan.cuda_sanitizer.enabled), "syncs": counter.sites,

@@ -208,7 +208,8 @@ STREAM_TESTS = {
         "tests/test_gpu_sanitizer.py",
         "CUDA sanitizer, sync debug mode and reserved memory on {device}",
         [
-            "TORCH_CUDA_SANITIZER=1 in 4 spawned ranks (part (d)'s stand-in world) over NNN, IIG, GGG, eager; "
+            "TORCH_CUDA_SANITIZER=1 in 4 spawned ranks (part (d)'s stand-in world) over NNN, IIG, GGG, eager, "
+            "and GGG against IGG in bf16 (the masters sent cast on the gather stream); "
             "torch.cuda.set_sync_debug_mode('warn') from step 2 with the trainer's non-finite guard; "
             "max_memory_reserved / max_memory_allocated per run; a planted missing wait must be reported"
         ],
