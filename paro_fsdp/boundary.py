@@ -116,8 +116,7 @@ def set_master_grads(group: ParoParamGroup, reduced: torch.Tensor) -> None:
     ``reduced`` is the caller's to give away (a collective's result, the graph's, or the freed
     accumulator itself): it is scaled in place and the ``.grad`` are views of it, so the step's
     peak holds one OS-level fp32 gradient, not the accumulator and a scaled copy of it at once
-    (4 bytes a parameter at the OS level: on one GPU, 22 bytes a parameter against FSDP2's 16
-    under bf16 was 18 + this copy)."""
+    (a whole G where every group's boundary is in flight together: III on one rank)."""
     layout, OS, dt = group.t_layout, group.strategy.os, group.mp.grad_dtype
     scale = 1.0 / (group.info.n if group.grad_divide_factor is None else group.grad_divide_factor)
     if OS == Level.N:
