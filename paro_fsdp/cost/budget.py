@@ -1,47 +1,18 @@
 """``strategy="auto"`` under a memory budget: a strategy per block that minimises the predicted step
-time with the predicted per-rank peak within the budget.
+time with the predicted per-rank peak within the budget (what is counted, how it is solved and its
+bounds: docs/advisor.md, "A memory budget").
 
 Why per block: users know how much memory a GPU has, not which of 27 strategies to run, and one
 strategy for the whole model wastes the budget: a layout between two strategies' footprints
 (sharded embeddings, replicated layers; frozen weights at one level, LoRA adapters at another)
 is often faster than either. The engine already runs per-tensor policies, so the answer is one.
+Every cost comes from the ledger (``peak_terms``, ``traffic_of``, ``Ledger``) and the plan
+(``plan_of``), never a table of its own.
 
-Items: the root's parameters (embeddings, final norm, head) and each block, frozen and trainable
-tensors apart (a block's choice is a pair: the trainable tensors' strategy, the frozen ones' P
-level, which is all a frozen tensor uses). Per choice, from the ledger (``memory_of``,
-``traffic_of``, ``Ledger``) and the plan (``plan_of``), never a table of its own:
-
-Memory per rank (bytes), the predicted peak: ``ledger.peak_of`` over the blocks' ``peak_terms`` (what
-  ``predict`` computes for a whole-model strategy), the max of the last backward's moment, the
-  boundary's and the push's. The knapsack bounds the backward moment, in its terms: additive, the
-  states P + G + OS and the root's gathered parameters and gradient buffer (every block's
-  parameters with ``reshard_after_forward=False``); max, 3 x the largest block's gathered
-  parameters (current, prefetched, the gather's buffer) and 2 x its gradient (3 x and its NESTED
-  copy with checkpointing); capped (checkpointing: the peak is mid-backward), overlap's queues;
-  constant, the activations (``cost.model.activation_bytes``, or the caller's). A solved plan whose
-  boundary or push moment is over the budget is solved again with the room short by the excess.
-Time per step (seconds): compute (per block, FLOPs / ``achieved_tflops``, the same per-token
-  counts as ``model.flops_per_token``) + per micro-step collectives, each block's hidden behind up
-  to ``overlap`` of its own compute (prefetch is one block deep; the first layer's forward gather
-  and the last layer's backward re-gather are not hidden, nor the root's gather and reduction) +
-  the boundary and the push (exposed) + the optimizer over the OS shard.
-
-Solver (``solve``): a multiple-choice knapsack. The max and capped terms are not additive; the
-solver enumerates them exactly: for each candidate value of every max term (the values the items'
-options take) and each branch of every cap (the sum, or the cap), items are restricted to options
-under the thresholds and the rest is an additive knapsack, solved by dynamic programming over
-discretised memory. Every plan has a case in which its case weight equals its true footprint, and
-in any other case its case weight is at least that, so the best over cases is the optimum.
-Rounding: each weight is rounded *up* to the grid ``delta = room / cells``: a plan the DP accepts
-fits for certain (the rounded sum bounds the true one), and every plan with at least
-``k x delta`` to spare (k items) is accepted, since each rounding adds under delta; so the result
-is never over budget and at least as fast as the best plan of a budget smaller by ``k / cells``
-of it (0.2% for 32 layers at the default 2^14 cells). With integer weights and a room of at most
-``cells`` the grid is 1: exact. Cost: cases x items x options x cells (options Pareto-pruned;
-cases: a few values per max term, at most 2 per cap); identical blocks share their option lists.
-
-Not modelled: allocator fragmentation and caching, the optimizer's transient buffers beyond its
-states, torch.compile, framework overhead (the cost model's own list, ``predict``).
+Why ``solve`` is exact: the max and capped terms of the peak are not additive, so it enumerates
+them (each candidate value of a max term, each side of a cap) and solves the additive rest by DP
+over memory with every weight rounded *up* to the grid: a plan it accepts fits for certain, and
+every plan with k grid cells to spare (k items) is accepted.
 """
 from __future__ import annotations
 
@@ -56,10 +27,10 @@ from ..models.llama import LlamaArgs
 from ..overlap import IN_FLIGHT_BYTES
 from ..plan import plan_of
 from ..strategy import ALL_STRATEGIES, Level, Strategy, StrategyLike
-from .cluster import GB, AdvisorError, Cluster, GiB, load_cluster
-from .ledger import PEAK_MAX, Bucket, Ledger, peak_coefs, peak_of, peak_terms, traffic_of
+from .cluster import AdvisorError, Cluster, GiB, load_cluster
+from .ledger import PEAK_MAX, Bucket, peak_coefs, peak_of, peak_terms, traffic_of
 from .model import ModelSpec, activation_bytes, model_spec
-from .predict import exposed_seconds, traffic_time
+from .predict import exposed_seconds, moves_seconds, optimizer_seconds, traffic_time
 
 __all__ = ["BudgetError", "BudgetPlan", "Footprint", "Option", "Workload", "auto_policy", "min_footprint",
            "plan_blocks", "solve", "units_of"]
@@ -319,10 +290,7 @@ class _Env:
 
 
 def _seconds(env: _Env, moves, psi: float, itemsize: int) -> dict[str, float]:
-    """Seconds per mesh dimension."""
-    t = Ledger(env.n, env.m, env.flat_below_bytes)
-    t.count(moves, psi, itemsize)
-    return traffic_time(t.stats, env.n, env.m, env.cluster)
+    return moves_seconds(moves, psi, itemsize, env.n, env.m, env.cluster, env.flat_below_bytes)
 
 
 def _plus(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
@@ -370,7 +338,7 @@ def _option(env: _Env, block: Block, position: str, pick: tuple[Strategy, ...]) 
                 reduce_t = _plus(reduce_t, _seconds(env, plan.reduce, tr, gb))
             boundary = traffic_of([b], n, m, 0, pb, gb, flat_below_bytes=env.flat_below_bytes)
             boundary_t += sum(traffic_time(boundary, n, m, env.cluster).values())
-            opt_t += tr / s.os.divisor(n, m) * (28 + gb) / (env.cluster.memory_bandwidth_gbs * GB)
+            opt_t += optimizer_seconds(tr, s, n, m, gb, env.cluster)
     t = {k: sum(x[k] for x in terms) for k in terms[0]}  # a block's groups: one item, their parts summed
     ckpt = env.work.activation_checkpoint
     tokens = env.work.micro_batch * env.work.seq_len

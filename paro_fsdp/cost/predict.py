@@ -38,7 +38,8 @@ from .cluster import GB, AdvisorError, Cluster, GiB, link_for, link_seconds, loa
 from .model import ModelSpec, activation_bytes, buckets, flops_per_token, model_spec
 
 __all__ = ["ACTIVATION_CHECKPOINT_MODES", "NAMED_STRATEGIES", "Prediction", "choose_strategy", "exposed_seconds",
-           "format_table", "predict", "rank_strategies", "traffic_time"]
+           "format_table", "moves_seconds", "optimizer_seconds", "predict", "rank_strategies",
+           "traffic_time"]
 
 ACTIVATION_CHECKPOINT_MODES = ("none", "full", "auto")
 NAMED_STRATEGIES = ("NNN", "NNG", "NGG", "GGG", "III", "NIG", "IIG", "IGG", "ING")
@@ -115,6 +116,19 @@ def traffic_time(t: CommStats, n: int, m: int, cluster: Cluster) -> dict[str, fl
     return out
 
 
+def moves_seconds(moves: Iterable[Move], psi: float, itemsize: int, n: int, m: int, cluster: Cluster,
+                  flat_below_bytes: int = 0) -> dict[str, float]:
+    """Seconds per mesh dimension of one run of a plan phase on a bucket of ``psi`` elements."""
+    t = Ledger(n, m, flat_below_bytes)
+    t.count(moves, psi, itemsize)
+    return traffic_time(t.stats, n, m, cluster)
+
+
+def optimizer_seconds(psi_trainable: float, s: Strategy, n: int, m: int, grad_bytes: int, cluster: Cluster) -> float:
+    """AdamW over the OS shard, memory bound: (28 + grad bytes) bytes per element."""
+    return psi_trainable / s.os.divisor(n, m) * (28 + grad_bytes) / (cluster.memory_bandwidth_gbs * GB)
+
+
 def exposed_seconds(by_dim: dict[str, float], compute: float, cluster: Cluster) -> float:
     """What of the collectives in ``by_dim`` (seconds per mesh dimension) does not hide behind
     ``compute`` seconds: each dimension hides up to its ``cluster.overlap_of`` of the compute, the
@@ -164,11 +178,7 @@ def predict(model: Union[str, LlamaArgs, ModelSpec], strategy: StrategyLike, n: 
     traffic = traffic_of(bks, n, m, A, pb, gb)
     boundary = traffic_of(bks, n, m, 0, pb, gb)  # A = 0: only the once-per-step collectives
 
-    def seconds(moves: tuple[Move, ...], psi: int, itemsize: int) -> dict[str, float]:
-        t = Ledger(n, m)
-        t.count(moves, psi, itemsize)
-        return traffic_time(t.stats, n, m, cluster)
-
+    seconds = partial(moves_seconds, n=n, m=m, cluster=cluster)
     def total(*parts: dict[str, float], times: Sequence[float] = ()) -> dict[str, float]:
         k = list(times) or [1.0] * len(parts)
         return {d: sum(w * p[d] for w, p in zip(k, parts)) for d in ("intra", "inter", "global")}
@@ -193,7 +203,7 @@ def predict(model: Union[str, LlamaArgs, ModelSpec], strategy: StrategyLike, n: 
     exp_fwd = sum(fwd_first.values()) + exposed_seconds(fwd_rest, c_fwd, cluster)
     exp_bwd = sum(bwd_first.values()) + sum(last_red.values()) + exposed_seconds(bwd_rest, c_bwd, cluster)
     t_boundary = sum(traffic_time(boundary, n, m, cluster).values())
-    t_opt = spec.psi_trainable / s.os.divisor(n, m) * (28 + gb) / (cluster.memory_bandwidth_gbs * GB)
+    t_opt = optimizer_seconds(spec.psi_trainable, s, n, m, gb, cluster)
     step = A * (c_fwd + c_bwd + exp_fwd + exp_bwd) + t_boundary + t_opt
     return Prediction(
         strategy=s.name, known_as=s.known_as, step_time=step, tokens_per_step=n * A * tokens,
