@@ -58,15 +58,10 @@ def fit_alpha_beta(points: Sequence[tuple[float, float]]) -> tuple[float, float]
 def calibrate_in_process(mesh: Any, model_args: Optional[Union[str, LlamaArgs]] = None, micro_batch: int = 1,
                          seq_len: int = 128, dtype: str = "bf16", sizes_mib: Optional[Sequence[float]] = None,
                          reps: int = 3, name: str = "calibrated") -> Cluster:
-    """Measure the mesh this process belongs to and return a :class:`Cluster`.
-
-    Collective: every rank of the PaRO ``mesh`` calls it. Per mesh dimension of size > 1 and
-    collective kind, times ``reps`` calls at several sizes (every group at once, as in training;
-    the fastest call, the slowest rank) and fits hops x latency + ring bytes / bandwidth; measures
-    matmul FLOP/s, a transformer block's forward + backward at ``model_args``' shape (the
-    ``achieved_tflops``; the whole model's, up to ``WHOLE_MODEL_PARAMS``), memory bandwidth and how
-    much a collective on each dimension overlaps compute.
-    ``gpus_per_node`` is the intra size, so the intra dimension maps to the ``intra`` link."""
+    """Measure the mesh this process belongs to (what is measured: ``tools/calibrate.py``'s
+    docstring); collective: every rank of the PaRO ``mesh`` calls it. Each timing is the fastest
+    call of the slowest rank. ``gpus_per_node`` is the intra size, so the intra dimension maps to
+    the ``intra`` link."""
     groups = {d: mesh.get_group(d) for d in ("intra", "inter")}
     sizes = {d: dist.get_world_size(grp) for d, grp in groups.items()}
     m, g = sizes["intra"], sizes["inter"]
