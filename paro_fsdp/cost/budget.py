@@ -362,7 +362,8 @@ def _option(env: _Env, block: Block, position: str, pick: tuple[Strategy, ...]) 
 def _picks(block: Block, strategies: Sequence[Strategy], uniform: bool) -> list[tuple[Strategy, ...]]:
     """The block's choices: a strategy for its trainable tensors; its frozen tensors' P level (the
     trainable strategy itself when the levels agree: one group, one collective; else P at all three)."""
-    has_t = any(u.trainable for u in block.units)
+    if not uniform and not any(u.trainable for u in block.units):  # frozen only: the three P levels are the choices
+        return [tuple(Strategy.parse(p * 3) for _ in block.units) for p in "NIG"]
     out = []
     for s in strategies:
         frozen = [s] if uniform else [s] + [Strategy.parse(p * 3) for p in "NIG" if p != s.p.value]
@@ -370,10 +371,6 @@ def _picks(block: Block, strategies: Sequence[Strategy], uniform: bool) -> list[
             pick = tuple(s if u.trainable else f for u in block.units)
             if pick not in out:
                 out.append(pick)
-        if not has_t and not uniform:  # frozen only: the three P levels are the choices
-            break
-    if not has_t and not uniform:
-        out = [tuple(Strategy.parse(p * 3) for _ in block.units) for p in "NIG"]
     return out
 
 
