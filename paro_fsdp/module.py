@@ -163,8 +163,7 @@ class ParoModule:
         P = N groups) and ``in_flight`` (what overlap keeps alive: the second block of gradient
         reductions in flight with the boundary's queue, or the pushes' queue, each within its
         bound); ``peak`` = total + master_grads + boundary + in_flight."""
-        inner = getattr(optimizer, "inner", optimizer)  # the deprecated ParoOptimizer wraps one
-        states = inner.state if inner is not None else None
+        states = optimizer.state if optimizer is not None else None
         total = {"P": 0, "G": 0, "OS": 0, "master_grads": 0, "boundary_grads": 0, "boundary_params": 0}
         for g in self._paro_state.groups:
             for key, value in g.memory_bytes(states).items():

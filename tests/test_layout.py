@@ -7,7 +7,7 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from paro_fsdp.layout import FlatLayout, placements, tensor_layout
-from paro_fsdp.mesh import MeshCoords
+from mesh_coords import MeshCoords
 from paro_fsdp.strategy import Level
 
 MESHES = [(2, 2), (2, 4), (4, 2), (8, 8)]
