@@ -23,11 +23,6 @@ def torch_version() -> tuple[int, int]:
     major, minor = torch.__version__.split("+")[0].split(".")[:2]
     return int(major), int(minor)
 
-
-def torch_supported() -> bool:
-    """Whether the running torch lies inside ``SUPPORTED_TORCH``."""
-    return SUPPORTED_TORCH[0] <= torch_version() <= SUPPORTED_TORCH[1]
-
 # ---- 0. renamed collectives -------------------------------------------------------------------
 #: ``dist.all_gather_single`` (torch >= 2.13) is 2.11 / 2.12's ``dist.all_gather_into_tensor``
 #: renamed (the old name warns per call in 2.13). Test: tests/test_compat.py.
@@ -43,7 +38,7 @@ def _group(group_name) -> dist.ProcessGroup:
     return group_name if isinstance(group_name, dist.ProcessGroup) else _resolve_process_group(group_name)
 
 
-def _gather_into(out: torch.Tensor, shard: torch.Tensor, group_name) -> torch.Tensor:
+def _all_gather_out_cpu(shard: torch.Tensor, group_size: int, group_name, *, out: torch.Tensor) -> torch.Tensor:
     work = all_gather_single(out, shard.contiguous(), group=_group(group_name), async_op=True)
     torch._C._distributed_c10d._register_work(out, work)
     return out
@@ -51,11 +46,7 @@ def _gather_into(out: torch.Tensor, shard: torch.Tensor, group_name) -> torch.Te
 
 def _all_gather_cpu(shard: torch.Tensor, group_size: int, group_name) -> torch.Tensor:
     out = shard.new_empty((shard.shape[0] * group_size, *shard.shape[1:]))
-    return _gather_into(out, shard, group_name)
-
-
-def _all_gather_out_cpu(shard: torch.Tensor, group_size: int, group_name, *, out: torch.Tensor) -> torch.Tensor:
-    return _gather_into(out, shard, group_name)
+    return _all_gather_out_cpu(shard, group_size, group_name, out=out)
 
 
 def _all_gather_coalesced_cpu(shards: list[torch.Tensor], group_size: int, group_name) -> list[torch.Tensor]:
@@ -101,12 +92,6 @@ def isolate_compile_cache(rank: int) -> None:
 
 
 # ---- 3. inductor's overlap scheduler: our estimate for its roofline too -----------------------
-def _overlap_module():
-    import torch._inductor.fx_passes.overlap_scheduling as overlap
-
-    return overlap
-
-
 _TORCH_ROOFLINE: Callable | None = None
 #: What inductor's overlap scheduler prices compute nodes with: 2.13+ and 2.11 / 2.12 names.
 ROOFLINE_NAMES = ("estimate_roofline_runtime_ms", "estimate_runtime_analytical")
@@ -114,7 +99,8 @@ ROOFLINE_NAMES = ("estimate_roofline_runtime_ms", "estimate_runtime_analytical")
 
 def roofline_name() -> str:
     """Which of ``ROOFLINE_NAMES`` this torch's overlap scheduler calls."""
-    overlap = _overlap_module()
+    import torch._inductor.fx_passes.overlap_scheduling as overlap
+
     return next(n for n in ROOFLINE_NAMES if hasattr(overlap, n))
 
 
@@ -126,7 +112,8 @@ def route_roofline_estimate(estimate: Callable | None) -> None:
     without a GPU (or triton). The workaround replaces the module's roofline function, which the
     scheduler looks up at call time. Test: tests/test_compat.py (a CPU matmul node)."""
     global _TORCH_ROOFLINE
-    overlap = _overlap_module()
+    import torch._inductor.fx_passes.overlap_scheduling as overlap
+
     name = roofline_name()
     if _TORCH_ROOFLINE is None:
         _TORCH_ROOFLINE = getattr(overlap, name)

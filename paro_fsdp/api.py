@@ -59,28 +59,17 @@ def paro_shard(model: nn.Module, mesh: DeviceMesh, policy: PolicyLike = "IIG", m
                param_init_fn: Optional[Callable[[str, torch.Tensor], None]] = None,
                flat_below_bytes: int = 0, memory_budget: Optional[float] = None, workload: Any = None,
                cluster: Any = None) -> nn.Module:
-    """Shard ``model`` in place with a PaRO ``policy`` and return it.
+    """Shard ``model`` in place with a PaRO ``policy`` and return it (docs/api.md).
 
     Parameters are bucketed per block (``_default_blocks``, or ``blocks``: modules, or containers
     standing for their elements; the root holds the rest) and per strategy inside a block. The
-    model must hold the same initial values on every rank; built on the CPU, it moves to the
-    mesh's device shard by shard. The root's parameters stay gathered from forward to backward (as
-    FSDP2's root); blocks are freed after forward unless ``reshard_after_forward=False``.
-
-    A model on the meta device is materialised one tensor at a time: ``param_init_fn(name,
-    tensor)`` fills each whole fp32 tensor (identically on every rank), this rank keeps its
-    shards, and no rank ever holds the whole model.
-
-    ``flat_below_bytes``: global collectives on smaller messages run as one flat collective over
-    all ranks instead of PaRO-CC's two phases (the ledger follows the same rule); 0 (default):
-    always hierarchical. Where flat wins depends on the links: ``tools.bench.collectives``.
-
-    ``policy="auto"``: a strategy per block (the root's parameters, each block; trainable and
-    frozen tensors apart) with the fastest predicted step whose predicted peak is within
-    ``memory_budget`` bytes per rank (``cost.budget``; without a budget, the fastest single
-    strategy within the cluster's usable memory). ``workload``: a ``cost.budget.Workload`` (micro
-    batch, sequence, micro-steps, checkpointing); ``cluster``: a ``Cluster``, TOML file or preset,
-    or None to calibrate the mesh now (collective). Rank 0 prints the plan.
+    model must hold the same initial values on every rank. On the meta device it is materialised
+    one tensor at a time by ``param_init_fn(name, tensor)`` (alike on every rank), so no rank ever
+    holds the whole model. ``flat_below_bytes``: global collectives on smaller messages run flat,
+    not through PaRO-CC (0: never; the ledger follows the same rule). ``policy="auto"``: a
+    strategy per block within ``memory_budget`` bytes per rank, predicted for ``workload`` (a
+    ``cost.budget.Workload``) on ``cluster`` (a ``Cluster``, TOML file or preset; None:
+    calibrate the mesh now, collective); docs/advisor.md.
     """
     if hasattr(model, "_paro_state"):
         raise ValueError("model is already sharded by paro_shard")
@@ -142,13 +131,16 @@ def build(model: nn.Module, mesh: DeviceMesh, strategies: dict[str, Strategy], b
         raise ValueError("blocks= must not contain the model itself; the root is always a block")
     if len({id(b) for b in block_modules}) != len(block_modules):
         raise ValueError("blocks= names a module twice")
+    names = {id(m): n for n, m in model.named_modules()}
+    if any(id(b) not in names for b in block_modules):
+        raise ValueError("every module in blocks= must be a submodule of the model")
     block_of: dict[nn.Parameter, nn.Module] = {}
     for b in block_modules:  # later (inner) blocks override earlier (outer) ones
         for p in b.parameters():
             block_of[p] = b
 
     state = ParoState(info, comm, cc, [])
-    for module, name in [(model, "<root>")] + [(b, _name_of(model, b)) for b in block_modules]:
+    for module, name in [(model, "<root>")] + [(b, names[id(b)]) for b in block_modules]:
         block_mp, raf = block_settings.get(id(module), (mp, reshard_after_forward))
         by_strategy: dict[Strategy, list[ParamRef]] = {}
         for fqn, p in named:
@@ -166,7 +158,7 @@ def build(model: nn.Module, mesh: DeviceMesh, strategies: dict[str, Strategy], b
             block.cast_inputs = mp.input_dtype
         state.blocks.append(block)
     new_blocks = list(state.blocks)
-    _adopt(model, state, adopted)
+    _adopt(model, state, adopted, names)
     _move_buffers(model, mesh_device(info))
     state.install_hooks(new_blocks)
     track_state_dict_writes(g for b in new_blocks for g in b.groups)
@@ -178,13 +170,10 @@ def build(model: nn.Module, mesh: DeviceMesh, strategies: dict[str, Strategy], b
     return model
 
 
-def _adopt(model: nn.Module, state: ParoState, adopted: list[ParoState]) -> None:
+def _adopt(model: nn.Module, state: ParoState, adopted: list[ParoState], names: dict[int, str]) -> None:
     """The blocks of engines built on modules inside ``model`` join ``state`` (after its own, in
     the order they were built: the forward order ``fully_shard``'s calling pattern gives); their
-    roots become blocks; names are read again from ``model``."""
-    if not adopted:
-        return
-    names = {id(m): n for n, m in model.named_modules()}
+    roots become blocks; names are read again from ``model`` (``names``: id -> its name)."""
     for inner in adopted:
         if inner.info.groups.group_names != state.info.groups.group_names:
             raise ValueError("fully_shard: every call on one model must use the same mesh (the blocks' and the root's)")
@@ -231,10 +220,3 @@ def _entry_module(model: nn.Module) -> nn.Module:
         else:
             return entry
     return entry
-
-
-def _name_of(model: nn.Module, module: nn.Module) -> str:
-    for name, m in model.named_modules():
-        if m is module:
-            return name
-    raise ValueError("every module in blocks= must be a submodule of the model")

@@ -21,8 +21,10 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, HuggingFaceStorageReader
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 MANIFEST = "paro_manifest.json"
 
@@ -54,13 +56,13 @@ def _metadata_globals() -> dict[tuple[str, str], Any]:
     Why a table: ``find_class`` imports the module and follows dotted names, so allowing "a
     module" allows everything it imports (``os.system`` is an attribute of DCP's metadata module).
     Each object here only stores its arguments or state; anything more needs a global of its own."""
-    from torch.distributed.checkpoint import filesystem, metadata as md
+    from torch.distributed.checkpoint import metadata as md
 
     table: dict[tuple[str, str], Any] = {}
     for cls in (md.Metadata, md.MetadataIndex, md.StorageMeta, md.TensorProperties, md.TensorStorageMetadata,
                 md.BytesStorageMetadata, md.ChunkStorageMetadata, md._MEM_FORMAT_ENCODING):  # noqa: SLF001
         table["torch.distributed.checkpoint.metadata", cls.__name__] = cls
-    table["torch.distributed.checkpoint.filesystem", "_StorageInfo"] = filesystem._StorageInfo  # noqa: SLF001
+    table["torch.distributed.checkpoint.filesystem", "_StorageInfo"] = _StorageInfo
     table["torch.serialization", "_get_layout"] = torch.serialization._get_layout  # noqa: SLF001
     table["torch", "Size"] = torch.Size
     table.update({("torch", name): value for name, value in vars(torch).items() if isinstance(value, torch.dtype)})
@@ -111,8 +113,6 @@ def read_metadata_file(path: str | os.PathLike) -> Metadata:
 def _metadata_problem(metadata: Metadata) -> Optional[str]:
     """Why DCP must not act on ``metadata`` (None: its containers have DCP's types and every
     storage entry is a file inside the checkpoint folder)."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-
     if not isinstance(metadata.state_dict_metadata, dict):
         return "state_dict_metadata is not a dict"
     if not isinstance(metadata.storage_data, dict):
@@ -129,8 +129,6 @@ class SafeReader(FileSystemReader):
     """``FileSystemReader`` whose ``.metadata`` is read by ``read_metadata_file``."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
         metadata = read_metadata_file(self._get_metadata_path(kwargs.get("rank")))
         # what FileSystemReader.read_metadata does after unpickling
         if getattr(metadata, "storage_meta", None) is None:
@@ -144,8 +142,6 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     ``torch.load(weights_only=True)`` only, stored where ``DefaultLoadPlanner`` would."""
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        from torch.distributed.checkpoint._traverse import set_element
-
         fqn = read_item.dest_index.fqn
         try:
             obj = torch.load(value, weights_only=True)
@@ -158,14 +154,6 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[fqn] = obj
 
 
-def _hf_reader_types() -> tuple[type, ...]:
-    try:
-        from torch.distributed.checkpoint import HuggingFaceStorageReader
-    except ImportError:  # a torch without it
-        return ()
-    return (HuggingFaceStorageReader,)
-
-
 def safe_load(state: dict[str, Any], path: Optional[str] = None, *, storage_reader: Any = None) -> None:
     """Load the checkpoint folder ``path`` (or what ``storage_reader`` reads) into ``state`` in
     place, as ``dcp.load`` does, so that no load can run code. ``storage_reader``: a ``SafeReader``
@@ -175,7 +163,7 @@ def safe_load(state: dict[str, Any], path: Optional[str] = None, *, storage_read
         if path is None:
             raise TypeError("safe_load needs a path or a storage_reader")
         storage_reader = SafeReader(path)
-    elif not isinstance(storage_reader, (SafeReader, *_hf_reader_types())):
+    elif not isinstance(storage_reader, (SafeReader, HuggingFaceStorageReader)):
         raise TypeError(f"safe_load reads with SafeReader or HuggingFaceStorageReader, "
                         f"not {type(storage_reader).__name__}: "
                         f"another reader may unpickle .metadata with a full unpickler")
@@ -207,15 +195,17 @@ def _crc32(path: str) -> int:
     return crc
 
 
+def _entry(path: str) -> dict[str, int]:
+    return {"bytes": os.path.getsize(path), "crc32": _crc32(path)}
+
+
 def write_manifest(folder: str, step: int) -> None:
     """Every rank checksums the shard files it wrote (``__<rank>_*``, still in its page cache);
     rank 0 adds ``.metadata`` and writes the manifest. Collective."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    mine = {n: {"bytes": os.path.getsize(os.path.join(folder, n)), "crc32": _crc32(os.path.join(folder, n))}
-            for n in sorted(os.listdir(folder)) if n.startswith(f"__{rank}_")}
+    mine = {n: _entry(os.path.join(folder, n)) for n in sorted(os.listdir(folder)) if n.startswith(f"__{rank}_")}
     if rank == 0:
-        mine[".metadata"] = {"bytes": os.path.getsize(os.path.join(folder, ".metadata")),
-                             "crc32": _crc32(os.path.join(folder, ".metadata"))}
+        mine[".metadata"] = _entry(os.path.join(folder, ".metadata"))
     parts: list[Any] = [mine]
     if dist.is_initialized():
         parts = [None] * dist.get_world_size()
@@ -285,8 +275,7 @@ def shape_problem(metadata: Metadata, states: dict[str, Any], scope: str = "opti
             hint = ""
             if key.endswith(("tok_embeddings.weight", "output.weight")) and theirs[key][1:] == ours[key][1:]:
                 hint = (f": its vocabulary has {theirs[key][0]} rows, this model {ours[key][0]} "
-                        "(another model.tokenizer "
-                        f"or model.vocab_size)")
+                        "(another model.tokenizer or model.vocab_size)")
             return f"{key} is {list(theirs[key])} there, {list(ours[key])} here{hint}"
     extra = sorted(k for k in theirs if k.startswith(scope) and k not in ours)
     if extra:

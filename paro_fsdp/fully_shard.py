@@ -1,11 +1,8 @@
 """``fully_shard``: FSDP2's API and calling pattern (each block, then the root), with a strategy.
 
-Why FSDP2's: our users' scripts are written against it. Swapping the import changes nothing until
-a strategy is chosen: with none, a 1D mesh gives GGG (FSDP2's full shard) and a 2D mesh III
-(HSDP). Each call shards the module's parameters not already sharded by an earlier call, at
-once (``model.parameters()`` are DTensors when it returns, as FSDP2's); a call on a module that
-holds earlier-sharded modules adopts them as its blocks, so the last call, on the root, leaves
-one engine for the model (``api.build``).
+Why FSDP2's: our users' scripts are written against it (docs/fsdp2.md). Each call shards the
+module's parameters not already sharded, at once; a call on a module that holds earlier-sharded
+modules adopts them as its blocks, so the last call, on the root, leaves one engine for the model.
 """
 from __future__ import annotations
 

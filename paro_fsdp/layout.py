@@ -1,25 +1,16 @@
 """Where each tensor's rows live at each level, and the flat buffers one collective moves.
 
-Every tensor is sharded on dim 0 with DTensor's own semantics, so the local shards are exactly
-the ``_local_tensor`` of DTensors with placements N = (Replicate, Replicate),
-I = (Replicate, Shard(0)), G = (_StridedShard(0, split_factor=m), Shard(0)). The G shard of rank
-(k, l) is a sub-slice of its intra shard (the method's nesting rule), which is what makes
-I -> G a local slice and G -> I one inter all-gather.
+Shards are DTensor's own (``placements``), so the G shard of rank (k, l) is a sub-slice of its
+intra shard (the method's nesting rule): I -> G is a local slice, G -> I one inter all-gather.
 
 A group of tensors moves as one flat buffer per level:
-  FULL  [m, sum_i]   every tensor padded to m * c rows (c = ceil(d0 / m)), rank-major: the
-                     output of an intra all-gather and the input of an intra reduce-scatter;
+  FULL  [m, sum_i]   every tensor padded to m * c rows (c = ceil(d0 / m)), rank-major;
   I     [sum_i]      this rank's intra shard of every tensor, padded to c rows;
-  G     [sum_g]      this rank's global shard of every tensor, padded to the largest global
-                     shard of any rank, so every rank's G buffer has the same size (inter
-                     rings and the hierarchical global collectives both need that);
-  NESTED [m, g, sum_g] every rank's G buffer, block (l, k) = rank (k, l)'s: a PaRO-CC global
-                     all-gather's output and reduce-scatter's input. Block (l, k) holds rows of
-                     intra shard l, so NESTED <-> FULL needs every intra index's G layout.
-
-Copies between NESTED and whole tensors (and I <-> [g, sum_g]) take a few ops per tensor at any
-mesh size: one strided copy where the world size divides the rows, else one gather and one
-scatter through row indices built once per (rows, mesh) shape (``_Nesting``).
+  G     [sum_g]      this rank's global shard, padded to the largest of any rank (inter rings and
+                     the hierarchical collectives need one size everywhere);
+  NESTED [m, g, sum_g] every rank's G buffer, block (l, k) = rank (k, l)'s: what PaRO-CC's global
+                     collectives move. Block (l, k) holds rows of intra shard l, so NESTED <-> FULL
+                     needs every intra index's G layout.
 """
 from __future__ import annotations
 
@@ -180,8 +171,6 @@ class TensorLayout:
     g_starts: list[int]  # per group index k: first row of (k, l)'s shard inside intra shard l
     g_rows: list[int]
     g_pad: int  # padded rows of a global shard: the largest of any rank
-    g_starts_all: list[list[int]]  # [l][k]: g_starts of intra index l (g_starts is row info.l)
-    g_rows_all: list[list[int]]  # [l][k]: g_rows of intra index l
     off_i: int = 0  # element offset in the I flat buffer
     off_g: int = 0  # element offset in the G flat buffer
     l: int = 0  # this rank's intra index  # noqa: E741
@@ -242,7 +231,7 @@ def tensor_layout(name: str, shape: torch.Size, info: Coords) -> TensorLayout:
     i_start, i_rows = _dtensor_rows(d0, info.g, info.m, Level.I, 0, info.l)
     l = info.l  # noqa: E741
     return TensorLayout(name, shape, d0, row, nest.c, i_start, i_rows, nest.starts_all[l], nest.rows_all[l],
-                        nest.g_pad, nest.starts_all, nest.rows_all, l=l, nest=nest)
+                        nest.g_pad, l=l, nest=nest)
 
 
 class FlatLayout:
@@ -426,7 +415,3 @@ class FlatLayout:
             bl, bj, mg, r = t.nest.on(nested, "bl", "bj", "mg", "r")  # one gather, one scatter
             base.view(m, t.c, t.row).index_put_((bl, bj), self._nested_cols(nested, t)[mg, r].to(out.dtype))
         return out
-
-    def full_to_i(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's intra shard of a FULL buffer: a view of one row."""
-        return full.view(self.info.m, self.sum_i)[self.info.l]

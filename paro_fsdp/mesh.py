@@ -83,7 +83,8 @@ _MESHES: dict[tuple[int, int], tuple[object, DeviceMesh]] = {}
 
 
 class Coords(Protocol):
-    """What layout arithmetic reads: the mesh's sizes and one rank's coordinates."""
+    """What layout arithmetic reads: the mesh's sizes and one rank's coordinates (``MeshInfo``, or
+    the tests' ``MeshCoords`` for any rank of any mesh)."""
 
     g: int
     m: int
@@ -92,21 +93,6 @@ class Coords(Protocol):
 
     @property
     def n(self) -> int: ...
-
-
-@dataclass(frozen=True)
-class MeshCoords:
-    """Sizes and a rank's coordinates, nothing else: the layout of any rank of any mesh can be
-    computed without process groups (the layout tests, estimates). A live mesh gives MeshInfo."""
-
-    g: int
-    m: int
-    k: int
-    l: int  # noqa: E741
-
-    @property
-    def n(self) -> int:
-        return self.g * self.m
 
 
 @dataclass

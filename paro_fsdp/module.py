@@ -5,14 +5,10 @@ blocks (``model.set_requires_gradient_sync(False)``, ``block.unshard()``), so th
 methods of the modules themselves. The root holds the model-wide state (``_paro_state``); a block
 module also holds its own ``ParoBlock`` (``_paro_block``), so a call on it reaches its groups and,
 with ``recurse``, those of the blocks inside it.
-
-The parameters are the optimizer's: each trainable one is its fp32 master at the OS level, a
-DTensor, and after a backward that reduces (``set_requires_gradient_sync(True)``, the default) it
-holds its gradient, reduced to the OS level, in ``.grad``. The P-level working copies are the
-engine's, refreshed from the parameters' version counters (``ParoState.refresh_params``).
 """
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any, Iterable, Mapping
 
 import torch
@@ -55,19 +51,13 @@ class ParoModule:
         backward): the next backward also reduces them to the OS level, starting as each block's
         gradient is final, under the rest of backward, into the parameters' ``.grad``. Mark the
         last micro-step with it: that is where PaRO's once-per-step traffic hides."""
-        for g in self._paro_groups(recurse):
-            g.requires_sync = bool(requires_gradient_sync)
-            if g.last_backward and g.trainable:  # one compiled graph whatever the step
-                g.grad_acc.ensure()
+        _set_sync_flag(self._paro_groups(recurse), "requires_sync", requires_gradient_sync)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Model-wide (as FSDP2's, a root setting): ``False`` keeps the gradients at the G level
         like ``set_requires_gradient_sync(False)``; a backward reduces to the OS level only when
         both are True."""
-        for g in self._paro_state.groups:
-            g.is_last = bool(is_last_backward)
-            if g.last_backward and g.trainable:
-                g.grad_acc.ensure()
+        _set_sync_flag(self._paro_state.groups, "is_last", is_last_backward)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Free the gathered parameters after forward (and gather again in backward), as FSDP2;
@@ -101,11 +91,11 @@ class ParoModule:
 
     def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
         """The blocks whose gathers this block's forward issues ahead (FSDP2's explicit prefetch)."""
-        self._own_block().forward_prefetch = self._blocks_of(modules)
+        self._paro_blocks(recurse=False)[0].forward_prefetch = self._blocks_of(modules)
 
     def set_modules_to_backward_prefetch(self, modules: list[nn.Module]) -> None:
         """The blocks whose gathers this block's backward issues ahead."""
-        self._own_block().backward_prefetch = self._blocks_of(modules)
+        self._paro_blocks(recurse=False)[0].backward_prefetch = self._blocks_of(modules)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide the gradient summed over ranks (and micro-steps) by ``factor`` instead of the
@@ -113,14 +103,8 @@ class ParoModule:
         token count, as torchtitan's). On the root it sets every block; on a block, its own."""
         if not factor > 0:
             raise ValueError(f"set_gradient_divide_factor: factor must be > 0, got {factor}")
-        for g in self._paro_groups(recurse=getattr(self, "_paro_block", None) is None or self._paro_block.is_root):
+        for g in self._paro_groups(recurse=self._paro_blocks(recurse=False)[0].is_root):
             g.grad_divide_factor = float(factor)
-
-    def _own_block(self) -> ParoBlock:
-        own = getattr(self, "_paro_block", None)
-        if own is None:
-            own = next(b for b in self._paro_state.blocks if b.is_root)
-        return own
 
     def _blocks_of(self, modules: Iterable[nn.Module]) -> list[ParoBlock]:
         by_module = {id(b.module): b for b in self._paro_state.blocks}
@@ -163,14 +147,11 @@ class ParoModule:
         P = N groups) and ``in_flight`` (what overlap keeps alive: the second block of gradient
         reductions in flight with the boundary's queue, or the pushes' queue, each within its
         bound); ``peak`` = total + master_grads + boundary + in_flight."""
-        inner = getattr(optimizer, "inner", optimizer)  # the deprecated ParoOptimizer wraps one
-        states = inner.state if inner is not None else None
-        total = {"P": 0, "G": 0, "OS": 0, "master_grads": 0, "boundary_grads": 0, "boundary_params": 0}
+        total: Counter[str] = Counter()
         for g in self._paro_state.groups:
-            for key, value in g.memory_bytes(states).items():
-                total[key] += value
+            total.update(g.memory_bytes(optimizer.state if optimizer is not None else None))
         report = {k: total[k] for k in ("P", "G", "OS")}
-        report["total"] = total["P"] + total["G"] + total["OS"]
+        report["total"] = sum(report.values())
         report["master_grads"] = total["master_grads"]
         report["boundary"] = max(total["boundary_grads"], total["boundary_params"])
         report["in_flight"] = in_flight_bytes(self._paro_state)
@@ -212,6 +193,13 @@ class ParoModule:
         """The mesh's sizes and c10d group names (plain data): what the graph passes need to
         tell an intra collective from an inter or global one (``passes.install(meshes=...)``)."""
         return self._paro_state.info.groups
+
+
+def _set_sync_flag(groups: Iterable[ParoParamGroup], flag: str, value: bool) -> None:
+    for g in groups:
+        setattr(g, flag, bool(value))
+        if g.last_backward and g.trainable:  # one compiled graph whatever the step
+            g.grad_acc.ensure()
 
 
 def track_state_dict_writes(groups: Iterable[ParoParamGroup]) -> None:

@@ -28,27 +28,14 @@ class ParoOptimizer:
             raise ValueError("the model has no trainable parameters (all have requires_grad=False)")
         self.inner = optimizer_class(self.params, **kwargs)
 
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.inner.param_groups
-
-    @property
-    def state(self):
-        return self.inner.state
-
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """torch's ``clip_grad_norm_`` over the parameters; the norm as a plain tensor."""
         norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm, norm_type)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
-    def step(self) -> None:
-        self.inner.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.inner.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.inner.load_state_dict(sd)
+    def __getattr__(self, name: str) -> Any:
+        """The rest (``step``, ``zero_grad``, ``param_groups``, ``state``, ``state_dict``, ...) is the
+        inner optimizer's."""
+        if name == "inner":  # __init__ failed before setting it
+            raise AttributeError(name)
+        return getattr(self.inner, name)

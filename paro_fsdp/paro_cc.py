@@ -4,26 +4,13 @@ phases overlap.
 Why: a flat ring over all n ranks crosses between groups on one edge per group, and that edge
 carries (n-1)/n of the data. Hierarchically, m inter rings (one per local index l) run at once,
 each on 1/m of the data, so a group sends (g-1)/g * S between groups instead of (n-1)/n * S
-(doubled for all-reduce), and the rest runs on the fast links inside the group:
+(doubled for all-reduce), and the rest runs on the fast links inside the group. Chunk c's
+second phase runs on the other process group while chunk c+1's first is still on the wire.
 
-    all-gather      = inter all-gather  -> intra all-gather
-    reduce-scatter  = intra reduce-scatter -> inter reduce-scatter
-    all-reduce      = intra reduce-scatter -> inter all-reduce -> intra all-gather
-
-Each tensor is cut into chunks: every chunk's first phase is issued at once, and ``wait()`` issues
-chunk c's next phase on the *other* process group, so chunk c's intra phase runs while chunk
-c+1's inter phase is still on the wire.
-
-Order: "flat" is the flat collective's (rank k * m + l owns block k * m + l, results as
-all_gather_into_tensor / reduce_scatter_tensor); "nested" is the engine's (block l * g + k is
-rank (k, l)'s: layout.py's NESTED buffers), the hierarchy's natural output. all_reduce is
-elementwise and takes any numel. A message below ``flat_below_bytes`` (``collectives.runs_flat``,
-which the ledger follows) is one flat collective over all ranks (dim "global"; the crossover is in
-docs/benchmarks.md). Every phase is a ``MeshComm`` collective, counted in its ``CommStats``.
-
+Order: "flat" is the flat collective's (rank k * m + l owns block k * m + l); "nested" is the
+engine's (block l * g + k is rank (k, l)'s: layout.py's NESTED), the hierarchy's natural output.
 On CPU the later phases are issued inside ``wait()``, so every rank must wait in the same order
-(``drive`` sees to it). On a GPU (streams.py) the call issues every phase on a side stream at
-once: issued from ``wait()``, they would queue behind all the compute the CPU had issued by then.
+(``boundary.drive`` sees to it); on a GPU every phase is issued by the call (streams.py).
 """
 from __future__ import annotations
 
@@ -53,12 +40,10 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class HierPending:
-    """An issued PaRO-CC collective: ``wait()`` issues the remaining phases and returns the
-    result, so every rank must call it in the same order relative to its other collectives."""
+    """An issued PaRO-CC collective: ``wait()`` issues the remaining phases and returns the result."""
 
     _finish: Callable[[], torch.Tensor] | None
     _result: torch.Tensor | None = None
-    issued: bool = field(default=True)
     _keep: object = field(default=None, repr=False)  # the input, held until the consumer waits (streams)
     _advance: Callable[[], None] | None = field(default=None, repr=False)
 
@@ -79,13 +64,14 @@ class HierPending:
             self._advance = None
         return self._result  # type: ignore[return-value]
 
-    @property
-    def tensor(self) -> torch.Tensor:
-        return self.wait()
-
 
 def _done(t: torch.Tensor) -> HierPending:
-    return HierPending(None, t, issued=False)
+    return HierPending(None, t)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    x = t.reshape(-1)
+    return x if x.is_contiguous() else x.contiguous()
 
 
 def _bounds(total: int, chunks: int) -> list[tuple[int, int]]:
@@ -118,25 +104,13 @@ class ParoCC:
         self.chunk_bytes = chunk_bytes
         self.max_chunks = max_chunks
         self.flat_below_bytes = flat_below_bytes
+        self._ag, self._rs = comm.functional_all_gather, comm.functional_reduce_scatter
+        self._ar = comm.functional_all_reduce
 
-    @property
-    def stats(self):
-        return self.comm.stats
-
-    # ---- helpers ---------------------------------------------------------------------------
     def _nchunks(self, nbytes: int, limit: int, chunks: int | None) -> int:
         if chunks is None:
             chunks = min(self.max_chunks, max(1, math.ceil(nbytes / self.chunk_bytes)))
         return max(1, min(chunks, max(limit, 1)))
-
-    def _ag(self, x: torch.Tensor, dim: str) -> torch.Tensor:
-        return self.comm.functional_all_gather(x, dim)
-
-    def _rs(self, x: torch.Tensor, dim: str, op: str) -> torch.Tensor:
-        return self.comm.functional_reduce_scatter(x, dim, op=op)
-
-    def _ar(self, x: torch.Tensor, dim: str, op: str) -> torch.Tensor:
-        return self.comm.functional_all_reduce(x, dim, op=op)
 
     @staticmethod
     def _check(order: str, op: str | None = None) -> None:
@@ -169,14 +143,11 @@ class ParoCC:
 
     def all_gather(self, shard: torch.Tensor, *, order: str = "flat", chunks: int | None = None,
                    params: bool = False, parts: bool = False) -> HierPending:
-        """Concatenate every rank's ``shard`` along dim 0 (rank order per ``order``):
-        inter all-gather, then intra all-gather, per chunk. ``params``: see ``MeshComm.all_gather``.
-
-        ``parts`` (order "nested", a 1-D shard of s elements): the result is the chunks as they
-        arrived, a list of ``(a, b, piece)``, piece the [m, g, b - a] columns a..b of every rank's
-        shard (``layout.NestedPart``), not assembled into one buffer: the consumer copies each
-        straight to where it goes, one copy-out and one buffer of the whole, as FSDP2's
-        ``split_with_sizes_copy`` (assembling first held the pieces, the buffer and the copy)."""
+        """Concatenate every rank's ``shard`` along dim 0 (rank order per ``order``): inter
+        all-gather, then intra all-gather, per chunk. ``params``: see ``MeshComm.all_gather``.
+        ``parts`` (order "nested", a 1-D shard): the chunks as they arrived (``layout.NestedPart``),
+        not assembled, so the consumer copies each straight to where it goes (one buffer of the
+        whole, not the pieces, a buffer and a copy)."""
         if parts and (order != "nested" or shard.dim() != 1):
             raise ValueError("parts=True needs order='nested' and a 1-D shard")
         return self._issue("params" if params else "gather", shard,
@@ -187,9 +158,7 @@ class ParoCC:
         g, m = self.info.g, self.info.m
         n = g * m
         out_shape = (n * shard.shape[0], *shard.shape[1:]) if shard.dim() else (n,)
-        x = shard.reshape(-1)
-        if not x.is_contiguous():
-            x = x.contiguous()
+        x = _flat(shard)
         s = x.numel()
 
         def whole(nested: torch.Tensor) -> torch.Tensor | list:  # a NESTED result: the tensor, or its one part
@@ -241,32 +210,30 @@ class ParoCC:
             raise ValueError(f"reduce_scatter needs dim 0 divisible by the world size {n}, "
                              f"got shape {tuple(full.shape)}")
         out_shape = (full.shape[0] // n, *full.shape[1:])
-        x = full.reshape(-1)
-        if not x.is_contiguous():
-            x = x.contiguous()
+        x = _flat(full)
         if n == 1:
             return _done(x.clone().view(out_shape))
         if g == 1 or m == 1:
-            res = self._rs(x, "intra" if g == 1 else "inter", op)
+            res = self._rs(x, "intra" if g == 1 else "inter", op=op)
             return HierPending(lambda: _wait(res).view(out_shape))
         s = x.numel() // n
         if s == 0:
             return _done(x.new_empty(out_shape))
         if runs_flat(x.numel() * x.element_size(), self.flat_below_bytes):
-            res = self._rs(x if order == "flat" else nested_to_flat(x, g, m), "global", op)
+            res = self._rs(x if order == "flat" else nested_to_flat(x, g, m), "global", op=op)
             return HierPending(lambda: _wait(res).view(out_shape))
         bounds = _bounds(s, self._nchunks(x.numel() * x.element_size(), s, chunks))
         src = self._blocks(x, s, order)  # [k][l][s]
         if len(bounds) == 1 and order == "nested":
-            intra = [self._rs(x, "intra", op)]  # the input already is [l][k][s]
+            intra = [self._rs(x, "intra", op=op)]  # the input already is [l][k][s]
         else:  # per chunk a contiguous [l][k][s_c] buffer: intra RS hands rank l its [k][s_c]
-            intra = [self._rs(src[:, :, a:b].transpose(0, 1).contiguous().view(-1), "intra", op) for a, b in bounds]
+            intra = [self._rs(src[:, :, a:b].transpose(0, 1).contiguous().view(-1), "intra", op=op) for a, b in bounds]
 
         inter: list[torch.Tensor] = []
 
         def advance() -> None:
             if not inter:
-                inter.extend(self._rs(_wait(part), "inter", op) for part in intra)
+                inter.extend(self._rs(_wait(part), "inter", op=op) for part in intra)
 
         def finish() -> torch.Tensor:
             advance()
@@ -289,19 +256,17 @@ class ParoCC:
         self._check("flat", op)
         g, m = self.info.g, self.info.m
         shape = t.shape
-        x = t.reshape(-1)
-        if not x.is_contiguous():
-            x = x.contiguous()
+        x = _flat(t)
         if g * m == 1:
             return _done(x.clone().view(shape))
         if g == 1 or m == 1:
-            res = self._ar(x, "intra" if g == 1 else "inter", op)
+            res = self._ar(x, "intra" if g == 1 else "inter", op=op)
             return HierPending(lambda: _wait(res).view(shape))
         numel = x.numel()
         if numel == 0:
             return _done(t.clone())
         if runs_flat(numel * x.element_size(), self.flat_below_bytes):
-            res = self._ar(x, "global", op)
+            res = self._ar(x, "global", op=op)
             return HierPending(lambda: _wait(res).view(shape))
         # chunks are whole rows of m elements (the intra reduce-scatter splits each into m
         # pieces); only a last partial row is padded, so a tensor whose size m divides moves
@@ -317,12 +282,12 @@ class ParoCC:
             padded[: b - a].copy_(x[a:b])
             return padded
 
-        rs = [self._rs(piece(a, b), "intra", op) for a, b in bounds]
+        rs = [self._rs(piece(a, b), "intra", op=op) for a, b in bounds]
         ar: list[torch.Tensor] = []
 
         def advance() -> None:  # every chunk's inter all-reduce in flight
             if not ar:
-                ar.extend(self._ar(_wait(part), "inter", op) for part in rs)
+                ar.extend(self._ar(_wait(part), "inter", op=op) for part in rs)
 
         def finish() -> torch.Tensor:
             ag: list[torch.Tensor] = []
@@ -330,7 +295,7 @@ class ParoCC:
                 ag.extend(self._ag(_wait(part), "intra") for part in ar)
             else:
                 for c in range(len(bounds)):  # keep both links busy: chunk c's inter AR next to c-1's intra AG
-                    ar.append(self._ar(_wait(rs[c]), "inter", op))
+                    ar.append(self._ar(_wait(rs[c]), "inter", op=op))
                     if c:
                         ag.append(self._ag(_wait(ar[c - 1]), "intra"))
                 ag.append(self._ag(_wait(ar[-1]), "intra"))

@@ -1,18 +1,5 @@
-"""Per-block and per-model engine state, and the module hooks, registered in one place.
-
-Flow of one micro-step:
-  root pre-forward   gather the root's groups, prefetch the first block
-  block pre-forward  gather (or finish the prefetch), swap whole tensors in, prefetch the next
-  block post-forward swap the DTensor parameters back, free the whole tensors (P = I or G)
-  block pre-backward re-gather, prefetch the block that runs backward next
-  block post-backward reduce the bucket of gradients to the G level, free the whole tensors;
-                     earlier blocks' reductions advance a phase, those two blocks back finish
-                     (on the last micro-step they then start their reduction to the OS level)
-  block inputs' grads free the block's frozen groups (they get no post-backward of their own)
-  end of backward    finish gradient reductions, free anything still gathered
-After the optimizer step each group's push to the P level may be in flight (overlap.py): a
-block's pre-forward, and a prefetch of it, wait for its groups' pushes first.
-"""
+"""Per-block and per-model engine state, and the module hooks, registered in one place (the
+micro-step's flow through them: docs/ARCHITECTURE.md, "One optimizer step")."""
 from __future__ import annotations
 
 import enum
@@ -260,16 +247,13 @@ class ParoState:
         if self.pushes.finish(group) and (streams := active(self.comm.streams)) is not None:
             streams.params_written()
 
-    def finish_grad_reductions(self) -> None:
-        for _, g in self.in_flight:
-            self._finish_reduction(g)
-        self.in_flight.clear()
-
     def end_backward(self) -> None:
         """As FSDP2's root post-backward: every reduction lands, so after ``backward()`` each
         parameter whose group reduced holds its gradient in ``.grad``."""
         self.training_state = TrainingState.IDLE
-        self.finish_grad_reductions()
+        for _, g in self.in_flight:
+            self._finish_reduction(g)
+        self.in_flight.clear()
         self.boundary.finish()  # the boundary's reductions started under backward (overlap.py)
         drive([finalize_grads(g) for g in self.groups if g.last_backward and g.grads is GradState.AT_G])
         if self.comm.pool is not None:
@@ -356,18 +340,13 @@ def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: 
                                f"model.set_requires_gradient_sync(True) before the last micro-step's backward")
 
 
-def land_all_pushes() -> None:
-    """Every watched model's pushes in flight, waited (before the process group goes)."""
-    for state in list(_watched):
-        state.pushes.finish()
-
-
 def _landing_pushes_first(destroy):
     """``dist.destroy_process_group``, landing the last step's pushes first: they are collectives
     in flight until the next forward, and a script's last step has none (torch warns of unwaited
     collectives at exit; NCCL may hang)."""
     def destroy_process_group(*args: Any, **kwargs: Any) -> None:
-        land_all_pushes()
+        for state in list(_watched):
+            state.pushes.finish()
         return destroy(*args, **kwargs)
 
     destroy_process_group.__wrapped__ = destroy

@@ -1,30 +1,10 @@
 """Where collectives are issued on a GPU: two side streams, as FSDP2 does.
 
 Why: a collective issued from the compute stream starts only after every kernel queued before it,
-and PaRO-CC's later phases, issued at the consumer's ``wait()``, would queue behind all compute
-issued by then. So on CUDA all-gathers run on ``gather`` and reductions on ``reduce`` (both high
-priority), every phase is issued at once there (each after the one before through a stream-side
-``wait_tensor``), and the consumer waits for an event recorded after the last (``Pending.wait``).
-
-What a side stream waits for before a collective depends on where its input was written:
-
-* ``issue("gather")``, ``issue("reduce")``: the whole compute stream, which wrote the input (a
-  gradient bucket, the updated masters at the boundary).
-* ``issue("params")``, a micro-step's parameter all-gather: its input, the P-level storage, is
-  written only between forwards (the optimizer's push, a load), so the gather stream waits for the
-  compute stream once per forward, at the root (``params_written``, FSDP2's root pre-forward), and
-  at each issue only for the copy-outs of results it may reuse the memory of (FSDP2's
-  ``AllGatherState`` event): ``copied_out`` keeps each result, with an event after its copy-out,
-  until ``slack`` newer ones are kept. With the engine's prefetch (block i+1's gather is issued
-  after block i's copy-out) and ``slack = 1``, block i+1's gather waits for block i-1's copy-out,
-  not block i-1's compute: about two blocks of slack, one gathered buffer more in memory.
-
-No ``record_stream``: the ``Pending`` holds a reduction's input until the compute stream has
-waited; a gather's output, allocated on the side stream, is freed only after the side stream
-waited for its consumer (the issue's wait above, ``copied_out`` / ``release`` for parameters).
-
-On CPU (gloo) ``wait_tensor`` blocks the thread, so later phases stay inside ``wait()`` and
-``streams_for`` returns None; while torch.compile traces, the graph passes schedule instead.
+and PaRO-CC's later phases, issued at the consumer's ``wait()``, would queue behind all of them. So
+on CUDA every phase is issued at once on a side stream and the consumer waits on an event. What
+each issue waits for, and why no ``record_stream`` is needed: docs/ARCHITECTURE.md, "On a GPU".
+On CPU (gloo) ``wait_tensor`` blocks the thread, so ``streams_for`` returns None.
 """
 from __future__ import annotations
 
@@ -57,7 +37,10 @@ class CommStreams:
     @contextlib.contextmanager
     def issue(self, kind: str) -> Iterator[torch.cuda.Stream]:
         """Run the body on the ``kind`` stream: "gather" and "reduce" after everything queued on
-        the current stream, "params" after the copy-outs beyond ``slack`` (module docstring)."""
+        the current stream (which wrote the input); "params", a micro-step's parameter gather,
+        whose input is written only between forwards (``params_written``), after the copy-outs
+        beyond ``slack`` of the results whose memory it may reuse (FSDP2's ``AllGatherState``):
+        with the prefetch, block i+1's gather waits for block i-1's copy-out, not its compute."""
         side = self.stream(kind)
         if kind == "params" and self._written:
             self._drop(side, self.slack)
@@ -92,12 +75,10 @@ class CommStreams:
 
     @staticmethod
     def wait(event: torch.cuda.Event) -> None:
-        """Make the current (consumer) stream wait for ``event``."""
         torch.cuda.current_stream().wait_event(event)
 
 
 def streams_for(device: torch.device) -> CommStreams | None:
-    """Side streams for a CUDA device; None elsewhere (CPU, meta)."""
     return CommStreams(device) if device.type == "cuda" else None
 
 

@@ -1,16 +1,9 @@
 """What a block does while torch.compile traces it: every collective becomes a graph node.
 
 Why a second path: the eager engine keeps collectives in flight across hooks, frees storage with
-``resize_`` and calls back into Python from backward, none of which a graph captures. While
-tracing, a group's unshard is one autograd Function (``GatherForCompute``) built from the eager
-path's own moves, so eager and compiled runs move the same bytes; its G-level gradient goes to
-``group.sink``, a leaf holding no memory, whose hook feeds the eager accumulator. On a syncing
-backward the boundary's ``reduce_to_os`` runs in the graph too, into ``group.os_sink``, so the
-reorder pass can overlap it with the rest of backward.
-
-Why ``compile_block`` and not ``nn.Module.compile``: the latter compiles ``_call_impl``, a frame
-dynamo skips, so the pre-forward hook and the forward became two graphs and the gathered whole
-tensors, the hook graph's outputs, were saved for backward whatever the checkpoint policy said.
+``resize_`` and calls back into Python from backward, none of which a graph captures. The traced
+path is built from the eager path's own moves, so eager and compiled runs move the same bytes
+(docs/ARCHITECTURE.md, ``traced.py``).
 """
 from __future__ import annotations
 
@@ -116,12 +109,11 @@ def _checkpointed_call_with_hooks(block: nn.Module, *args, **kwargs):
 
 
 def compile_block(block: nn.Module, checkpointed: bool = False, **compile_kwargs) -> None:
-    """``block.compile(**compile_kwargs)`` with the block's hooks in its graph: the compiled frame
-    is this module's, which dynamo traces, and it inlines ``_call_impl`` with the hooks, so the
-    gather and the compute are one graph and ``reshard_after_forward`` holds (the gather
-    recomputed in backward). ``checkpointed``: the whole call, hooks included, under activation
-    checkpointing inside that graph, so backward gathers once for the recomputation (an eager
-    checkpoint around the compiled call would re-run the forward graph, then backward's gather)."""
+    """``block.compile(**compile_kwargs)`` with the block's hooks in its graph (why:
+    ``ParoModule.compile``): the compiled frame is this module's, which dynamo traces, and it
+    inlines ``_call_impl`` with the hooks. ``checkpointed``: the whole call, hooks included, under
+    activation checkpointing inside that graph, so backward gathers once for the recomputation (an
+    eager checkpoint around the compiled call would re-run the forward graph, then backward's gather)."""
     call = _checkpointed_call_with_hooks if checkpointed else _call_with_hooks
     block._compiled_call_impl = torch.compile(partial(call, block), **compile_kwargs)
 

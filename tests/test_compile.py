@@ -305,7 +305,7 @@ def test_uneven_layout_indices_are_graph_inputs_on_the_device(device):
     from torch._dynamo.backends.common import aot_autograd
     from functorch.compile import make_boxed_func
     from paro_fsdp.layout import FlatLayout, tensor_layout
-    from paro_fsdp.mesh import MeshCoords
+    from mesh_coords import MeshCoords
 
     info = MeshCoords(g=2, m=2, k=0, l=1)
     lay = FlatLayout([tensor_layout("odd", torch.Size([9, 3]), info), tensor_layout("b", torch.Size([5]), info)],

@@ -70,7 +70,7 @@ def suite(payload: dict) -> dict:
     assert rank == info.k * info.m + info.l  # the flat order the module promises
     cc = ParoCC(MeshComm(info.groups), chunk_bytes=256, max_chunks=5)  # small chunks: default chunking kicks in
     flat = ParoCC(MeshComm(info.groups), chunk_bytes=256, flat_below_bytes=1 << 30)  # every case runs flat
-    stats = cc.stats
+    stats = cc.comm.stats
     gname = info.group_names["global"]
     out: dict = {}
     for case in payload["cases"]:
@@ -102,10 +102,10 @@ def suite(payload: dict) -> dict:
             else:
                 want = ops.wait_tensor(ops.all_reduce(x.clone(), op, gname))
             got = call(cc)
-            flat.stats.reset()
+            flat.comm.stats.reset()
             got_flat = call(flat)  # below flat_below_bytes: the flat collective itself, bit for bit
             flat_ok = torch.equal(got_flat, want) and got_flat.shape == want.shape and \
-                set(flat.stats.as_dict()) == {f"{kind}/global"} and flat.stats.count() == 1
+                set(flat.comm.stats.as_dict()) == {f"{kind}/global"} and flat.comm.stats.count() == 1
             parts_ok = None
             if kind == "all_gather" and order == "nested" and x.dim() == 1:  # the chunks, not assembled
                 parts_ok = all(_assembled(c.all_gather(x, order="nested", chunks=ch, parts=True).wait(), x.numel())
@@ -196,7 +196,7 @@ def _side_stream_checks(info, plain, n: int) -> dict:
 
     rec = RecordingStreams()
     cc = ParoCC(MeshComm(info.groups, streams=rec), chunk_bytes=256, max_chunks=5)
-    stats = cc.stats
+    stats = cc.comm.stats
     x = torch.arange(1000.0) + info.k * info.m + info.l
     out = {}
     for kind, call, phases in (
