@@ -42,11 +42,11 @@ def rank_main(payload: dict) -> dict:
     assert group.state == ShardState.SHARDED
     block = state.info.n * group.p_flat.numel() * group.p_flat.element_size()  # the gathered block's bytes
     state.cc.chunk_bytes = block // 4
-    state.cc.stats.reset()
+    state.comm.stats.reset()
     with NewStorage() as created:
         group.unshard()
     out["unshard"] = {"block": block, "m": state.info.m, "created": created.nbytes,
-                      "gathers": state.cc.stats.count("all_gather", "inter")}
+                      "gathers": state.comm.stats.count("all_gather", "inter")}
     group.reshard()
     return out
 
