@@ -303,8 +303,10 @@ def _measured(payload, policies):
     from tools.local_world import run_local_world
 
     per_rank = run_local_world(4, "tools.bench.memory_peak:_rank_main", dict(payload, strategies=policies))
-    # the median rank: when gloo's threads free a collective's buffers moves one rank's peak by a block
-    return [sorted(rank[i]["measured"] for rank in per_rank)[1:3] for i in range(len(policies))]
+    # the least rank's: every rank holds the same bytes (shards padded to one size), and the profiler
+    # misses the frees gloo's threads make, so a buffer one of them frees late stays in that rank's sum
+    # to the end (it only adds: one mixed plan's four ranks read 4.68, 4.84, 4.96 and 5.00 MB)
+    return [min(rank[i]["measured"] for rank in per_rank) for i in range(len(policies))]
 
 
 def _check_named(micro_batch, ckpt):
@@ -313,8 +315,7 @@ def _check_named(micro_batch, ckpt):
     payload = {"group_size": 2, "flavor": "debug", "micro_batch": micro_batch, "seq_len": 64, "accum": 2,
                "checkpoint": ckpt}
     pred = predictions(NAMED, 4, 2, "debug", micro_batch, 64, 2, ckpt)
-    # the lower of the middle ranks: a buffer a gloo thread frees late only adds to a rank's peak
-    got = {s: min(mid) for s, mid in zip(NAMED, _measured(payload, list(NAMED)))}
+    got = dict(zip(NAMED, _measured(payload, list(NAMED))))
     ratios = {s: round(got[s] / pred[s]["footprint"], 3) for s in NAMED}
     assert all(0.9 <= r <= 1.1 for r in ratios.values()), ratios
 
@@ -378,7 +379,7 @@ def test_plans_measured_peak_stays_within_its_budget():
     plans = [plan(b) for b in budgets]
     payload = {"group_size": 2, "flavor": "debug", "micro_batch": 2, "seq_len": 64, "accum": 2}
     measured = _measured(payload, [p.policy() for p in plans])
-    got = [(b, p.footprint, max(mid)) for b, p, mid in zip(budgets, plans, measured)]
+    got = [(b, p.footprint, m) for b, p, m in zip(budgets, plans, measured)]
     assert all(0.9 <= m / f <= 1.1 for _, f, m in got), got
     assert all(m <= (b or CLUSTER.usable_bytes) for b, _, m in got), got
 
