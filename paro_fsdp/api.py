@@ -102,15 +102,18 @@ def _auto(model: nn.Module, mesh: DeviceMesh, policy: Any, block_modules: list[n
 
 
 def build(model: nn.Module, mesh: DeviceMesh, strategies: dict[str, Strategy], block_modules: list[nn.Module],
-          mp: MixedPrecision, block_settings: dict[int, tuple[MixedPrecision, bool]], reshard_after_forward: bool,
-          param_init_fn: Optional[Callable[[str, torch.Tensor], None]] = None, flat_below_bytes: int = 0,
-          adopted: list[ParoState] = (), root_hooks_on: Optional[nn.Module] = None) -> nn.Module:
+          mp: MixedPrecision, block_settings: dict[int, tuple[MixedPrecision, bool]],
+          reshard_after_forward: Optional[bool], param_init_fn: Optional[Callable[[str, torch.Tensor], None]] = None,
+          flat_below_bytes: int = 0, adopted: list[ParoState] = (),
+          root_hooks_on: Optional[list[nn.Module]] = None) -> nn.Module:
     """The engine over ``model``: one ``ParoBlock`` per block module (and the root), one group per
     block and strategy. ``block_settings``: per block (by ``id``) its own mixed precision and
     ``reshard_after_forward``; others take the model's. ``adopted``: engines of modules inside
     ``model`` sharded before it (``fully_shard``'s blocks): their blocks join this one, their
-    roots become blocks, their parameters stay as they are. ``root_hooks_on``: where the root's
-    hooks go (default: ``_entry_module(model)``)."""
+    roots become blocks, their parameters stay as they are. ``root_hooks_on``: the modules the
+    root's hooks go on, and that become its ``ParoModule`` s (default: ``_entry_module(model)``,
+    and the model); several for a list given to one ``fully_shard`` call. ``reshard_after_forward``
+    ``None``: FSDP2's default (a block reshards, the root keeps its parameters unsharded)."""
     info = MeshInfo.from_mesh(mesh)
     taken = {id(p) for st in adopted for g in st.groups for p in g.sharded_params}
     named = [(fqn, p) for fqn, p in model.named_parameters() if id(p) not in taken]
@@ -142,19 +145,20 @@ def build(model: nn.Module, mesh: DeviceMesh, strategies: dict[str, Strategy], b
     state = ParoState(info, comm, cc, [])
     for module, name in [(model, "<root>")] + [(b, names[id(b)]) for b in block_modules]:
         block_mp, raf = block_settings.get(id(module), (mp, reshard_after_forward))
+        group_raf = raf is not False
         by_strategy: dict[Strategy, list[ParamRef]] = {}
         for fqn, p in named:
             if block_of.get(p, model) is module:
                 by_strategy.setdefault(strategies[fqn], []).append(ParamRef.of(fqn, p, owners[p]))
         groups = [
-            ParoParamGroup(f"{name}:{s}", s, refs, info, comm, cc, block_mp, raf, param_init_fn)
+            ParoParamGroup(f"{name}:{s}", s, refs, info, comm, cc, block_mp, group_raf, param_init_fn)
             for s, refs in by_strategy.items()
         ]
         make_sinks_on_compile(groups)
-        block = ParoBlock(name, module, groups, state)
+        block = ParoBlock(name, [module], groups, state, raf)
         if module is model:
             block.is_root = True
-            block.module = root_hooks_on if root_hooks_on is not None else _entry_module(model)
+            block.modules = list(root_hooks_on) if root_hooks_on is not None else [_entry_module(model)]
             block.cast_inputs = mp.input_dtype
         state.blocks.append(block)
     new_blocks = list(state.blocks)
@@ -163,9 +167,10 @@ def build(model: nn.Module, mesh: DeviceMesh, strategies: dict[str, Strategy], b
     state.install_hooks(new_blocks)
     track_state_dict_writes(g for b in new_blocks for g in b.groups)
     for block in state.blocks:
-        owner = model if block.is_root else block.module
-        owner._paro_state, owner._paro_block = state, block
-        mix_in(owner)
+        owners = (root_hooks_on or [model]) if block.is_root else block.modules
+        for owner in owners:
+            owner._paro_state, owner._paro_block = state, block
+            mix_in(owner)
     watch(state)
     return model
 
@@ -175,17 +180,17 @@ def _adopt(model: nn.Module, state: ParoState, adopted: list[ParoState], names: 
     the order they were built: the forward order ``fully_shard``'s calling pattern gives); their
     roots become blocks; names are read again from ``model`` (``names``: id -> its name)."""
     for inner in adopted:
-        if inner.info.groups.group_names != state.info.groups.group_names:
+        if inner.info.mesh != state.info.mesh:  # equal meshes: each call's mesh=None builds its own, as torch's
             raise ValueError("fully_shard: every call on one model must use the same mesh (the blocks' and the root's)")
         inner.pushes.finish()
         for block in inner.blocks:
             if block.is_root:
-                block.module = next(m for m in model.modules() if getattr(m, "_paro_block", None) is block)
+                block.modules = [m for m in model.modules() if getattr(m, "_paro_block", None) is block]
                 block.is_root, block.cast_inputs = False, None
             block.model_state = state
-            block.name = names[id(block.module)]
+            block.name = ",".join(names[id(m)] for m in block.modules)
             for g in block.groups:
-                g.comm, g.cc = state.comm, state.cc
+                g.comm, g.cc, g.info = state.comm, state.cc, state.info
                 g.name = f"{block.name}:{g.strategy}"
                 for ref in g.refs:
                     module, attr = ref.owners[0]

@@ -6,13 +6,14 @@ modules adopts them as its blocks, so the last call, on the root, leaves one eng
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.tensor import DTensor
 
 from .api import _auto, _default_blocks, build, is_auto
 from .mesh import device_type_for_backend
@@ -21,18 +22,23 @@ from .module import ParoModule
 from .strategy import PolicyLike, resolve_policy
 
 
-def fully_shard(module: nn.Module, *, mesh: Optional[DeviceMesh] = None, strategy: Optional[PolicyLike] = None,
-                reshard_after_forward: bool = True, shard_placement_fn: Any = None,
+def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[DeviceMesh] = None,
+                strategy: Optional[PolicyLike] = None, reshard_after_forward: Optional[bool] = None,
+                shard_placement_fn: Any = None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                 offload_policy: OffloadPolicy = OffloadPolicy(),
                 ignored_params: Any = None, memory_budget: Optional[float] = None, workload: Any = None,
-                cluster: Any = None) -> nn.Module:
+                cluster: Any = None) -> Union[nn.Module, list[nn.Module]]:
     """Shard ``module`` in place, as ``torch.distributed.fsdp.fully_shard``, and return it.
 
-    ``mesh``: 1D (one group) or 2D (dim 0 across groups, dim 1 inside a group, any names);
-    default, a 1D mesh over the world. ``strategy``: the P, G, OS levels ("IIG", a ``Strategy``,
-    or a dict of fnmatch patterns over the module's parameter names / a callable, as
-    ``paro_shard``'s policy); default, FSDP2's layout on that mesh (GGG on 1D, III on 2D).
+    ``module``: a module, or a list of modules sharded as one group (FSDP2's: one collective for
+    them all, gathered at the first one's forward). ``mesh``: 1D (one group) or 2D (dim 0 across
+    groups, dim 1 inside a group, any names); default, a 1D mesh over the world, the same one for
+    every call. ``reshard_after_forward``: FSDP2's (``None``: a block reshards, the root keeps its
+    parameters unsharded, registered on its modules, until backward). ``strategy``: the P, G, OS
+    levels ("IIG", a ``Strategy``, or a dict of fnmatch patterns over the module's parameter names /
+    a callable, as ``paro_shard``'s policy); default, FSDP2's layout on that mesh (GGG on 1D, III
+    on 2D).
     ``mp_policy``: torch's ``MixedPrecisionPolicy`` (``param_dtype``, ``reduce_dtype``,
     ``cast_forward_inputs``); the parameters themselves stay fp32, as FSDP2's.
 
@@ -40,12 +46,18 @@ def fully_shard(module: nn.Module, *, mesh: Optional[DeviceMesh] = None, strateg
     ``paro_shard``'s) plans the whole model at once, so it is one call on the root, with no
     ``fully_shard`` on its blocks before it: the blocks are found as ``paro_shard`` finds them.
     """
-    _refuse_unsupported(module, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy, ignored_params)
+    modules = _modules_of(module)
+    _refuse_unsupported(modules, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy, ignored_params)
     mesh = mesh if mesh is not None else _world_mesh()
+    if len(modules) > 1 or module is not modules[0]:
+        if is_auto(strategy):
+            raise ValueError("fully_shard(strategy=\"auto\") plans a whole model: call it on the root module, not on "
+                             "a list of modules")
+        fully_shard_group(modules, mesh, strategy, reshard_after_forward, mp_policy)
+        return module
     if strategy is None:
         strategy = "GGG" if mesh.ndim == 1 else "III"
-    mp = MixedPrecision(param_dtype=mp_policy.param_dtype or torch.float32, reduce_dtype=mp_policy.reduce_dtype,
-                        cast_forward_inputs=mp_policy.cast_forward_inputs)
+    mp = _mixed_precision(mp_policy)
     adopted = _sharded_inside(module)
     blocks: list[nn.Module] = []
     if is_auto(strategy):
@@ -56,13 +68,54 @@ def fully_shard(module: nn.Module, *, mesh: Optional[DeviceMesh] = None, strateg
             raise ValueError(f"fully_shard(strategy=\"auto\"): {why}; \"auto\" plans a whole model at once: call it "
                              f"once, on the root (blocks: the elements of its ModuleLists), not on each block, or use "
                              f"paro_shard(model, mesh, \"auto\", memory_budget=...)")
-    strategy = _auto(module, mesh, strategy, blocks, mp, memory_budget, workload, cluster, reshard_after_forward, 0,
+    strategy = _auto(module, mesh, strategy, blocks, mp, memory_budget, workload, cluster,
+                     reshard_after_forward is not False, 0,
                      "fully_shard(model, strategy=\"auto\", memory_budget=...) on the root")
     taken = {id(p) for st in adopted for g in st.groups for p in g.sharded_params}
     own = [(n, p) for n, p in module.named_parameters() if id(p) not in taken]
+    _refuse_dtensors(own)
     strategies = resolve_policy(strategy, own) if own else {}
     return build(module, mesh, strategies, blocks, mp, {}, reshard_after_forward, adopted=adopted,
-                 root_hooks_on=module)
+                 root_hooks_on=[module])
+
+
+def fully_shard_group(modules: list[nn.Module], mesh: DeviceMesh, strategy: Optional[PolicyLike],
+                      reshard_after_forward: Optional[bool], mp_policy: MixedPrecisionPolicy) -> None:
+    """A list of modules as one group: their parameters (a tied one once) in one block, whose
+    hooks are on each module; the root's call adopts it like any block."""
+    holder = nn.ModuleList(modules)  # names for the parameters until the root renames them; not kept
+    adopted = [s for m in modules for s in _sharded_inside(m)]
+    if adopted:
+        raise ValueError("fully_shard on a list of modules: a module of the list holds modules sharded by earlier "
+                         "calls; shard the list's modules whole, or shard the inner ones in the list")
+    strategy = strategy if strategy is not None else ("GGG" if mesh.ndim == 1 else "III")
+    _refuse_dtensors(list(holder.named_parameters()))
+    strategies = resolve_policy(strategy, list(holder.named_parameters()))
+    build(holder, mesh, strategies, [], _mixed_precision(mp_policy), {}, reshard_after_forward,
+          root_hooks_on=modules)
+
+
+def _refuse_dtensors(named: list[tuple[str, nn.Parameter]]) -> None:
+    for name, p in named:
+        if isinstance(p, DTensor):
+            raise NotImplementedError(f"fully_shard: parameter {name} is already a DTensor (tensor parallel?): "
+                                      f"paro_fsdp shards plain parameters on a 1D or 2D data-parallel mesh only; use "
+                                      f"torch's fully_shard for FSDP + TP")
+
+
+def _modules_of(module: Any) -> list[nn.Module]:
+    if isinstance(module, nn.Module):
+        return [module]
+    if isinstance(module, (list, tuple)) and module and all(isinstance(m, nn.Module) for m in module):
+        if len({id(m) for m in module}) != len(module):
+            raise ValueError("fully_shard: the list names a module twice")
+        return list(module)
+    raise TypeError(f"fully_shard takes an nn.Module or a non-empty list of them, got {type(module).__name__}")
+
+
+def _mixed_precision(mp_policy: MixedPrecisionPolicy) -> MixedPrecision:
+    return MixedPrecision(param_dtype=mp_policy.param_dtype or torch.float32, reduce_dtype=mp_policy.reduce_dtype,
+                          cast_forward_inputs=mp_policy.cast_forward_inputs)
 
 
 def _sharded_inside(module: nn.Module) -> list:
@@ -79,20 +132,28 @@ def _sharded_inside(module: nn.Module) -> list:
 
 
 def _world_mesh() -> DeviceMesh:
+    """FSDP2's default mesh, one per process group: every ``mesh=None`` call of a model gets the
+    same one (so the same process groups), as torch's compare equal."""
     if not dist.is_initialized():
         raise RuntimeError("fully_shard: no process group: call torch.distributed.init_process_group() first, "
                            "or pass mesh=init_device_mesh(...)")
-    return init_device_mesh(device_type_for_backend(dist.get_backend()), (dist.get_world_size(),))
+    key = (dist.group.WORLD, dist.get_world_size())
+    if key not in _WORLD_MESHES:
+        _WORLD_MESHES.clear()  # a new process group: the old mesh's groups are gone
+        _WORLD_MESHES[key] = init_device_mesh(device_type_for_backend(dist.get_backend()), (dist.get_world_size(),))
+    return _WORLD_MESHES[key]
 
 
-def _refuse_unsupported(module: nn.Module, reshard_after_forward: Any, shard_placement_fn: Any,
+_WORLD_MESHES: dict[tuple, DeviceMesh] = {}
+
+
+def _refuse_unsupported(modules: list[nn.Module], reshard_after_forward: Any, shard_placement_fn: Any,
                         mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy, ignored_params: Any) -> None:
     """FSDP2 options PaRO cannot honour stop here with the fix, rather than being ignored."""
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"fully_shard takes an nn.Module, got {type(module).__name__}")
-    if not isinstance(reshard_after_forward, bool):
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
         raise ValueError(f"reshard_after_forward={reshard_after_forward!r}: PaRO reshards to its P level, not to a "
-                         f"smaller mesh; pass True or False (a strategy with P = I keeps a group's copy)")
+                         f"smaller mesh; pass True, False or None (a strategy with P = I keeps a group's copy)")
+
     if shard_placement_fn is not None:
         raise NotImplementedError("shard_placement_fn: PaRO shards dim 0 at each tensor's level; choose levels with "
                                   "strategy= (a dict of patterns or a callable per parameter)")

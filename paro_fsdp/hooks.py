@@ -30,8 +30,7 @@ class Unshard(torch.autograd.Function):
 
 class OnBackward(torch.autograd.Function):
     """Identity whose backward calls ``callback`` once all the tensors' gradients are ready: on a
-    block's outputs just before its backward, on its inputs just after (frozen groups get no
-    ``Unshard`` backward of their own).
+    block's inputs, just after its backward (frozen groups get no ``Unshard`` backward of their own).
 
     Gradients are not materialised: a tensor that reaches no loss (the aux output beside the
     logits) passes None on, instead of a zeros tensor of its shape that its producer's backward
@@ -68,5 +67,24 @@ def register_post_backward(callback: Callable[[], None], args: Any, kwargs: Any)
 
 
 def register_pre_backward(callback: Callable[[], None], output: Any) -> Any:
-    """``callback`` just before a block's backward (the gradients of its outputs are ready)."""
-    return _route(callback, output)
+    """``callback`` just before a block's backward: at the first gradient reaching one of its
+    outputs, once. A pre-hook on the node that made each output, rather than an ``OnBackward``
+    node around them: the outputs stay the block's own tensors, so the caller may modify them in
+    place (``h = block(x); h += 1``), which a custom Function's view outputs forbid. For an
+    output that is a view (a Linear on 3D input returns one), the node is its base's: an in-place
+    op on the view rebases its history past the view's own node, whose hooks then never run."""
+    fired = [False]
+
+    def hook(*_: Any) -> None:
+        if not fired[0]:
+            fired[0] = True
+            callback()
+
+    for x in tree_flatten(output)[0]:
+        if torch.is_tensor(x) and x.requires_grad:
+            node = (x._base if x._is_view() else x).grad_fn
+            if node is not None:
+                node.register_prehook(hook)
+            else:  # a leaf handed through
+                x.register_hook(hook)
+    return output

@@ -8,11 +8,13 @@ with ``recurse``, those of the blocks inside it.
 """
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from typing import Any, Iterable, Mapping
 
 import torch
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule, UnshardHandle
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .collectives import CommStats
@@ -24,11 +26,23 @@ from .strategy import Level, Strategy
 from .traced import compile_block
 
 
-class ParoModule:
+class ParoModule(FSDPModule):
     """Mixed into the sharded model's class and each ``fully_shard``-ed block's class (as FSDP2
-    mixes ``FSDPModule``); the class keeps its name, so exports name the model's own class."""
+    mixes ``FSDPModule``); the class keeps its name, so exports name the model's own class.
+
+    Why a subclass of torch's ``FSDPModule``: FSDP2's clients (accelerate, transformers' Trainer,
+    TRL, torch's ``register_fsdp_forward_method``) test ``isinstance(m, FSDPModule)`` to pick
+    their FSDP2 paths. Every public method of it is overridden here with PaRO's meaning, or refused
+    in one line (``_refuse_the_rest``): none reaches FSDP2's state, which these modules do not have."""
 
     _paro_state: ParoState
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        """As FSDP2's: constructing the class (a container's slice) builds the original class."""
+        orig = next(c for c in cls.__mro__ if not issubclass(c, FSDPModule))
+        self = orig.__new__(orig)
+        self.__init__(*args, **kwargs)
+        return self
 
     # ---- scope: which parameter groups a call reaches -----------------------------------
     def _paro_blocks(self, recurse: bool = True) -> list[ParoBlock]:
@@ -53,6 +67,13 @@ class ParoModule:
         last micro-step with it: that is where PaRO's once-per-step traffic hides."""
         _set_sync_flag(self._paro_groups(recurse), "requires_sync", requires_gradient_sync)
 
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """FSDP2's HSDP switch, accumulation with the intra-group reduction only. PaRO's meaning:
+        ``False`` keeps the gradients at the G level (the inter-group traffic waits for a backward
+        with it True), as ``set_requires_gradient_sync(False)``; ``.grad`` is written by that
+        backward, where HSDP writes a partial sum each time."""
+        _set_sync_flag(self._paro_groups(recurse), "requires_all_reduce", requires_all_reduce)
+
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Model-wide (as FSDP2's, a root setting): ``False`` keeps the gradients at the G level
         like ``set_requires_gradient_sync(False)``; a backward reduces to the OS level only when
@@ -61,12 +82,15 @@ class ParoModule:
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Free the gathered parameters after forward (and gather again in backward), as FSDP2;
-        the root's stay gathered until the end of backward, and P = N has nothing to free."""
+        ``False`` keeps them, registered on the modules. The root's stay gathered until the end of
+        backward either way, and P = N has nothing to free."""
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(f"set_reshard_after_forward takes a bool (PaRO has no smaller mesh to reshard to), "
                              f"got {reshard_after_forward!r}")
-        for g in self._paro_groups(recurse):
-            g.reshard_after_forward = reshard_after_forward and g.strategy.p != Level.N
+        for b in self._paro_blocks(recurse):
+            b.reshard_after_forward = reshard_after_forward
+            for g in b.groups:
+                g.reshard_after_forward = reshard_after_forward and g.strategy.p != Level.N
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """``False``: keep the gathered parameters after backward, for the next forward (as FSDP2,
@@ -74,20 +98,59 @@ class ParoModule:
         for g in self._paro_groups(recurse):
             g.reshard_after_backward = bool(reshard_after_backward)
 
-    def unshard(self, async_op: bool = False) -> None:
-        """Gather this module's P-level parameters now (the forward then finds them gathered);
-        ``async_op=True`` only issues the gathers, which the forward waits for. The module's
-        parameters stay the OS-level DTensors: the whole tensors are swapped in by the forward."""
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """Gather this module's P-level parameters now and register the whole tensors on its
+        modules (FSDP2's unsharded parameters: a call into the module before its forward works);
+        ``async_op=True`` only issues the gathers and returns a handle whose ``wait()`` finishes
+        them (the forward also waits)."""
         state = self._paro_state
         state.refresh_params()
-        for g in self._paro_groups(recurse=False):
+        groups = self._paro_groups(recurse=False)
+        for g in groups:
             state.land_push(g)
-            g.issue_unshard() if async_op else g.unshard()
+            g.issue_unshard()
+        handle = _UnshardHandle(groups)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
 
     def reshard(self) -> None:
-        """Free this module's gathered parameters."""
+        """Free this module's gathered parameters; its sharded parameters are registered again."""
         for g in self._paro_groups(recurse=False):
             g.reshard()
+
+    def reset_iter_state(self) -> None:
+        """After an exception inside forward or backward, on the root: land the collectives in
+        flight, reshard, drop the aborted iteration's gradients (and unsynced accumulated ones)."""
+        if not self._paro_blocks(recurse=False)[0].is_root:
+            raise RuntimeError("reset_iter_state() must be called on the root module (the last fully_shard call's)")
+        self._paro_state.reset_iter_state()
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """``False``: this module's backward does not gather its parameters (FSDP2's expert switch,
+        for parameters its backward never reads, such as an embedding's)."""
+        for b in self._paro_blocks(recurse=False):
+            b.unshard_in_backward = bool(unshard_in_backward)
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """FSDP2's: the next forward's gathers wait on ``event``. PaRO's gathers also wait for its
+        own push of the step's parameters (issued by the optimizer's step hook), so the event adds
+        an ordering and removes none."""
+        self._paro_state.post_optim_event = event
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated in FSDP2 for ``set_gradient_divide_factor``."""
+        warnings.warn("set_reduce_scatter_divide_factor is deprecated: use set_gradient_divide_factor",
+                      FutureWarning, stacklevel=2)
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Accepted: PaRO's gradient collectives always sum, and divide afterwards."""
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """Accepted: a parameter with no gradient is always reduced as zeros (every rank issues the
+        same collectives), FSDP2's ``True``."""
 
     def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
         """The blocks whose gathers this block's forward issues ahead (FSDP2's explicit prefetch)."""
@@ -131,6 +194,38 @@ class ParoModule:
                             "(backend=..., fullgraph=...)")
         compile_block(self, **kwargs)
 
+    def _get_fsdp_state(self) -> "_ForwardHooks":
+        """What torch's ``register_fsdp_forward_method`` calls around a method (``generate``):
+        this module's pre- and post-forward. Nothing else of FSDP2's state exists here."""
+        return _ForwardHooks(self._paro_blocks(recurse=False)[0])
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        """``module.to(...)``, ``.float()``, ``.cuda()`` after sharding: the sharded parameters
+        are registered first (as FSDP2); a conversion that keeps their dtype and device applies to
+        the rest (buffers, unsharded parameters); one that changes them is refused, since the
+        engine's flat buffers are built in one dtype on the mesh's device."""
+        state = self._paro_state
+        state.register_sharded()
+        ours = {id(p) for g in state.groups for p in g.sharded_params}
+        hidden = []
+        for m in self.modules():
+            for name, p in m._parameters.items():
+                if p is not None and id(p) in ours:
+                    probe = fn(torch.empty(0, dtype=p.dtype, device=p.device))
+                    if probe.dtype != p.dtype or probe.device != p.device:
+                        raise ValueError(f"{type(self).__name__}.to(...) after sharding would move {name} from "
+                                         f"{p.dtype} on {p.device} to {probe.dtype} on {probe.device}: paro_fsdp "
+                                         f"keeps fp32 parameters on the mesh's device; convert the model before "
+                                         f"fully_shard, or set mp_policy=MixedPrecisionPolicy(param_dtype=...)")
+                    hidden.append((m, name, p))
+        for m, name, _ in hidden:
+            m._parameters[name] = None
+        try:
+            return nn.Module._apply(self, fn, recurse)  # past FSDPModule._apply, which reads FSDP2's state
+        finally:
+            for m, name, p in hidden:
+                m._parameters[name] = p
+
     # ---- PaRO's own -------------------------------------------------------------------------
     def comm_stats(self) -> CommStats:
         """Collectives issued so far: count and ring bytes per rank per (kind, mesh dim); the
@@ -157,6 +252,13 @@ class ParoModule:
         report["in_flight"] = in_flight_bytes(self._paro_state)
         report["peak"] = report["total"] + report["master_grads"] + report["boundary"] + report["in_flight"]
         return report
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """``nn.Module.state_dict`` of the sharded parameters, also while the whole tensors are
+        registered (after a forward that keeps them): they are registered back first, as FSDP2's
+        state-dict hooks do."""
+        self._paro_state.register_sharded()
+        return super().state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
         """``nn.Module.load_state_dict`` into the sharded parameters; values may be DTensors or
@@ -193,6 +295,55 @@ class ParoModule:
         """The mesh's sizes and c10d group names (plain data): what the graph passes need to
         tell an intra collective from an inter or global one (``passes.install(meshes=...)``)."""
         return self._paro_state.info.groups
+
+
+class _UnshardHandle(UnshardHandle):
+    """``unshard(async_op=True)``'s handle: ``wait()`` lands the gathers and registers the whole
+    tensors on the modules."""
+
+    def __init__(self, groups: list[ParoParamGroup]) -> None:
+        self._groups: list[ParoParamGroup] | None = groups
+
+    def wait(self) -> None:
+        for g in self._groups or ():
+            g.unshard()
+            g.register(g.full_params)
+        self._groups = None
+
+
+class _ForwardHooks:
+    """The ``_pre_forward`` / ``_post_forward`` pair torch's ``register_fsdp_forward_method``
+    wraps a method in: the block's own forward hooks."""
+
+    def __init__(self, block: ParoBlock) -> None:
+        self._block = block
+
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return self._block.pre_forward(module, args, kwargs)
+
+    def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        return self._block.post_forward(module, args, {}, output)
+
+
+def _refuse(name: str) -> Any:
+    def refused(self: Any, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError(f"{name}: an FSDP2 setting of its own collectives and buffers, which paro_fsdp "
+                                  f"does not have; drop the call (docs/fsdp2.md lists what each FSDP2 method does)")
+    refused.__name__ = refused.__qualname__ = name
+    refused.__doc__ = "Refused in one line: FSDP2's own collectives and buffers (docs/fsdp2.md)."
+    return refused
+
+
+def _refuse_the_rest() -> None:
+    """Every public ``FSDPModule`` method this torch has and ``ParoModule`` does not define
+    (custom collectives, hooks on FSDP2's all-reduce, its buffer and stream settings; any a later
+    torch adds) raises, rather than reaching FSDP2's state or doing nothing."""
+    for name in dir(FSDPModule):
+        if not name.startswith("_") and callable(getattr(FSDPModule, name)) and name not in ParoModule.__dict__:
+            setattr(ParoModule, name, _refuse(name))
+
+
+_refuse_the_rest()
 
 
 def _set_sync_flag(groups: Iterable[ParoParamGroup], flag: str, value: bool) -> None:

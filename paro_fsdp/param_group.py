@@ -172,6 +172,7 @@ class ParoParamGroup:
         # set_requires_gradient_sync and set_is_last_backward, True by default (as FSDP2 reduces)
         self.requires_sync = True
         self.is_last = True
+        self.requires_all_reduce = True  # FSDP2's HSDP switch: False defers the reduction like requires_sync
         self.reshard_after_backward = True
         self.sink: torch.Tensor | None = None  # gradient leaves of the traced path (traced.py)
         self.os_sink: torch.Tensor | None = None
@@ -180,7 +181,7 @@ class ParoParamGroup:
     @property
     def last_backward(self) -> bool:
         """Whether the next backward reduces the gradients to the OS level (the step boundary)."""
-        return self.requires_sync and self.is_last
+        return self.requires_sync and self.is_last and self.requires_all_reduce
 
     def params_version(self) -> int:
         """Grows with every in-place write of a trainable parameter (an optimizer step, a load)."""
@@ -316,6 +317,17 @@ class ParoParamGroup:
         return self.comm.reduce_scatter(buf, move.dim)
 
     # ---- parameters: shard <-> whole (eager) ---------------------------------------------
+    def register(self, tensors: list[torch.Tensor]) -> None:
+        """Point every module attribute holding the group's parameters at ``tensors``: the whole
+        tensors while unsharded (as FSDP2 registers its unsharded parameters, so a call into an
+        inner module works), the sharded parameters otherwise."""
+        for ref, t in zip(self.refs, tensors):
+            for owner, attr in ref.owners:
+                owner._parameters[attr] = t
+
+    def register_sharded(self) -> None:
+        self.register(self.sharded_params)
+
     def issue_unshard(self) -> None:
         """Start the all-gather (used to prefetch); a P = G gather's inter phase is in flight
         until ``unshard`` waits."""
@@ -349,6 +361,9 @@ class ParoParamGroup:
         self.state = ShardState.UNSHARDED
 
     def reshard(self) -> None:
+        """Free the whole tensors; the modules hold the sharded parameters again (never a freed
+        buffer)."""
+        self.register_sharded()
         if self.strategy.p == Level.N or self.state == ShardState.SHARDED:
             return
         if self.state == ShardState.GATHERING:

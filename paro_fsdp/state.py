@@ -19,7 +19,7 @@ from .hooks import Unshard, register_post_backward, register_pre_backward
 from .boundary import drive, finalize_grads, push_params
 from .mesh import MeshInfo
 from .overlap import InFlight, boundary_bytes, forward_dims, has_boundary_traffic, push_bytes, push_dims
-from .param_group import GradState, ParoParamGroup
+from .param_group import GradState, ParoParamGroup, ShardState
 from .paro_cc import ParoCC
 from .streams import active
 from .traced import unshard as traced_unshard
@@ -33,17 +33,34 @@ class TrainingState(enum.Enum):
 
 
 class ParoBlock:
-    """One module whose parameters move together: one collective per group and phase."""
+    """One module whose parameters move together (or a list of modules given to one
+    ``fully_shard`` call, FSDP2's group): one collective per group and phase."""
 
-    def __init__(self, name: str, module: nn.Module, groups: list[ParoParamGroup], model_state: "ParoState") -> None:
-        self.name, self.module, self.groups, self.model_state = name, module, groups, model_state
+    def __init__(self, name: str, modules: list[nn.Module], groups: list[ParoParamGroup], model_state: "ParoState",
+                 reshard_after_forward: bool | None = True) -> None:
+        self.name, self.modules, self.groups, self.model_state = name, modules, groups, model_state
         self.is_root = False
+        # as asked (FSDP2's): None reshards a block after forward but keeps the root unsharded
+        self.reshard_after_forward = reshard_after_forward
+        self.unshard_in_backward = True  # FSDP2's set_unshard_in_backward
         self.cast_inputs: torch.dtype | None = None  # root only: floating inputs cast to this (MixedPrecision)
         self.traced = False  # set once torch.compile has traced this block: no eager prefetch into it
         # FSDP2's set_modules_to_forward_prefetch / _backward_prefetch: the blocks gathered ahead of
         # this one's compute (None: the next one in the recorded order)
         self.forward_prefetch: list[ParoBlock] | None = None
         self.backward_prefetch: list[ParoBlock] | None = None
+        self.to_run: set[int] = set()  # a group of modules: those whose forward has not run yet in this pass
+
+    @property
+    def module(self) -> nn.Module:
+        return self.modules[0]
+
+    @property
+    def keeps_registered(self) -> bool:
+        """Whether the whole tensors stay the modules' parameters after forward (FSDP2's
+        ``reshard_after_forward=False``, and the root's default): calls into inner modules between
+        forward and backward, or after a ``no_grad`` forward (``generate``), then meet them."""
+        return self.reshard_after_forward is False or (self.reshard_after_forward is None and self.is_root)
 
     def gather(self, prefetch_next: bool = True, backward: bool = False) -> None:
         for g in self.groups:
@@ -63,12 +80,13 @@ class ParoBlock:
 
     @staticmethod
     def _swap(group: ParoParamGroup, tensors: list[torch.Tensor]) -> None:
-        """Point every module attribute holding the group's parameters at ``tensors``."""
-        for ref, t in zip(group.refs, tensors):
-            for owner, attr in ref.owners:
-                owner._parameters[attr] = t
+        group.register(tensors)
 
     def pre_forward(self, module: nn.Module, args: Any, kwargs: Any):
+        if len(self.modules) > 1 and not _in_backward() and not torch.compiler.is_compiling():
+            if self.to_run:  # a later module of the group: its parameters are in place already
+                return args, kwargs
+            self.to_run = {id(m) for m in self.modules}
         if self.cast_inputs is not None:
             args, kwargs = _cast_floating((args, kwargs), self.cast_inputs)
         # Inside backward, activation checkpointing is recomputing the block (hooks included):
@@ -96,6 +114,10 @@ class ParoBlock:
                 state.training_state = TrainingState.IDLE
             if self.is_root and (streams := active(state.comm.streams)) is not None:
                 streams.params_written()  # the step's P writes are queued: later gathers start after them
+                if state.post_optim_event is not None:  # FSDP2's set_post_optim_event: one more ordering
+                    streams.gather.wait_event(state.post_optim_event)
+            if self.is_root:
+                state.post_optim_event = None
             self.gather()
         grad_enabled = torch.is_grad_enabled()
         for i, g in enumerate(self.groups):
@@ -110,18 +132,37 @@ class ParoBlock:
             for g in self.groups:
                 self._swap(g, g.sharded_params)
             return output
-        if not _in_backward():  # a recomputation keeps the whole tensors until the block's backward ends
-            for g in self.groups:
-                self._swap(g, g.sharded_params)
-                if (g.reshard_after_forward and not self.is_root) or not torch.is_grad_enabled():
-                    g.reshard()
         if torch.is_grad_enabled():
             output = register_pre_backward(self.pre_backward, output)
+        if len(self.modules) > 1 and not _in_backward():
+            self.to_run.discard(id(module))
+            if self.to_run:  # the group's other modules have yet to run
+                return output
+        if self.is_root and not _in_backward():
+            for b in self.model_state.blocks:
+                if b.to_run:  # a group some of whose modules never ran (FSDP2 completes them here)
+                    b.to_run = set()
+                    b.finish_forward()
+        if not _in_backward():  # a recomputation keeps the whole tensors until the block's backward ends
+            self.finish_forward()
         return output
+
+    def finish_forward(self) -> None:
+        """After the block's forward: the sharded parameters back on the modules unless they stay
+        registered whole (``keeps_registered``); the gathered tensors freed as resharding asks (the
+        root's stay for its backward, as do those of a block that does not reshard)."""
+        keep = self.keeps_registered
+        for g in self.groups:
+            if not keep:
+                g.register_sharded()
+            if (g.reshard_after_forward and not self.is_root) or (not torch.is_grad_enabled() and not keep):
+                g.reshard()
 
     def pre_backward(self) -> None:
         if self.is_root:
             self.model_state.begin_backward()
+        if not self.unshard_in_backward:  # the user's word that backward reads none of its parameters
+            return
         self.gather(backward=True)
         # the whole tensors go back on the modules, differentiable, as FSDP2 keeps its unsharded
         # parameters registered through backward: a recomputation the hooks do not see (transformers'
@@ -134,10 +175,11 @@ class ParoBlock:
 
     def release(self, group: ParoParamGroup) -> None:
         """After the group's backward: the parameters back, the whole tensors freed (kept under
-        ``set_reshard_after_backward(False)``, for the next forward)."""
-        self._swap(group, group.sharded_params)
+        ``set_reshard_after_backward(False)``, for the next forward, and registered, as FSDP2's)."""
         if group.reshard_after_backward:
             group.reshard()
+        else:
+            group.register(group.full_params if group.state is ShardState.UNSHARDED else group.sharded_params)
 
     def post_backward_frozen(self) -> None:
         for g in self.groups:
@@ -189,6 +231,7 @@ class ParoState:
         self.boundary = InFlight()  # last micro-step: reductions to the OS level (overlap.py)
         self.pushes = InFlight()  # after the step: master -> P level, waited at each pre-forward
         self.compiled_push = None  # traced.compile_push: the pushes as one compiled graph
+        self.post_optim_event: torch.Event | None = None  # FSDP2's set_post_optim_event, for the next forward
 
     @property
     def groups(self) -> list[ParoParamGroup]:
@@ -300,9 +343,34 @@ class ParoState:
 
     def install_hooks(self, blocks: list[ParoBlock] | None = None) -> None:
         for b in self.blocks if blocks is None else blocks:
-            target = _inside_checkpoint(b.module)
-            target.register_forward_pre_hook(b.pre_forward, with_kwargs=True)
-            target.register_forward_hook(b.post_forward, with_kwargs=True)
+            for module in b.modules:
+                target = _inside_checkpoint(module)
+                target.register_forward_pre_hook(b.pre_forward, with_kwargs=True)
+                target.register_forward_hook(b.post_forward, with_kwargs=True)
+
+    def register_sharded(self) -> None:
+        """The sharded parameters on every module (the state dict's, ``_apply``'s view), the
+        gathered tensors kept."""
+        for g in self.groups:
+            g.register_sharded()
+
+    def reset_iter_state(self) -> None:
+        """FSDP2's recovery after an exception inside forward or backward: the collectives in
+        flight land, every group reshards, and the gradients of the aborted iteration (and any
+        accumulated unsynced ones) are dropped; the parameters and ``.grad`` already reduced stay."""
+        for _, g in self.in_flight:
+            g.finish_grad_reduction()
+        self.in_flight.clear()
+        self.boundary.finish()
+        self.pushes.finish()
+        for g in self.groups:
+            g.reshard()
+            g.zero_grad()
+        for b in self.blocks:
+            b.to_run = set()
+        self.forward_order = []
+        if self.training_state is TrainingState.BACKWARD:
+            self.training_state = TrainingState.IDLE
 
 
 # Every live model's state, refreshed after any torch optimizer's step: the user's optimizer is a

@@ -228,7 +228,7 @@ def test_fp32_ggg_holds_zero3_bytes():
     "kwargs,fix",
     [
         ({"shard_placement_fn": lambda p: None}, "strategy="),
-        ({"reshard_after_forward": 2}, "pass True or False"),
+        ({"reshard_after_forward": 2}, "pass True, False or None"),
         (
             {"offload_policy": __import__("torch.distributed.fsdp", fromlist=["CPUOffloadPolicy"]).CPUOffloadPolicy()},
             "offload",

@@ -268,12 +268,12 @@ def architecture(model: nn.Module) -> Optional[str]:
     transformers ``PreTrainedModel`` (the trainer's own Llama: its config names it)."""
     from transformers import PreTrainedModel
 
-    from paro_fsdp.module import ParoModule
+    from torch.distributed.fsdp import FSDPModule
 
     base = _pretrained(model)
     if not isinstance(base, PreTrainedModel):
         return None
-    return next(c.__name__ for c in type(base).__mro__ if not issubclass(c, ParoModule))
+    return next(c.__name__ for c in type(base).__mro__ if not issubclass(c, FSDPModule))
 
 
 def save_model(model: nn.Module, out_dir: str, config: Any, *, dtype: torch.dtype = torch.float32,

@@ -1,0 +1,285 @@
+"""FSDP2's surface as its clients use it (accelerate, the Trainer, torch's own unit tests), run once
+with torch's ``fully_shard`` and once with ours on 4 gloo ranks, the same script: FSDP2's calling
+patterns (no mesh, a list of modules as one group, tied weights, the root left unsharded after
+forward), its module methods and handles, in-place ops on a sharded module's output, an entry
+point registered with ``register_fsdp_forward_method``, a block called twice, recovery after an
+exception. Values, state dicts and errors must agree; where PaRO refuses (a dtype change after
+sharding, tensor-parallel parameters, FSDP2's own collective settings) it is one line."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from dist_harness import run_world
+
+V, D, STEPS, A = 32, 16, 3, 2
+
+
+class Block(nn.Module):
+    def __init__(self, inplace: bool) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(D, D), nn.Linear(D, D)
+        self.inplace = inplace
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if self.inplace:
+            h += 1.0  # in place on a sharded module's output
+        else:
+            h = h + 1.0
+        return x + self.b(torch.relu(h))
+
+
+class Net(nn.Module):
+    """``flat``: the blocks see 2D activations. Not flat, a Linear's output is a view, and an
+    in-place op on it bypasses the view's autograd node: FSDP2 then skips its pre-backward hook
+    (it warns, and its backward fails), so torch runs that case out of place."""
+
+    def __init__(self, tied: bool = False, twice: bool = False, flat: bool = True, inplace: bool = True) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.layers = nn.ModuleList([Block(inplace), Block(inplace)])
+        self.flat = flat
+        self.norm = nn.LayerNorm(D)
+        self.head = nn.Linear(D, V, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+        self.twice = twice
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        h = h.flatten(0, 1) if self.flat else h
+        for layer in self.layers:
+            h = layer(h)
+        if self.twice:
+            h = self.layers[0](h)
+        return self.head(self.norm(h)).view(*x.shape, V)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """An entry point other than forward (as ``generate``): it reads the root's parameters."""
+        return self.norm(self.emb(x))
+
+
+def _fully_shard(impl: str):
+    if impl == "torch":
+        from torch.distributed.fsdp import fully_shard
+        return fully_shard
+    from paro_fsdp import fully_shard
+    return fully_shard
+
+
+def build(impl: str, mesh_shape: tuple[int, ...] | None, tied: bool = False, twice: bool = False,
+          strategy: str | None = None, flat: bool = True) -> Net:
+    """accelerate's recipe: each block's inner module, the block, the tail as one list, the root;
+    ``mesh_shape`` None: no mesh given (each call's default)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shard = _fully_shard(impl)
+    kw: dict[str, Any] = {}
+    if mesh_shape is not None:
+        kw["mesh"] = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
+    if impl == "paro" and strategy:
+        kw["strategy"] = strategy
+    torch.manual_seed(0)
+    model = Net(tied, twice, flat, inplace=flat or impl == "paro")
+    for layer in model.layers:
+        shard(layer.a, **kw)
+        shard(layer, **kw)
+    shard([model.emb, model.norm, model.head] if tied else [model.norm, model.head], **kw)
+    shard(model, **kw)
+    return model
+
+
+def tokens(step: int, micro: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 * step + 10 * micro + dist.get_rank())
+    return torch.randint(0, V, (2, 6), generator=gen)
+
+
+def loss_of(model: nn.Module, step: int, micro: int) -> torch.Tensor:
+    x = tokens(step, micro)
+    return nn.functional.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def train(model: nn.Module, all_reduce_last_only: bool = False, fail_at: int | None = None) -> dict[str, Any]:
+    """FSDP2's loop: accumulation marked with ``set_requires_gradient_sync`` (or, for HSDP,
+    ``set_requires_all_reduce``), torch's clip and AdamW. ``fail_at``: that step's first backward
+    raises inside the model; the loop recovers with ``reset_iter_state`` and runs the step again."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses, norms = [], []
+    for step in range(STEPS):
+        if step == fail_at:  # backward aborted after the last block's reductions were issued
+            def abort(grad: torch.Tensor) -> None:
+                raise RuntimeError("aborted")
+
+            def on_output(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+                out.register_hook(abort)
+
+            hook = model.layers[0].register_forward_hook(on_output)
+            model.set_requires_gradient_sync(True)
+            with pytest.raises(RuntimeError, match="aborted"):
+                loss_of(model, step, 0).backward()
+            hook.remove()
+            model.reset_iter_state()
+            opt.zero_grad()  # the aborted iteration's gradients go
+        total = 0.0
+        for micro in range(A):
+            last = micro == A - 1
+            if all_reduce_last_only:
+                model.set_requires_all_reduce(last)
+            else:
+                model.set_requires_gradient_sync(last)
+            loss = loss_of(model, step, micro) / A
+            loss.backward()
+            total += loss.item()
+        norms.append(full(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return {"losses": losses, "norms": norms, "params": {n: full(p) for n, p in model.named_parameters()},
+            "state_dict": {k: full(v) for k, v in model.state_dict().items()}}
+
+
+def surface(impl: str) -> dict[str, Any]:
+    """What a client sees of the sharded modules: types, registered parameters around forward,
+    calls into inner modules, registered entry points, handles, conversions, errors."""
+    from torch.distributed.fsdp import FSDPModule, UnshardHandle, register_fsdp_forward_method
+    from torch.distributed.tensor import DTensor
+
+    out: dict[str, Any] = {}
+    model = build(impl, None)
+    out["is_fsdp_module"] = [isinstance(m, FSDPModule) for m in
+                             (model, model.layers[0], model.layers[0].a, model.norm, model.head, model.emb)]
+    x = tokens(0, 0)[:, :-1]
+    y = model(x)
+    # registered while unsharded: FSDP2's plain unsharded Parameter, ours the whole tensor (not a leaf)
+    out["root_param_after_forward"] = isinstance(model.emb.weight, DTensor)
+    out["block_param_after_forward"] = isinstance(model.layers[1].b.weight, DTensor)
+    out["state_dict_types_after_forward"] = sorted({type(v).__name__ for v in model.state_dict().values()})
+    y.sum().backward()
+    out["root_param_after_backward"] = isinstance(model.emb.weight, DTensor)
+    with torch.no_grad():
+        model(x)
+        out["inner_call_after_no_grad_forward"] = model.emb(x).clone()
+    model.reshard()
+    register_fsdp_forward_method(model, "features")
+    with torch.no_grad():
+        out["registered_method"] = model.features(x).clone()
+    model.reshard()
+    handle = model.layers[1].unshard(async_op=True)
+    out["handle"] = isinstance(handle, UnshardHandle)
+    handle.wait()
+    out["after_wait"] = isinstance(model.layers[1].b.weight, DTensor)
+    with torch.no_grad():
+        out["block_after_unshard"] = model.layers[1](torch.randn(2, 5, D, generator=torch.Generator().manual_seed(0)))
+    model.layers[1].reshard()
+    out["after_reshard"] = isinstance(model.layers[1].b.weight, DTensor)
+    model.to("cpu")  # no change: fine for both
+    try:
+        model.to(torch.float64)
+        out["to_float64"] = ("ok", str(model.emb.weight.dtype))
+    except ValueError as e:
+        out["to_float64"] = ("error", str(e))
+    out["methods"] = {}
+    for name in sorted(n for n in dir(FSDPModule) if not n.startswith("_") and callable(getattr(FSDPModule, n))):
+        out["methods"][name] = callable(getattr(model, name, None))
+    return out
+
+
+def refusals() -> dict[str, str]:
+    """Ours only: FSDP2 settings of its own collectives, and tensor-parallel parameters."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor, Shard
+
+    from paro_fsdp import fully_shard
+
+    out = {}
+    model = build("paro", None)
+    for name, args in [("set_custom_all_gather", (None,)), ("set_all_reduce_hook", (lambda t: None,)),
+                       ("set_custom_reduce_scatter", (None,))]:
+        try:
+            getattr(model, name)(*args)
+            out[name] = "accepted"
+        except NotImplementedError as e:
+            out[name] = str(e)
+    tp = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+    lin = nn.Linear(D, D)
+    lin.weight = nn.Parameter(distribute_tensor(lin.weight.detach(), tp, [Shard(0)]))
+    try:
+        fully_shard(lin)
+        out["dtensor"] = "accepted"
+    except NotImplementedError as e:
+        out["dtensor"] = str(e)
+        out["dtensor_untouched"] = type(lin).__name__ == "Linear" and not hasattr(lin, "_paro_state")
+    return out
+
+
+def rank_main(_: Any = None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for impl in ("torch", "paro"):
+        out[impl, "1d"] = train(build(impl, None))
+        out[impl, "2d"] = train(build(impl, (2, 2), strategy="IIG"))
+        out[impl, "tied"] = train(build(impl, None, tied=True))
+        out[impl, "twice"] = train(build(impl, None, twice=True))
+        out[impl, "view"] = train(build(impl, None, flat=False))
+        out[impl, "all_reduce"] = train(build(impl, (2, 2), strategy="IIG"), all_reduce_last_only=True)
+        out[impl, "reset"] = train(build(impl, None), fail_at=1)
+        out[impl, "surface"] = surface(impl)
+    out["refusals"] = refusals()
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    return run_world(4, rank_main)[0]
+
+
+@pytest.mark.parametrize("case", ["1d", "2d", "tied", "twice", "view", "all_reduce", "reset"])
+def test_training_equals_fsdp2(runs, case):
+    """no mesh given, a list as one group, in-place ops on outputs (every case); a 2x2 mesh with
+    IIG against HSDP; a tied embedding in the list; a block called twice in one forward; an
+    in-place op on an output that is a view (PaRO; FSDP2 out of place); accumulation with
+    ``set_requires_all_reduce``; a step aborted and recovered."""
+    ref, got = runs["torch", case], runs["paro", case]
+    assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5, abs=1e-6)
+    assert got["norms"] == pytest.approx(ref["norms"], rel=1e-5, abs=1e-6)
+    assert got["params"].keys() == ref["params"].keys()
+    for name, value in ref["params"].items():
+        torch.testing.assert_close(got["params"][name], value, rtol=1e-5, atol=2e-6, msg=name)
+    assert got["state_dict"].keys() == ref["state_dict"].keys()
+    for name, value in ref["state_dict"].items():
+        torch.testing.assert_close(got["state_dict"][name], value, rtol=1e-5, atol=2e-6, msg=name)
+
+
+def test_modules_look_like_fsdp2s(runs):
+    ref, got = runs["torch", "surface"], runs["paro", "surface"]
+    assert got["is_fsdp_module"] == ref["is_fsdp_module"] == [True, True, True, True, True, False]
+    for key in ("root_param_after_forward", "block_param_after_forward", "root_param_after_backward",
+                "state_dict_types_after_forward", "handle", "after_wait", "after_reshard"):
+        assert got[key] == ref[key], key
+    assert not ref["root_param_after_forward"] and ref["block_param_after_forward"]
+    for key in ("inner_call_after_no_grad_forward", "registered_method", "block_after_unshard"):
+        torch.testing.assert_close(got[key], ref[key], msg=key)
+
+
+def test_every_public_fsdp_module_method_exists(runs):
+    assert runs["paro", "surface"]["methods"] == runs["torch", "surface"]["methods"]
+    assert all(runs["paro", "surface"]["methods"].values())
+
+
+def test_what_paro_cannot_honour_fails_in_one_line(runs):
+    assert runs["torch", "surface"]["to_float64"] == ("ok", "torch.float64")
+    kind, msg = runs["paro", "surface"]["to_float64"]
+    assert kind == "error" and "before fully_shard" in msg and "\n" not in msg
+    refused = runs["refusals"]
+    for name in ("set_custom_all_gather", "set_all_reduce_hook", "set_custom_reduce_scatter"):
+        assert refused[name].startswith(name) and "\n" not in refused[name]
+    assert "already a DTensor" in refused["dtensor"] and "\n" not in refused["dtensor"]
+    assert refused["dtensor_untouched"]
