@@ -120,6 +120,8 @@ def build(model: nn.Module, mesh: DeviceMesh, strategies: dict[str, Strategy], b
     if any(p.is_meta for _, p in named) and param_init_fn is None:
         raise ValueError("the model has parameters on the meta device: pass param_init_fn=(name, tensor) -> None "
                          "to paro_shard so it can materialise them shard by shard")
+    for _, p in named:  # the original tensors: a module outside this call that still holds one shares it
+        p._paro_sharded = True
     comm = MeshComm(info.groups, streams_for(mesh_device(info)))
     # the model's one PaRO-CC: global collectives, counted in comm.stats
     cc = ParoCC(comm, flat_below_bytes=flat_below_bytes)
@@ -186,7 +188,7 @@ def _adopt(model: nn.Module, state: ParoState, adopted: list[ParoState], names: 
         for block in inner.blocks:
             if block.is_root:
                 block.modules = [m for m in model.modules() if getattr(m, "_paro_block", None) is block]
-                block.is_root, block.cast_inputs = False, None
+                block.is_root = False  # its cast_inputs stay: FSDP2 casts at each sharded module's forward
             block.model_state = state
             block.name = ",".join(names[id(m)] for m in block.modules)
             for g in block.groups:

@@ -129,6 +129,8 @@ def set_master_grads(group: ParoParamGroup, reduced: torch.Tensor) -> None:
         flat = reduced.to(torch.float32).mul_(scale)  # one fp32 buffer per group; grads are views
         grads = [layout.local_view(flat, t, OS) for t in layout.tensors]
     for param, grad in zip(group.sharded_params, grads):
+        if not param.requires_grad:  # frozen after sharding (requires_grad_(False)): no gradient, as FSDP2's
+            continue
         if param.grad is None:
             param.grad = DTensor.from_local(grad, param.device_mesh, param.placements, run_check=False,
                                             shape=param.shape, stride=param.stride())

@@ -75,8 +75,14 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
     own = [(n, p) for n, p in module.named_parameters() if id(p) not in taken]
     _refuse_dtensors(own)
     strategies = resolve_policy(strategy, own) if own else {}
-    return build(module, mesh, strategies, blocks, mp, {}, reshard_after_forward, adopted=adopted,
-                 root_hooks_on=[module])
+    return build(module, mesh, strategies, blocks, mp, {}, reshard_after_forward, param_init_fn=_uninitialised,
+                 adopted=adopted, root_hooks_on=[module])
+
+
+def _uninitialised(name: str, tensor: torch.Tensor) -> None:
+    """A meta-device parameter becomes uninitialised memory on the mesh's device, as FSDP2's
+    ``model.to_empty(device=...)``: the model's own init (``reset_parameters``, torchtitan's
+    ``init_weights``) then writes the sharded parameters in place, and the engine sees it."""
 
 
 def fully_shard_group(modules: list[nn.Module], mesh: DeviceMesh, strategy: Optional[PolicyLike],
@@ -92,11 +98,17 @@ def fully_shard_group(modules: list[nn.Module], mesh: DeviceMesh, strategy: Opti
     _refuse_dtensors(list(holder.named_parameters()))
     strategies = resolve_policy(strategy, list(holder.named_parameters()))
     build(holder, mesh, strategies, [], _mixed_precision(mp_policy), {}, reshard_after_forward,
-          root_hooks_on=modules)
+          param_init_fn=_uninitialised, root_hooks_on=modules)
 
 
 def _refuse_dtensors(named: list[tuple[str, nn.Parameter]]) -> None:
+    """Parameters this call cannot shard: tensor-parallel DTensors, and tensors an earlier call
+    sharded through another module (a weight tied across calls: FSDP2 refuses it too)."""
     for name, p in named:
+        if getattr(p, "_paro_sharded", False):
+            raise ValueError(f"fully_shard: parameter {name} is shared with a module an earlier fully_shard call "
+                             f"sharded (tied weights): shard the modules sharing it in one call, fully_shard([a, b]), "
+                             f"or leave both to their common parent's call")
         if isinstance(p, DTensor):
             raise NotImplementedError(f"fully_shard: parameter {name} is already a DTensor (tensor parallel?): "
                                       f"paro_fsdp shards plain parameters on a 1D or 2D data-parallel mesh only; use "

@@ -6,6 +6,7 @@ nothing of blocks: the engine (state.py) hands them the tensors and the callback
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import torch
@@ -80,11 +81,23 @@ def register_pre_backward(callback: Callable[[], None], output: Any) -> Any:
             fired[0] = True
             callback()
 
-    for x in tree_flatten(output)[0]:
-        if torch.is_tensor(x) and x.requires_grad:
+    for x in _tensors_in(output):
+        if x.requires_grad:
             node = (x._base if x._is_view() else x).grad_fn
             if node is not None:
                 node.register_prehook(hook)
             else:  # a leaf handed through
                 x.register_hook(hook)
     return output
+
+
+def _tensors_in(tree: Any) -> list[torch.Tensor]:
+    """The tensors of ``tree``: pytree containers, and the fields of dataclasses torch's pytree
+    does not open (a block returning a ``@dataclass`` of activations, as FSDP2 handles)."""
+    out: list[torch.Tensor] = []
+    for x in tree_flatten(tree)[0]:
+        if torch.is_tensor(x):
+            out.append(x)
+        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+            out += _tensors_in([getattr(x, f.name) for f in dataclasses.fields(x)])
+    return out

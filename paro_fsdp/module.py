@@ -205,6 +205,8 @@ class ParoModule(FSDPModule):
         the rest (buffers, unsharded parameters); one that changes them is refused, since the
         engine's flat buffers are built in one dtype on the mesh's device."""
         state = self._paro_state
+        if state.applying:  # a sharded module inside the one being converted: its parameters are hidden already
+            return nn.Module._apply(self, fn, recurse)
         state.register_sharded()
         ours = {id(p) for g in state.groups for p in g.sharded_params}
         hidden = []
@@ -220,9 +222,11 @@ class ParoModule(FSDPModule):
                     hidden.append((m, name, p))
         for m, name, _ in hidden:
             m._parameters[name] = None
+        state.applying = True
         try:
             return nn.Module._apply(self, fn, recurse)  # past FSDPModule._apply, which reads FSDP2's state
         finally:
+            state.applying = False
             for m, name, p in hidden:
                 m._parameters[name] = p
 

@@ -168,6 +168,9 @@ class ParoParamGroup:
         self._pending_rs: Work | None = None
         self._gather_buf = self._rs_buf = None  # pooled buffers in flight (comm.BufferPool)
         self.grads = GradState.EMPTY
+        # the forward's uses of the group whose backward has not run yet (a module called twice): its
+        # step boundary waits for the last one
+        self.uses_left = 0
         # a backward reduces to the OS level (the parameters' .grad) when both are set: FSDP2's
         # set_requires_gradient_sync and set_is_last_backward, True by default (as FSDP2 reduces)
         self.requires_sync = True
@@ -383,6 +386,7 @@ class ParoParamGroup:
         ``finish_grad_reduction``."""
         acc = self.grad_acc.ensure()
         self.grads = GradState.AT_G
+        self.finish_grad_reduction()  # the group used again in this backward: one reduction in flight per group
         if self.strategy.g == Level.N:  # nothing on the wire: add straight into the accumulator
             self.grad_buffer(grads, into=acc)
             return

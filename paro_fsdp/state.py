@@ -43,7 +43,7 @@ class ParoBlock:
         # as asked (FSDP2's): None reshards a block after forward but keeps the root unsharded
         self.reshard_after_forward = reshard_after_forward
         self.unshard_in_backward = True  # FSDP2's set_unshard_in_backward
-        self.cast_inputs: torch.dtype | None = None  # root only: floating inputs cast to this (MixedPrecision)
+        self.cast_inputs: torch.dtype | None = None  # floating inputs cast at its forward (paro_shard: root only)
         self.traced = False  # set once torch.compile has traced this block: no eager prefetch into it
         # FSDP2's set_modules_to_forward_prefetch / _backward_prefetch: the blocks gathered ahead of
         # this one's compute (None: the next one in the recorded order)
@@ -83,12 +83,12 @@ class ParoBlock:
         group.register(tensors)
 
     def pre_forward(self, module: nn.Module, args: Any, kwargs: Any):
+        if self.cast_inputs is not None:  # at every sharded module's forward, as FSDP2 casts (recomputations too)
+            args, kwargs = _cast_floating((args, kwargs), self.cast_inputs)
         if len(self.modules) > 1 and not _in_backward() and not torch.compiler.is_compiling():
             if self.to_run:  # a later module of the group: its parameters are in place already
                 return args, kwargs
             self.to_run = {id(m) for m in self.modules}
-        if self.cast_inputs is not None:
-            args, kwargs = _cast_floating((args, kwargs), self.cast_inputs)
         # Inside backward, activation checkpointing is recomputing the block (hooks included):
         # run the same autograd Functions, so the recomputation saves what the forward saved,
         # but neither record the order nor prefetch.
@@ -99,6 +99,7 @@ class ParoBlock:
             return args, kwargs
         state = self.model_state
         if self.is_root and not _in_backward():
+            state.check_unfrozen()
             state.refresh_params()
         for g in self.groups:
             state.land_push(g)
@@ -123,6 +124,8 @@ class ParoBlock:
         for i, g in enumerate(self.groups):
             self._swap(g, Unshard.apply(g.full_params, partial(self.post_backward, i), *g.sharded_params)
                        if grad_enabled else g.full_params)
+            if grad_enabled and not _in_backward():
+                g.uses_left += 1
         if grad_enabled and any(not g.trainable for g in self.groups):
             args, kwargs = register_post_backward(self.post_backward_frozen, args, kwargs)
         return args, kwargs
@@ -175,7 +178,9 @@ class ParoBlock:
 
     def release(self, group: ParoParamGroup) -> None:
         """After the group's backward: the parameters back, the whole tensors freed (kept under
-        ``set_reshard_after_backward(False)``, for the next forward, and registered, as FSDP2's)."""
+        ``set_reshard_after_backward(False)``, for the next forward, and registered, as FSDP2's).
+        A group of modules some of which had not run starts over at the next one's forward."""
+        self.to_run = set()
         if group.reshard_after_backward:
             group.reshard()
         else:
@@ -191,11 +196,12 @@ class ParoBlock:
         state = self.model_state
         state.queue_end_backward()  # the root's pre-backward may not have run: an output torch's pytree cannot see into
         state.progress_grad_reductions(self)
+        g.uses_left = max(g.uses_left - 1, 0)
         if g.trainable:
             g.reduce_grads(grads[: len(g.trainable)])
-            if g.last_backward and not len(state.boundary) and has_boundary_traffic(g):
+            if g.last_backward and not len(state.boundary) and has_boundary_traffic(g) and not g.uses_left:
                 state._finish_reduction(g)  # the first boundary collective of the step goes out now
-            else:
+            elif (self, g) not in state.in_flight:
                 state.in_flight.append((self, g))
         self.release(g)
 
@@ -231,6 +237,7 @@ class ParoState:
         self.boundary = InFlight()  # last micro-step: reductions to the OS level (overlap.py)
         self.pushes = InFlight()  # after the step: master -> P level, waited at each pre-forward
         self.compiled_push = None  # traced.compile_push: the pushes as one compiled graph
+        self.applying = False  # inside ParoModule._apply (module.to(...)): nested sharded modules leave it alone
         self.post_optim_event: torch.Event | None = None  # FSDP2's set_post_optim_event, for the next forward
 
     @property
@@ -280,7 +287,7 @@ class ParoState:
 
     def _finish_reduction(self, g: ParoParamGroup) -> None:
         g.finish_grad_reduction()
-        if g.last_backward and not torch.compiler.is_compiling():  # the step boundary starts now
+        if g.last_backward and not g.uses_left and not torch.compiler.is_compiling():  # the step boundary starts now
             self.boundary.queue(g, finalize_grads(g), boundary_bytes(g))
             self.boundary.fill(finish_oldest=True)
 
@@ -294,6 +301,8 @@ class ParoState:
         """As FSDP2's root post-backward: every reduction lands, so after ``backward()`` each
         parameter whose group reduced holds its gradient in ``.grad``."""
         self.training_state = TrainingState.IDLE
+        for g in self.groups:
+            g.uses_left = 0  # uses whose backward never ran (a forward without backward) wait no longer
         for _, g in self.in_flight:
             self._finish_reduction(g)
         self.in_flight.clear()
@@ -306,6 +315,15 @@ class ParoState:
                 b.release(g)
         if (streams := active(self.comm.streams)) is not None:
             streams.release()  # the kept gather results, once the gather stream has waited for their reads
+
+    def check_unfrozen(self) -> None:
+        """A tensor frozen when sharded has no gradient buffers: training it later would silently
+        do nothing, so it stops here (freezing a trainable one later is fine: it gets no ``.grad``)."""
+        for g in self.groups:
+            for p in g.params:
+                if not p.trainable and p.param.requires_grad:
+                    raise RuntimeError(f"{p.fqn}: requires_grad was False when the model was sharded, so it has no "
+                                       f"gradient buffers; set requires_grad before fully_shard / paro_shard")
 
     @torch.no_grad()
     def refresh_params(self) -> None:
@@ -366,6 +384,7 @@ class ParoState:
         for g in self.groups:
             g.reshard()
             g.zero_grad()
+            g.uses_left = 0
         for b in self.blocks:
             b.to_run = set()
         self.forward_order = []

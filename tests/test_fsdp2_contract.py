@@ -41,7 +41,7 @@ class Net(nn.Module):
     in-place op on it bypasses the view's autograd node: FSDP2 then skips its pre-backward hook
     (it warns, and its backward fails), so torch runs that case out of place."""
 
-    def __init__(self, tied: bool = False, twice: bool = False, flat: bool = True, inplace: bool = True) -> None:
+    def __init__(self, tied: bool = False, twice: str = "", flat: bool = True, inplace: bool = True) -> None:
         super().__init__()
         self.emb = nn.Embedding(V, D)
         self.layers = nn.ModuleList([Block(inplace), Block(inplace)])
@@ -55,9 +55,11 @@ class Net(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.emb(x)
         h = h.flatten(0, 1) if self.flat else h
+        if self.twice == "chain":  # the same sharded module on its own output
+            h = self.layers[0](h)
         for layer in self.layers:
             h = layer(h)
-        if self.twice:
+        if self.twice == "later":
             h = self.layers[0](h)
         return self.head(self.norm(h)).view(*x.shape, V)
 
@@ -74,8 +76,8 @@ def _fully_shard(impl: str):
     return fully_shard
 
 
-def build(impl: str, mesh_shape: tuple[int, ...] | None, tied: bool = False, twice: bool = False,
-          strategy: str | None = None, flat: bool = True) -> Net:
+def build(impl: str, mesh_shape: tuple[int, ...] | None, tied: bool = False, twice: str = "",
+          strategy: str | None = None, flat: bool = True, meta: bool = False) -> Net:
     """accelerate's recipe: each block's inner module, the block, the tail as one list, the root;
     ``mesh_shape`` None: no mesh given (each call's default)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -87,7 +89,8 @@ def build(impl: str, mesh_shape: tuple[int, ...] | None, tied: bool = False, twi
     if impl == "paro" and strategy:
         kw["strategy"] = strategy
     torch.manual_seed(0)
-    model = Net(tied, twice, flat, inplace=flat or impl == "paro")
+    with torch.device("meta" if meta else "cpu"):
+        model = Net(tied, twice, flat, inplace=flat or impl == "paro")
     for layer in model.layers:
         shard(layer.a, **kw)
         shard(layer, **kw)
@@ -223,13 +226,35 @@ def refusals() -> dict[str, str]:
     return out
 
 
+def meta_init() -> dict[str, Any]:
+    """FSDP2's meta-device recipe (torchtitan's): build on meta, shard, ``to_empty``, the modules'
+    own ``reset_parameters`` on the sharded parameters; then it must train as the same values
+    loaded into a model built on the CPU."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    model = build("paro", (2, 2), strategy="IIG", meta=True)
+    model.to_empty(device="cpu")
+    torch.manual_seed(1)
+    for m in model.modules():
+        if hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+    values = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    bound = 1 / D ** 0.5  # kaiming_uniform(a=sqrt(5)) and the bias: within 1/sqrt(fan_in)
+    out = {"in_bounds": all(values[f"layers.{i}.{n}.weight"].abs().max() <= bound for i in (0, 1) for n in "ab")}
+    plain = build("paro", (2, 2), strategy="IIG")
+    plain.load_state_dict(values)
+    out["meta"], out["plain"] = train(model)["losses"], train(plain)["losses"]
+    return out
+
+
 def rank_main(_: Any = None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for impl in ("torch", "paro"):
         out[impl, "1d"] = train(build(impl, None))
         out[impl, "2d"] = train(build(impl, (2, 2), strategy="IIG"))
         out[impl, "tied"] = train(build(impl, None, tied=True))
-        out[impl, "twice"] = train(build(impl, None, twice=True))
+        out[impl, "twice"] = train(build(impl, None, twice="later"))
+        out[impl, "chain"] = train(build(impl, (2, 2), twice="chain", strategy="IIG"))
         out[impl, "view"] = train(build(impl, None, flat=False))
         out[impl, "all_reduce"] = train(build(impl, (2, 2), strategy="IIG"), all_reduce_last_only=True)
         out[impl, "surface"] = surface(impl)
@@ -237,6 +262,7 @@ def rank_main(_: Any = None) -> dict[str, Any]:
     out["torch", "reset"] = out["torch", "1d"]
     out["paro", "reset"] = train(build("paro", None), fail_at=1)
     out["refusals"] = refusals()
+    out["meta"] = meta_init()
     return out
 
 
@@ -245,10 +271,11 @@ def runs() -> dict:
     return run_world(4, rank_main)[0]
 
 
-@pytest.mark.parametrize("case", ["1d", "2d", "tied", "twice", "view", "all_reduce", "reset"])
+@pytest.mark.parametrize("case", ["1d", "2d", "tied", "twice", "chain", "view", "all_reduce", "reset"])
 def test_training_equals_fsdp2(runs, case):
     """no mesh given, a list as one group, in-place ops on outputs (every case); a 2x2 mesh with
-    IIG against HSDP; a tied embedding in the list; a block called twice in one forward; an
+    IIG against HSDP; a tied embedding in the list; a block called twice in one forward, later and
+    on its own output (its two reductions summed before its boundary); an
     in-place op on an output that is a view (PaRO; FSDP2 out of place); accumulation with
     ``set_requires_all_reduce``; a step aborted and recovered."""
     ref, got = runs["torch", case], runs["paro", case]
@@ -287,3 +314,9 @@ def test_what_paro_cannot_honour_fails_in_one_line(runs):
         assert refused[name].startswith(name) and "\n" not in refused[name]
     assert "already a DTensor" in refused["dtensor"] and "\n" not in refused["dtensor"]
     assert refused["dtensor_untouched"]
+
+
+def test_meta_device_init_then_reset_parameters(runs):
+    got = runs["meta"]
+    assert got["in_bounds"]
+    assert got["meta"] == pytest.approx(got["plain"], rel=1e-6)
