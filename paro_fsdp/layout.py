@@ -40,6 +40,12 @@ def placements(level: Level, m: int) -> tuple:
     }[level]
 
 
+def param_placements(level: Level, info: MeshInfo) -> tuple:
+    """A parameter's placements on ``info.param_mesh``: on a 1D mesh (one group) the intra ones."""
+    full = placements(level, info.m)
+    return full[1:] if info.param_mesh is not None and info.param_mesh.ndim == 1 else full
+
+
 @functools.lru_cache(maxsize=None)
 def _dtensor_rows(d0: int, g: int, m: int, level: Level, k: int, l: int) -> tuple[int, int]:  # noqa: E741
     """(first row, number of rows) of rank (k, l)'s shard, as DTensor defines it. Out of any

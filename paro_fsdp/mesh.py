@@ -120,6 +120,9 @@ class MeshInfo(MeshGroups):
     k: int  # this rank's group index
     l: int  # this rank's index inside its group  # noqa: E741
     mesh: DeviceMesh
+    # the user's mesh the parameters are DTensors on: a 1D mesh as given (FSDP2's placements on it,
+    # one all-reduce in clip_grad_norm_), else ``mesh``
+    param_mesh: DeviceMesh | None = None
 
     @property
     def groups(self) -> MeshGroups:
@@ -129,13 +132,13 @@ class MeshInfo(MeshGroups):
     def from_mesh(cls, mesh: DeviceMesh) -> "MeshInfo":
         """Any 2D mesh, dimension 0 across groups and 1 inside a group, whatever its names (the
         HSDP convention ``("replicate", "shard")`` is the same order); a 1D mesh is one group."""
-        mesh = as_2d(mesh)
+        given, mesh = mesh, as_2d(mesh)
         dims = tuple(mesh.mesh_dim_names)
         with unset_fake_temporarily():  # DeviceMesh builds rank tensors: keep them real under FakeTensorMode
             k, l = mesh.get_coordinate()
             names = {dim: mesh.get_group(i).group_name for i, dim in enumerate(MESH_DIMS)}
             names["global"] = mesh[dims]._flatten().get_group().group_name
-        return cls(mesh.size(0), mesh.size(1), names, k, l, mesh)
+        return cls(mesh.size(0), mesh.size(1), names, k, l, mesh, given if given.ndim == 1 else mesh)
 
 
 _AS_2D: dict[int, tuple[DeviceMesh, DeviceMesh]] = {}

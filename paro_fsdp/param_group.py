@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from .comm import MeshComm, Work
 from .paro_cc import ParoCC
-from .layout import FlatLayout, TensorLayout, placements, tensor_layout
+from .layout import FlatLayout, TensorLayout, param_placements, tensor_layout
 from .mesh import MeshInfo, mesh_device
 from .mixed_precision import MixedPrecision
 from .param import ParamRef, ParoParam
@@ -146,8 +146,8 @@ class ParoParamGroup:
         # sharded parameters), frozen ones their only copy, at the P level
         for p in self.params:
             local, level = (p.master, OS) if p.trainable else (p.working, P)
-            dt = DTensor.from_local(local, info.mesh, placements(level, info.m), run_check=False, shape=p.layout.shape,
-                                    stride=p.ref.stride)
+            dt = DTensor.from_local(local, info.param_mesh or info.mesh, param_placements(level, info), run_check=False,
+                                    shape=p.layout.shape, stride=p.ref.stride)
             p.param = nn.Parameter(dt, requires_grad=p.trainable)
             p.register()
             p.ref.source = None
