@@ -415,6 +415,10 @@ def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: A
 def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """A step over parameters whose gradients are still at the G level (every backward since the
     last step ran with ``set_requires_gradient_sync(False)``) would silently skip them: refuse."""
+    if _in_backward() and any(s.training_state is TrainingState.BACKWARD for s in list(_watched)):
+        raise RuntimeError("optimizer.step() inside backward (an optimizer in a gradient hook) is not supported by "
+                           "paro_fsdp: the sharded parameters' .grad are written at the end of backward; step after "
+                           "backward() returns")
     pending = [g for state in list(_watched) for g in state.groups if g.grads is GradState.AT_G]
     if not pending:
         return

@@ -214,6 +214,14 @@ def refusals() -> dict[str, str]:
             out[name] = "accepted"
         except NotImplementedError as e:
             out[name] = str(e)
+    opts = {p: torch.optim.SGD([p], lr=0.1) for p in model.parameters()}
+    for p in model.parameters():  # optimizer-in-backward: a step as each gradient is accumulated
+        p.register_post_accumulate_grad_hook(lambda p: opts[p].step())
+    try:
+        loss_of(model, 0, 0).backward()
+        out["step_in_backward"] = "accepted"
+    except RuntimeError as e:
+        out["step_in_backward"] = str(e)
     tp = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
     lin = nn.Linear(D, D)
     lin.weight = nn.Parameter(distribute_tensor(lin.weight.detach(), tp, [Shard(0)]))
@@ -313,6 +321,7 @@ def test_what_paro_cannot_honour_fails_in_one_line(runs):
     for name in ("set_custom_all_gather", "set_all_reduce_hook", "set_custom_reduce_scatter"):
         assert refused[name].startswith(name) and "\n" not in refused[name]
     assert "already a DTensor" in refused["dtensor"] and "\n" not in refused["dtensor"]
+    assert "step after backward() returns" in refused["step_in_backward"]
     assert refused["dtensor_untouched"]
 
 
