@@ -11,7 +11,7 @@ CONFIG ?= train_configs/debug_paro.toml
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e '.[test,train,torchtitan,hf]'
+	$(PY) -m pip install -q -e '.[test,train,torchtitan,hf,trl]'
 	touch $@
 
 install: $(VENV)/.installed

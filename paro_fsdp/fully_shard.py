@@ -75,8 +75,10 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
     own = [(n, p) for n, p in module.named_parameters() if id(p) not in taken]
     _refuse_dtensors(own)
     strategies = resolve_policy(strategy, own) if own else {}
+    # the root's hooks on the innermost module every call passes through, as paro_shard's: a PeftModel's
+    # generate calls its base model, whose forward then gathers the root's parameters
     return build(module, mesh, strategies, blocks, mp, {}, reshard_after_forward, param_init_fn=_uninitialised,
-                 adopted=adopted, root_hooks_on=[module])
+                 adopted=adopted)
 
 
 def _uninitialised(name: str, tensor: torch.Tensor) -> None:
