@@ -163,10 +163,11 @@ class ParoModule(FSDPModule):
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide the gradient summed over ranks (and micro-steps) by ``factor`` instead of the
         world size, as FSDP2's (``1.0``: the plain sum, for a loss already divided by the global
-        token count, as torchtitan's). On the root it sets every block; on a block, its own."""
+        token count, as torchtitan's). As FSDP2's, not recursive: this module's own parameters
+        (call it on every sharded module for the whole model, as torchtitan does)."""
         if not factor > 0:
             raise ValueError(f"set_gradient_divide_factor: factor must be > 0, got {factor}")
-        for g in self._paro_groups(recurse=self._paro_blocks(recurse=False)[0].is_root):
+        for g in self._paro_groups(recurse=False):
             g.grad_divide_factor = float(factor)
 
     def _blocks_of(self, modules: Iterable[nn.Module]) -> list[ParoBlock]:

@@ -256,6 +256,8 @@ def meta_init() -> dict[str, Any]:
 
 
 def rank_main(_: Any = None) -> dict[str, Any]:
+    from torch.distributed.fsdp import FSDPModule
+
     out: dict[str, Any] = {}
     for impl in ("torch", "paro"):
         out[impl, "1d"] = train(build(impl, None))
@@ -265,6 +267,12 @@ def rank_main(_: Any = None) -> dict[str, Any]:
         out[impl, "chain"] = train(build(impl, (2, 2), twice="chain", strategy="IIG"))
         out[impl, "view"] = train(build(impl, None, flat=False))
         out[impl, "all_reduce"] = train(build(impl, (2, 2), strategy="IIG"), all_reduce_last_only=True)
+        model = build(impl, None)
+        for m in model.modules():  # gloo has no PREMUL_SUM: FSDP2 needs sums for a custom factor
+            if isinstance(m, FSDPModule):
+                m.set_force_sum_reduction_for_comms(True)
+        model.set_gradient_divide_factor(8.0)  # the root's own parameters only, as FSDP2's
+        out[impl, "divide"] = train(model)
         out[impl, "surface"] = surface(impl)
     # the aborted step leaves no trace: it equals FSDP2's run without it (torch 2.11's FSDP2 has no reset_iter_state)
     out["torch", "reset"] = out["torch", "1d"]
@@ -279,13 +287,14 @@ def runs() -> dict:
     return run_world(4, rank_main)[0]
 
 
-@pytest.mark.parametrize("case", ["1d", "2d", "tied", "twice", "chain", "view", "all_reduce", "reset"])
+@pytest.mark.parametrize("case", ["1d", "2d", "tied", "twice", "chain", "view", "all_reduce", "divide", "reset"])
 def test_training_equals_fsdp2(runs, case):
     """no mesh given, a list as one group, in-place ops on outputs (every case); a 2x2 mesh with
     IIG against HSDP; a tied embedding in the list; a block called twice in one forward, later and
     on its own output (its two reductions summed before its boundary); an
     in-place op on an output that is a view (PaRO; FSDP2 out of place); accumulation with
-    ``set_requires_all_reduce``; a step aborted and recovered."""
+    ``set_requires_all_reduce``; ``set_gradient_divide_factor`` on the root (its own parameters
+    only); a step aborted and recovered."""
     ref, got = runs["torch", case], runs["paro", case]
     assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5, abs=1e-6)
     assert got["norms"] == pytest.approx(ref["norms"], rel=1e-5, abs=1e-6)

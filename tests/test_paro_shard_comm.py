@@ -18,6 +18,15 @@ DIVIDE = ["IIG", "GGG", "NNN"]
 FLAT = ["GGG", "NNN", "NNG"]  # global AG and RS each micro-step; the boundary's global AR; global RS and push AG
 
 
+def divide_by(model, factor: float) -> None:
+    """FSDP2's ``set_gradient_divide_factor`` is per module: the whole model is every module's."""
+    from paro_fsdp import ParoModule
+
+    for module in model.modules():
+        if isinstance(module, ParoModule):
+            module.set_gradient_divide_factor(factor)
+
+
 def rank_main(_: Any = None) -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -31,14 +40,14 @@ def rank_main(_: Any = None) -> dict[str, Any]:
     # the loss divided by the world size and summed over ranks is the default mean
     for s in DIVIDE:
         model, opt = sharded(mesh, s)
-        model.set_gradient_divide_factor(1.0)
+        divide_by(model, 1.0)
         out["divide"][s] = {"summed_mean": train_steps(model, opt, STEPS, loss_scale=1.0 / world),
                             "params": full_params(model)}
     model, opt = sharded(mesh, "IIG")
-    model.set_gradient_divide_factor(1.0)
+    divide_by(model, 1.0)
     out["divide"]["sum"] = train_steps(model, opt, 1)
     model, opt = sharded(mesh, "IIG")
-    model.set_gradient_divide_factor(2.0 * world)
+    divide_by(model, 2.0 * world)
     out["divide"]["half_mean"] = train_steps(model, opt, 1)
     try:
         model.set_gradient_divide_factor(0.0)

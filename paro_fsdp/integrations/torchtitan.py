@@ -26,7 +26,7 @@ from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
-from paro_fsdp import MixedPrecision, init_paro_mesh, paro_shard
+from paro_fsdp import MixedPrecision, ParoModule, init_paro_mesh, paro_shard
 from paro_fsdp.checkpoint_files import safe_load
 from paro_fsdp.dtypes import short_name
 
@@ -131,7 +131,9 @@ def parallelize_paro(model: nn.Module, *, parallel_dims: Any, training: Any, par
     blocks = [_unwrap(b) for b in model.get_submodule("layers").values()]
     model = paro_shard(model, mesh, policy, mp=mp, blocks=blocks, reshard_after_forward=paro.reshard_after_forward,
                        param_init_fn=_param_init_fn(model, paro.seed))
-    model.set_gradient_divide_factor(1.0)  # torchtitan's loss is already divided by the global token count
+    for module in model.modules():  # torchtitan's loss is already divided by the global token count
+        if isinstance(module, ParoModule):
+            module.set_gradient_divide_factor(1.0)
     if compile_config.enable and "model" in compile_config.components:
         apply_compile(model, compile_config=compile_config, parallel_dims=parallel_dims)
     logger.info(startup_line(model, paro, mp, len(blocks)))
