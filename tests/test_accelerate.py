@@ -6,7 +6,7 @@ torch's ``fully_shard`` and once by PaRO (IIG on 2 groups of 2: from ``group_siz
 ``get_state_dict`` + ``save_pretrained`` export), the ``Trainer``, LoRA through peft (then
 ``generate``) and TRL's ``SFTTrainer``. accelerate runs FSDP on CPU through the harness's
 ``accelerate_cpu`` shim. One world for the module, every case inside it; TRL's cases in a second
-one, so that a rank lost there fails only them."""
+one (only the TRL test starts it)."""
 from __future__ import annotations
 
 import os
@@ -196,16 +196,22 @@ def lora_case(impl: str) -> dict[str, Any]:
 def sft_case(impl: str, tmp: str) -> dict[str, Any]:
     """TRL's ``SFTTrainer`` on pre-tokenised rows, the byte tokenizer as its processing class."""
     import hf_models
+    import torch.distributed as dist
     from accelerate_cpu import cpu_trainer
     from datasets import Dataset
     from transformers import PreTrainedTokenizerFast
     from trl import SFTConfig, SFTTrainer
 
     _switch(impl)
-    tok = PreTrainedTokenizerFast(tokenizer_file=hf_models.byte_tokenizer_json(f"{tmp}/tokenizer-{impl}.json"),
-                                  bos_token="<s>", eos_token="</s>", pad_token="</s>")
+    # one file per rank: ranks writing one path at once let a rank read it half-written ("EOF while
+    # parsing"); that rank then left the world early and the others lost their peer ("Connection closed")
+    path = hf_models.byte_tokenizer_json(f"{tmp}/tokenizer-{impl}-{dist.get_rank()}.json")
+    tok = PreTrainedTokenizerFast(tokenizer_file=path, bos_token="<s>", eos_token="</s>", pad_token="</s>")
     rows = _rows(4 * 2 * A * 2)
-    args = SFTConfig(output_dir=f"{tmp}/sft-{impl}", use_cpu=True, per_device_train_batch_size=2,
+    # bf16=False: SFTConfig defaults to bf16, and accelerate's FSDP2 policy then reduces gradients in
+    # bf16, where torch's reduce-scatter and PaRO's collectives (another summation order) differ by an
+    # ulp; fp32, as the Trainer case (bf16 with reduce_dtype=float32 also matches bit for bit)
+    args = SFTConfig(output_dir=f"{tmp}/sft-{impl}", use_cpu=True, bf16=False, per_device_train_batch_size=2,
                      gradient_accumulation_steps=A, max_steps=2, learning_rate=LR, lr_scheduler_type="constant",
                      max_grad_norm=MAX_NORM, logging_steps=1, save_strategy="no", report_to=[], seed=0,
                      disable_tqdm=True, fsdp="full_shard",
@@ -247,7 +253,7 @@ def world4(payload: dict[str, Any]) -> dict[str, Any]:
     cases.update({"auto": (auto_case,), "lora/torch": (lora_case, "torch"), "lora/paro": (lora_case, "paro"),
                   "trainer/torch": (trainer_case, "torch", tmp), "trainer/paro": (trainer_case, "paro", tmp),
                   "bad": (bad_input_case,)})
-    if payload.get("trl"):  # their own world: a rank lost there fails only the TRL tests
+    if payload.get("trl"):  # their own world
         cases = {"sft/torch": (sft_case, "torch", tmp), "sft/paro": (sft_case, "paro", tmp)}
     for name, (fn, *args) in cases.items():
         if payload.get("only") and name not in payload["only"]:
@@ -342,20 +348,9 @@ def _sft(world: dict[str, Any]) -> tuple[Any, Any]:
     return _ok(world, "sft/torch"), _ok(world, "sft/paro")
 
 
-@pytest.mark.slow  # open: a rank is sometimes lost under PaRO here (gloo); out of make test until fixed
-def test_trl_sft_trainer_runs_paro(trl_world):
-    ref, got = _sft(trl_world)
-    assert got["paro"] and not ref["paro"]
-    assert got["log"][0][0] == pytest.approx(ref["log"][0][0], rel=1e-6)  # the first step's loss: same forward
-    _same(got["log"], ref["log"], rel=1e-2)
-
-
-@pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="open: under SFTTrainer the first step's gradients differ from FSDP2's by up "
-                   "to 1.5e-4 (grad norm 6.8e-5), with any strategy, NNN included; plain Trainer, the fused LM head, "
-                   "gradient checkpointing and num_items_in_batch each match exactly on their own")
 def test_trl_sft_trainer_paro_matches_fsdp2(trl_world):
     ref, got = _sft(trl_world)
+    assert got["paro"] and not ref["paro"]
     _same(got["log"], ref["log"])
 
 
