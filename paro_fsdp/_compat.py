@@ -7,7 +7,7 @@ call the functions here.
 from __future__ import annotations
 
 import os
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -73,22 +73,47 @@ def use_safe_gloo_all_gather() -> None:
     _GLOO_LIB = lib
 
 
-# ---- 2. inductor: one compile cache per rank -------------------------------------------------
+# ---- 2. inductor: one graph cache per rank, the kernels' builds shared ---------------------
 def isolate_compile_cache(rank: int) -> None:
-    """Give this rank its own inductor / AOTAutograd cache folder (a subfolder of the usual one).
+    """Give this rank its own FX-graph and AOTAutograd cache folders (``paro-rank<r>`` inside
+    each), leaving the compiled kernels (C++ / Triton builds, keyed by their source) in the shared
+    inductor cache.
 
     Bug (torch 2.13, inductor FX-graph / AOTAutograd cache): a rank's graphs name its own process
     groups, and with the selective-checkpoint region around the traced gathers (traced.py) torch
     replayed one rank's cache entry on another ("Could not resolve the process group registered
-    under the name 1"). Per-rank folders cost only cross-rank cache sharing. Call it before
-    compiling; idempotent. Test: tests/test_compat.py (each rank's folder is its own; the failure
-    itself needs warm caches shared by 4 compiling ranks, so it is not replayed)."""
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    under the name 1"). Only those two caches hold whole graphs; a kernel's source names no group,
+    so every rank builds each kernel once between them, as under FSDP2 (a folder per rank for
+    everything made the ranks of a machine build every kernel once each: the cold first step
+    of a per-block compile 2.9x FSDP2's instead of ...). Where this torch's caches lack
+    the folder hooks, the whole cache folder is the rank's own, as before. Call it before
+    compiling; idempotent. Test: tests/test_compat.py."""
+    from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
+    from torch._inductor.codecache import FxGraphCache
 
-    tag = f"paro-rank{rank}"
-    base = cache_dir()
-    if os.path.basename(base) != tag:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, tag)
+    caches = (FxGraphCache, AOTAutogradCache)
+    if not all(isinstance(c.__dict__.get("_get_tmp_dir"), (staticmethod, classmethod)) for c in caches):
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        tag = f"paro-rank{rank}"
+        if os.path.basename(cache_dir()) != tag:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir(), tag)
+        return
+    for cache in caches:
+        found = cache.__dict__["_get_tmp_dir"]
+        original = getattr(found, "_paro_original", found)
+        cache._get_tmp_dir = _per_rank_folder(original, f"paro-rank{rank}")
+
+
+def _per_rank_folder(original: Any, tag: str) -> Any:
+    """``original`` (a cache's ``_get_tmp_dir``, static or class method) with ``tag`` appended."""
+    fn = original.__func__
+    if isinstance(original, staticmethod):
+        wrapped: Any = staticmethod(lambda: os.path.join(fn(), tag))
+    else:
+        wrapped = classmethod(lambda cls: os.path.join(fn(cls), tag))
+    wrapped._paro_original = original
+    return wrapped
 
 
 # ---- 3. inductor's overlap scheduler: our estimate for its roofline too -----------------------

@@ -352,10 +352,12 @@ _refuse_the_rest()
 
 
 def _set_sync_flag(groups: Iterable[ParoParamGroup], flag: str, value: bool) -> None:
+    """Only the flag: the accumulator is allocated by the first backward that needs it, so a
+    compiled last micro-step sees it exactly when earlier micro-steps left gradients in it (one
+    graph per accumulation pattern; allocating it here made a script that marks the last
+    micro-step once recompile at its second step, after the boundary had freed it)."""
     for g in groups:
         setattr(g, flag, bool(value))
-        if g.last_backward and g.trainable:  # one compiled graph whatever the step
-            g.grad_acc.ensure()
 
 
 def track_state_dict_writes(groups: Iterable[ParoParamGroup]) -> None:

@@ -34,8 +34,8 @@ from .streams import active
 
 class GradAccumulator:
     """A group's G-level gradient, summed over micro-steps in the accumulate dtype: one owner for
-    the eager backward, the traced path's sink and the boundary. Allocated at the first backward,
-    or by ``set_is_last_backward`` so the compiled last micro-step's graph is the same every step."""
+    the eager backward, the traced path's sink and the boundary. Allocated at the first backward
+    that leaves gradients at the G level, freed at the boundary."""
 
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
         self.numel, self.dtype, self.device = numel, dtype, device

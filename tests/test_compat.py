@@ -55,21 +55,27 @@ def test_overlap_scheduler_prices_compute_with_our_estimate():
         assert result.startswith("torch-roofline-failed"), result
 
 
-def test_each_rank_compiles_into_its_own_cache(monkeypatch, tmp_path):
-    """isolate_compile_cache: rank r's inductor cache is a folder of its own under the usual one,
-    and a second call does not nest it again."""
+def test_each_rank_caches_its_own_graphs_and_shares_kernels(monkeypatch, tmp_path):
+    """isolate_compile_cache: rank r's FX-graph and AOTAutograd caches are folders of their own,
+    the kernels' builds stay in the shared folder (each kernel built once per machine), and a
+    second call (another rank number too) does not nest the folders."""
+    from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
+    from torch._inductor.codecache import FxGraphCache
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     from paro_fsdp._compat import isolate_compile_cache
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    for cache in (FxGraphCache, AOTAutogradCache):
+        monkeypatch.setattr(cache, "_get_tmp_dir", cache.__dict__["_get_tmp_dir"])  # undone after the test
     isolate_compile_cache(3)
-    assert cache_dir() == str(tmp_path / "paro-rank3")
     isolate_compile_cache(3)
-    assert cache_dir() == str(tmp_path / "paro-rank3")
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    assert cache_dir() == str(tmp_path)
+    assert FxGraphCache._get_tmp_dir() == str(tmp_path / "fxgraph" / "paro-rank3")
+    assert AOTAutogradCache._get_tmp_dir() == str(tmp_path / "aotautograd" / "paro-rank3")
     isolate_compile_cache(0)
-    assert cache_dir() == str(tmp_path / "paro-rank0")
+    assert FxGraphCache._get_tmp_dir_for_key("abcdef") == str(tmp_path / "fxgraph" / "paro-rank0" / "bc" / "abcdef")
+    assert AOTAutogradCache._get_tmp_dir() == str(tmp_path / "aotautograd" / "paro-rank0")
 
 
 _RENAMED = r"""

@@ -591,3 +591,19 @@ def test_inductor_overlap_scheduler_runs_on_cpu_with_our_estimates(mesh):
         disable_overlap_scheduler()
     assert record.records and {d for d, _ in priced} == {"intra", "inter"}
     assert all(ms > 0 for _, ms in priced)
+
+
+def test_marking_the_last_micro_step_once_compiles_once(mesh):
+    """``set_requires_gradient_sync(True)`` once, then steps: the second step runs the first one's
+    graphs. The boundary frees the accumulator after each step; the mark allocating it made the
+    first step's graph read it and the second step recompile without it."""
+    torch._dynamo.reset()
+    counters.clear()
+    model = paro_shard(make_model(), mesh, "IIG")
+    model.set_requires_gradient_sync(True)
+    compiled = torch.compile(model, backend="eager")
+    frames = []
+    for step in range(3):
+        compiled(batch(0, step, 0)).loss.backward()
+        frames.append(counters["frames"]["ok"])
+    assert frames[0] >= 1 and frames[1:] == [frames[0]] * 2

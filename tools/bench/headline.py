@@ -122,6 +122,9 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="fine-tune a LoRA adapter of this rank (peft, on every attention projection wq/wk/wv/wo; "
                         "the base frozen), the same adapter for PaRO and every baseline; 0 = off. Skips the advisor "
                         "(it models trainable whole layers only)")
+    p.add_argument("--phases", action="store_true",
+                   help="PaRO rows: print each phase's seconds per step (forward, backward, the last micro-step's, "
+                        "clip, optimizer step) on shaped and unshaped links")
     p.add_argument("--no-advisor", action="store_true", help="skip calibration and predictions")
     p.add_argument("--no-limit", action="store_true",
                    help="skip the limit: each round again with the links unshaped (doubles the run)")

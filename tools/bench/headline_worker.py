@@ -21,6 +21,42 @@ from .workload import LR, MAX_NORM, WD, MLPStack
 RESULT_TAG = "PARO_BENCH_JSON "
 
 
+class PhaseClock:
+    """``--phases``: wall seconds between laps, summed per phase name into ``into`` (None: off)."""
+
+    def __init__(self, into: dict[str, list[float]] | None) -> None:
+        self.into, self.t = into, time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        if self.into is None:
+            return
+        now = time.perf_counter()
+        self.into.setdefault(phase, []).append(now - self.t)
+        self.t = now
+
+
+def print_phases(phases: dict[tuple[str, bool], dict[str, list[float]]], steps: int, rank: int) -> None:
+    """Where a PaRO step's time goes, shaped against unshaped links: each phase's seconds per step
+    (summed over its micro-steps), the mean over ranks; the settle (the last push) is outside."""
+    import torch
+    import torch.distributed as dist
+
+    for name in sorted({k[0] for k in phases}):
+        rows = {}
+        for shaped in (True, False):
+            got = phases.get((name, shaped), {})
+            names = sorted(got)
+            n_steps = max(1, len(got.get("optimizer.step", [])))
+            t = torch.tensor([sum(got[p]) / n_steps for p in names], dtype=torch.float64)
+            dist.all_reduce(t)
+            rows[shaped] = dict(zip(names, (t / dist.get_world_size()).tolist()))
+        if rank == 0:
+            print(f"\n-- {name}: seconds per step by phase (mean over ranks)\n{'phase':<18} {'shaped':>8} {'unshaped':>8} {'extra':>8}")
+            for p in rows[True]:
+                u = rows[False].get(p, float("nan"))
+                print(f"{p:<18} {rows[True][p]:8.4f} {u:8.4f} {rows[True][p] - u:+8.4f}")
+
+
 # ---- worker ---------------------------------------------------------------------------------------
 @dataclass
 class Runner:
@@ -101,6 +137,9 @@ def worker(args: argparse.Namespace) -> None:
                   if torch.is_tensor(t) and t.dim() > 0)
         return p + g + os_
 
+    phases: dict[tuple[str, bool], dict[str, list[float]]] = {}  # --phases: (runner, shaped) -> phase -> s
+    shaped = [False]
+
     # ---- builders ----
     def paro(strategy: str) -> Runner:
         mp = MixedPrecision(param_dtype=torch.bfloat16) if bf16 else None
@@ -110,15 +149,22 @@ def worker(args: argparse.Namespace) -> None:
 
     def paro_step(name: str, model: Any, opt: Any) -> Runner:
         def step(i: int, accum: int):
+            clock = PhaseClock(phases.setdefault((name, shaped[0]), {}) if args.phases else None)
             total = 0.0
             for a in range(accum):
-                model.set_requires_gradient_sync(a == accum - 1)  # the boundary under the last backward
+                last = a == accum - 1
+                model.set_requires_gradient_sync(last)  # the boundary under the last backward
                 loss = model(batch(i, a)).loss / accum
+                clock.lap("forward, last" if last else "forward, first" if a == 0 else "forward")
                 loss.backward()
+                clock.lap("backward, last" if last else "backward")
                 total += loss.item()
             torch.nn.utils.clip_grad_norm_(trainable(model), MAX_NORM)
+            clock.lap("clip_grad_norm_")
             opt.step()
+            clock.lap("optimizer.step")
             opt.zero_grad()
+            clock.lap("zero_grad")
             return total
 
         return Runner(name, "paro", step, lambda: model.memory_report(opt)["total"], model.wait_for_params)
@@ -265,12 +311,14 @@ def worker(args: argparse.Namespace) -> None:
         return dt.item(), {k: (after[k] - before[k]) / args.steps_per_round for k in after}
 
     def links(rate: str) -> None:
+        shaped[0] = rate != UNSHAPED
         dist.barrier()
         if rank == 0:
             set_link_rate(rate)
         dist.barrier()
 
     limit = on_emulator and not args.no_limit
+    shaped[0] = on_emulator
 
     t0 = time.perf_counter()
     for accum in accums:
@@ -315,6 +363,8 @@ def worker(args: argparse.Namespace) -> None:
                 if pick and pick.get(accum) == r.name:
                     row["advisor_pick"] = True
             rows.append(row)
+    if args.phases:
+        print_phases(phases, args.steps_per_round, rank)
     if rank == 0:
         ref = make_model()
         meta = {
