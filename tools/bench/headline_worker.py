@@ -51,7 +51,8 @@ def print_phases(phases: dict[tuple[str, bool], dict[str, list[float]]], steps: 
             dist.all_reduce(t)
             rows[shaped] = dict(zip(names, (t / dist.get_world_size()).tolist()))
         if rank == 0:
-            print(f"\n-- {name}: seconds per step by phase (mean over ranks)\n{'phase':<18} {'shaped':>8} {'unshaped':>8} {'extra':>8}")
+            print(f"\n-- {name}: seconds per step by phase (mean over ranks)\n"
+                  f"{'phase':<18} {'shaped':>8} {'unshaped':>8} {'extra':>8}")
             for p in rows[True]:
                 u = rows[False].get(p, float("nan"))
                 print(f"{p:<18} {rows[True][p]:8.4f} {u:8.4f} {rows[True][p] - u:+8.4f}")
