@@ -208,14 +208,17 @@ def uninstall() -> None:
 SCOPES = ("blocks", "model")
 
 
-def compile_model(model: nn.Module, passes: Iterable[str] = ORDER, *, scope: str = "blocks", push: bool = True,
+def compile_model(model: nn.Module, passes: Iterable[str] = ORDER, *, scope: str = "blocks", push: bool = False,
                   pass_options: PassOptions | None = None, **compile_kwargs: Any) -> ParoPasses | None:
     """Compile a sharded ``model`` for training; return the passes' record (None for a backend
     other than inductor or "aot", whose graphs never reach the passes). ``compile_kwargs`` go to
     ``torch.compile`` (``backend``, ``fullgraph``, ``options``, ...). The passes are bound to this
     model's compiles (inductor's config patch, ``options``), not installed process-wide, so other
     models compile as they would without them. Backend "aot" runs them on AOTAutograd's graphs
-    without inductor codegen (seconds, not minutes). A block that checkpoints its whole call
+    without inductor codegen (seconds, not minutes). ``push``: the refresh of the working copies
+    after each optimizer step as one graph too (off by default, as in the trainer: it saves a few
+    collective launches once per step and costs more first-step compile than a block; the eager
+    refresh overlaps the next forward). A block that checkpoints its whole call
     (``checkpoint_in_graph`` attribute, as the trainer's) checkpoints inside its graph instead."""
     state = getattr(model, "_paro_state", None)
     if state is None:

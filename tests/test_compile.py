@@ -203,7 +203,7 @@ def test_compile_model_is_the_one_call(mesh):
     model = paro_shard(make_model(args=TINY), mesh, "IIG")
     with pytest.raises(ValueError, match="scope must be one of"):
         passes.compile_model(model, scope="layers")
-    record = passes.compile_model(model, ["bucketing"], backend="aot", fullgraph=True)
+    record = passes.compile_model(model, ["bucketing"], backend="aot", push=True, fullgraph=True)
     assert record.names == ["bucketing"] and model._paro_state.compiled_push is not None
     assert all(getattr(b, "_compiled_call_impl", None) is not None for b in model.layers)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
