@@ -29,10 +29,18 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 MANIFEST = "paro_manifest.json"
 
 
+def short_write(exc: BaseException) -> bool:
+    """Whether ``exc`` is torch's zip writer finding fewer bytes on disk than it wrote: how a full
+    disk shows when it fills inside ``torch.save`` rather than at an ``open`` or ``write`` call
+    (then no rank's error is an ``OSError``)."""
+    return isinstance(exc, RuntimeError) and "unexpected pos" in str(exc) and "inline_container" in str(exc)
+
+
 def disk_failure(exc: BaseException) -> bool:
     """Whether a failed save is the file system's doing (full disk, permissions, I/O), as opposed
     to a lost peer, which the trainer reports as such."""
-    return isinstance(exc, OSError) or any(isinstance(c, OSError) for _, c in dcp_causes(exc))
+    causes = [exc] + [c for _, c in dcp_causes(exc)]
+    return any(isinstance(c, OSError) or short_write(c) for c in causes)
 
 
 def dcp_causes(exc: BaseException) -> list[tuple[int, BaseException]]:
@@ -182,6 +190,8 @@ def first_line(exc: BaseException, prefer: type[BaseException] = BaseException) 
     if causes:
         rank, cause = next(((r, c) for r, c in causes if isinstance(c, prefer)), causes[0])
         return f"rank {rank}: {type(cause).__name__}: {first_line(cause)}"
+    if short_write(exc):
+        return f"the disk is full or failing (torch's writer stopped short: {str(exc).split('] . ')[-1].strip()})"
     text = str(exc).strip()
     return text.splitlines()[0][:200] if text else type(exc).__name__
 

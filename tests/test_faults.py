@@ -508,7 +508,8 @@ def test_full_disk_keeps_the_previous_checkpoint(world):
     if world["disk"] is None:
         pytest.skip("mounting a tmpfs needs root")
     err, left, resumed_from = world["disk"]
-    assert err.startswith("CheckpointError: saving checkpoint step-4 in ") and "No space left on device" in err, err
+    assert err.startswith("CheckpointError: saving checkpoint step-4 in "), err
+    assert "No space left on device" in err or "the disk is full or failing" in err, err  # where the disk filled
     assert "step-2 and stays loadable" in err
     assert left == ["step-2"]  # no .tmp debris, the previous checkpoint intact
     assert resumed_from == 2
