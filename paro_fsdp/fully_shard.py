@@ -6,7 +6,8 @@ modules adopts them as its blocks, so the last call, on the root, leaves one eng
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+import functools
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,20 @@ from .module import ParoModule
 from .strategy import PolicyLike, resolve_policy
 
 
+def _outside_meta_default(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """FSDP2's meta-device idiom calls ``fully_shard`` inside ``with torch.device("meta")``: the
+    engine's own small tensors (DTensor's row arithmetic, index tables) must not become meta
+    tensors there, and the parameters come out as uninitialised memory to ``to_empty`` into."""
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if torch.get_default_device().type != "meta":
+            return fn(*args, **kwargs)
+        with torch.device("cpu"):
+            return fn(*args, **kwargs)
+    return call
+
+
+@_outside_meta_default
 def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[DeviceMesh] = None,
                 strategy: Optional[PolicyLike] = None, reshard_after_forward: Optional[bool] = None,
                 shard_placement_fn: Any = None,
@@ -77,8 +92,20 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
     strategies = resolve_policy(strategy, own) if own else {}
     # the root's hooks on the innermost module every call passes through, as paro_shard's: a PeftModel's
     # generate calls its base model, whose forward then gathers the root's parameters
-    return build(module, mesh, strategies, blocks, mp, {}, reshard_after_forward, param_init_fn=_uninitialised,
-                 adopted=adopted)
+    build(module, mesh, strategies, blocks, mp, {}, reshard_after_forward, param_init_fn=_uninitialised,
+          adopted=adopted)
+    _await_to_empty(module, adopted, own)
+    return module
+
+
+def _await_to_empty(module: nn.Module, adopted: list[Any], named: list[tuple[str, nn.Parameter]]) -> None:
+    """This call's tensors that were on the meta device hold no values until ``to_empty``: a
+    forward before it stops (``ParoState.check_params``), as FSDP2's does on meta parameters."""
+    meta = {n for n, p in named if p.is_meta}
+    earlier = {id(g) for st in adopted for g in st.groups}
+    for g in module._paro_state.groups:
+        for p in g.params if id(g) not in earlier else ():
+            p.unset = p.fqn in meta
 
 
 def _uninitialised(name: str, tensor: torch.Tensor) -> None:
@@ -101,6 +128,7 @@ def fully_shard_group(modules: list[nn.Module], mesh: DeviceMesh, strategy: Opti
     strategies = resolve_policy(strategy, list(holder.named_parameters()))
     build(holder, mesh, strategies, [], _mixed_precision(mp_policy), {}, reshard_after_forward,
           param_init_fn=_uninitialised, root_hooks_on=modules)
+    _await_to_empty(modules[0], [], list(holder.named_parameters()))
 
 
 def _refuse_dtensors(named: list[tuple[str, nn.Parameter]]) -> None:
@@ -108,9 +136,9 @@ def _refuse_dtensors(named: list[tuple[str, nn.Parameter]]) -> None:
     sharded through another module (a weight tied across calls: FSDP2 refuses it too)."""
     for name, p in named:
         if getattr(p, "_paro_sharded", False):
-            raise ValueError(f"fully_shard: parameter {name} is shared with a module an earlier fully_shard call "
-                             f"sharded (tied weights): shard the modules sharing it in one call, fully_shard([a, b]), "
-                             f"or leave both to their common parent's call")
+            raise ValueError(f"fully_shard: parameter {name} is already managed by another fully_shard call (a "
+                             f"weight tied to a module an earlier call sharded): shard the modules sharing it in "
+                             f"one call, fully_shard([a, b]), or leave both to their common parent's call")
         if isinstance(p, DTensor):
             raise NotImplementedError(f"fully_shard: parameter {name} is already a DTensor (tensor parallel?): "
                                       f"paro_fsdp shards plain parameters on a 1D or 2D data-parallel mesh only; use "

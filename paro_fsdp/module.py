@@ -223,6 +223,9 @@ class ParoModule(FSDPModule):
                     hidden.append((m, name, p))
         for m, name, _ in hidden:
             m._parameters[name] = None
+        converted = {id(p) for _, _, p in hidden}
+        for p in (p for g in state.groups for p in g.params if id(p.param) in converted):
+            p.unset = False  # to_empty (or any conversion) gave them memory: the caller initialises them
         state.applying = True
         try:
             return nn.Module._apply(self, fn, recurse)  # past FSDPModule._apply, which reads FSDP2's state

@@ -62,6 +62,7 @@ class ParoParam:
     param: nn.Parameter | None = None
     whole: torch.Tensor | None = None
     whole_buf: torch.Tensor | None = None
+    unset: bool = False  # made from a meta tensor by fully_shard: no values until ``to_empty``
 
     @property
     def fqn(self) -> str:

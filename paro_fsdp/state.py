@@ -99,7 +99,7 @@ class ParoBlock:
             return args, kwargs
         state = self.model_state
         if self.is_root and not _in_backward():
-            state.check_unfrozen()
+            state.check_params()
             state.refresh_params()
         for g in self.groups:
             state.land_push(g)
@@ -316,9 +316,15 @@ class ParoState:
         if (streams := active(self.comm.streams)) is not None:
             streams.release()  # the kept gather results, once the gather stream has waited for their reads
 
-    def check_unfrozen(self) -> None:
+    def check_params(self) -> None:
         """A tensor frozen when sharded has no gradient buffers: training it later would silently
-        do nothing, so it stops here (freezing a trainable one later is fine: it gets no ``.grad``)."""
+        do nothing, so it stops here (freezing a trainable one later is fine: it gets no ``.grad``).
+        Nor does a forward run on meta-device tensors never given memory (``to_empty``)."""
+        unset = [p.fqn for g in self.groups for p in g.params if p.unset]
+        if unset:
+            raise RuntimeError(f"FSDP parameters should be materialized from meta device before training, but the "
+                               f"following were still on meta device: {unset}; call model.to_empty(device=...), then "
+                               f"initialise them (reset_parameters, or load a state dict)")
         for g in self.groups:
             for p in g.params:
                 if not p.trainable and p.param.requires_grad:

@@ -89,14 +89,29 @@ def build(impl: str, mesh_shape: tuple[int, ...] | None, tied: bool = False, twi
     if impl == "paro" and strategy:
         kw["strategy"] = strategy
     torch.manual_seed(0)
-    with torch.device("meta" if meta else "cpu"):
+    with torch.device("meta" if meta else "cpu"):  # meta: sharded inside the context too, as FSDP2's tests do
         model = Net(tied, twice, flat, inplace=flat or impl == "paro")
-    for layer in model.layers:
-        shard(layer.a, **kw)
-        shard(layer, **kw)
-    shard([model.emb, model.norm, model.head] if tied else [model.norm, model.head], **kw)
-    shard(model, **kw)
+        for layer in model.layers:
+            shard(layer.a, **kw)
+            shard(layer, **kw)
+        shard([model.emb, model.norm, model.head] if tied else [model.norm, model.head], **kw)
+        shard(model, **kw)
     return model
+
+
+def tied_across_calls(impl: str) -> str:
+    """A weight tied between two modules sharded by two calls: FSDP2 refuses it (ValueError) at
+    the first forward, PaRO at the second call."""
+    model = Net(tied=True)
+    shard = _fully_shard(impl)
+    try:
+        shard(model.emb)
+        shard(model.head)
+        shard(model)
+        model(torch.zeros(2, 3, dtype=torch.long))
+        return "accepted"
+    except ValueError as e:
+        return str(e)
 
 
 def tokens(step: int, micro: int) -> torch.Tensor:
@@ -255,6 +270,41 @@ def meta_init() -> dict[str, Any]:
     return out
 
 
+def meta_forgotten(impl: str) -> str:
+    """A forward on a model sharded on the meta device with no ``to_empty``: FSDP2 stops it."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 3))
+        for m in (model[0], model):
+            _fully_shard(impl)(m)
+    try:
+        model(torch.zeros(2, 3))
+        return "accepted"
+    except RuntimeError as e:
+        return str(e)
+
+
+def meta_uneven(impl: str) -> list[Any]:
+    """FSDP2's own meta recipe with shapes the world does not divide (3 and 5 rows on 4 ranks):
+    sharded inside the meta context, ``to_empty``, values loaded through DCP's helper, a step."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    def net() -> nn.Module:
+        return nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 3, bias=False))
+
+    torch.manual_seed(0)
+    ref = net()
+    shard = _fully_shard(impl)
+    with torch.device("meta"):
+        model = net()
+        for m in (model[0], model[2], model):
+            shard(m)
+    model.to_empty(device="cpu")
+    set_model_state_dict(model, ref.state_dict(), options=StateDictOptions(full_state_dict=True))
+    loss = model(torch.randn(4, 3, generator=torch.Generator().manual_seed(1))).pow(2).sum()
+    loss.backward()
+    return [loss.item(), model[0].weight.grad.full_tensor(), model[2].weight.grad.full_tensor()]
+
+
 def rank_main(_: Any = None) -> dict[str, Any]:
     from torch.distributed.fsdp import FSDPModule
 
@@ -274,6 +324,9 @@ def rank_main(_: Any = None) -> dict[str, Any]:
         model.set_gradient_divide_factor(8.0)  # the root's own parameters only, as FSDP2's
         out[impl, "divide"] = train(model)
         out[impl, "surface"] = surface(impl)
+        out[impl, "tied_across_calls"] = tied_across_calls(impl)
+        out[impl, "meta_uneven"] = meta_uneven(impl)
+        out[impl, "meta_forgotten"] = meta_forgotten(impl)
     # the aborted step leaves no trace: it equals FSDP2's run without it (torch 2.11's FSDP2 has no reset_iter_state)
     out["torch", "reset"] = out["torch", "1d"]
     out["paro", "reset"] = train(build("paro", None), fail_at=1)
@@ -332,9 +385,18 @@ def test_what_paro_cannot_honour_fails_in_one_line(runs):
     assert "already a DTensor" in refused["dtensor"] and "\n" not in refused["dtensor"]
     assert "step after backward() returns" in refused["step_in_backward"]
     assert refused["dtensor_untouched"]
+    for impl in ("torch", "paro"):  # FSDP2's words, which its users' tests match
+        assert "already managed by another" in runs[impl, "tied_across_calls"], impl
+    assert "\n" not in runs["paro", "tied_across_calls"]
 
 
 def test_meta_device_init_then_reset_parameters(runs):
     got = runs["meta"]
     assert got["in_bounds"]
     assert got["meta"] == pytest.approx(got["plain"], rel=1e-6)
+    for impl in ("torch", "paro"):  # no to_empty: both stop the forward, in FSDP2's words
+        assert "should be materialized from meta device" in runs[impl, "meta_forgotten"], impl
+    ref, got = runs["torch", "meta_uneven"], runs["paro", "meta_uneven"]
+    assert got[0] == pytest.approx(ref[0], rel=1e-6)
+    for r, g in zip(ref[1:], got[1:]):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
