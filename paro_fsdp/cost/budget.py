@@ -577,9 +577,10 @@ def auto_policy(model: Any, mesh: Any, block_modules: Sequence[Any], memory_budg
                 reshard_after_forward: bool = True, flat_below_bytes: int = 0,
                 log: Optional[Callable[[str], None]] = None) -> dict[str, str]:
     """``strategy="auto"`` for ``paro_shard`` / ``fully_shard``: the plan for ``model`` on ``mesh``
-    as a per-tensor policy. ``cluster``: a ``Cluster``, a TOML file or preset name, or None to
-    calibrate this mesh now (collective: every rank calls it; rank 0's cluster is used by all).
-    Rank 0 prints the plan (``log``, default ``print``)."""
+    as a per-tensor policy. ``cluster``: a ``Cluster``, a TOML file or preset name, or None for this
+    mesh's calibration, kept between runs (``calibration_cache.cached_calibration``; collective: every
+    rank calls it; rank 0's cluster is used by all). Rank 0 prints the plan (``log``, default
+    ``print``), after a line saying where a calibrated cluster came from."""
     import torch.distributed as dist
 
     if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float))
@@ -594,12 +595,13 @@ def auto_policy(model: Any, mesh: Any, block_modules: Sequence[Any], memory_budg
     n, m = mesh2.size(), mesh2.size(1)
     pb, gb, ab = mp.param_dtype.itemsize, mp.grad_dtype.itemsize, mp.acc_dtype.itemsize
     rank = dist.get_rank() if dist.is_initialized() else 0
+    source = ""
     if isinstance(cluster, Cluster):
         c = cluster
     elif cluster is not None:
         c = load_cluster(cluster)
-    else:
-        from .calibrate import calibrate_in_process
+    else:  # this mesh calibrated, or read from the calibration cache (``calibration_cache``): rank 0's for all
+        from .calibration_cache import cached_calibration
 
         args = None
         if spec is not None:
@@ -610,14 +612,11 @@ def auto_policy(model: Any, mesh: Any, block_modules: Sequence[Any], memory_budg
             raise ValueError(f"strategy='auto' without cluster= calibrates the mesh, which needs the dimension names "
                              f"('inter', 'intra') (init_paro_mesh's), got {mesh2.mesh_dim_names}; pass "
                              f"cluster=<a TOML file or preset> or a mesh from init_paro_mesh")
-        c = calibrate_in_process(mesh2, args, work.micro_batch, work.seq_len, dtype)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            box = [c]
-            dist.broadcast_object_list(box, src=0)  # the plan is a function of the cluster: one for all ranks
-            c = box[0]
+        calibrated = cached_calibration(mesh2, args, work.micro_batch, work.seq_len, dtype)
+        c, source = calibrated.cluster, f"paro auto: {calibrated.source}\n"
     blocks = units_of(model, block_modules)
     plan = plan_blocks(blocks, n, m, memory_budget, c, work, spec, pb, gb, ab, reshard_after_forward,
                        flat_below_bytes)
     if rank == 0:
-        (log or print)(plan.table())
+        (log or print)(source + plan.table())
     return plan.policy()

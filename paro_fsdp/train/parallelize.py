@@ -199,9 +199,10 @@ def advise(cfg: JobConfig, args: LlamaArgs, world: int, group: int, accum: int, 
 
 def auto_strategy(cfg: JobConfig, args: LlamaArgs, mesh: Any, accum: int, device: torch.device,
                   log: Callable[[str], None]) -> str:
-    """``paro_strategy = "auto"``: the advisor's choice on the given cluster file, or on this mesh calibrated now;
-    the table is logged, and rank 0's choice broadcast so every rank shards the same way."""
-    from paro_fsdp.cost.calibrate import calibrate_in_process
+    """``paro_strategy = "auto"``: the advisor's choice on the given cluster file, or on this mesh's calibration (kept
+    between runs: ``cost.calibration_cache``, as ``strategy="auto"`` in ``paro_shard``); the table is logged, and rank
+    0's choice broadcast so every rank shards the same way."""
+    from paro_fsdp.cost.calibration_cache import cached_calibration
     from paro_fsdp.cost.cluster import AdvisorError, load_cluster
 
     t, p = cfg.training, cfg.parallelism
@@ -215,9 +216,9 @@ def auto_strategy(cfg: JobConfig, args: LlamaArgs, mesh: Any, accum: int, device
         if p.paro_cluster_file:
             cluster, source = load_cluster(p.paro_cluster_file), p.paro_cluster_file
         else:
-            cluster = calibrate_in_process(mesh, args, t.local_batch_size, t.seq_len,
-                                           short_name(t.mixed_precision_param))
-            source = "calibrated at start-up"
+            calibrated = cached_calibration(mesh, args, t.local_batch_size, t.seq_len,
+                                            short_name(t.mixed_precision_param))
+            cluster, source = calibrated.cluster, calibrated.source
         if p.memory_budget_gib:
             return _budgeted(cfg, args, mesh, accum, device, log, cluster, source)
         strategy, table = advise(cfg, args, dist.get_world_size(), mesh.size(1), accum, cluster, fraction)
