@@ -82,3 +82,22 @@ class ParoParam:
         """Put ``param`` on every module attribute that held the original."""
         for module, attr in self.ref.owners:
             module._parameters[attr] = self.param
+
+    @torch.no_grad()
+    def adopt_replaced(self) -> bool:
+        """A whole tensor the user assigned over the sharded parameter after sharding
+        (``model.w = nn.Parameter(...)``, as FSDP2's lazy init allows; a DTensor computed from other
+        sharded parameters is gathered first, on every rank alike): each rank's rows of it copied into
+        ``param``, ``param`` registered again. False if none."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        module, attr = self.ref.owners[0]
+        new = module._parameters.get(attr)
+        if not isinstance(new, nn.Parameter) or new is self.param or new.shape != self.ref.like.shape:
+            return False  # ours: the sharded parameter, or the whole tensors registered while unsharded
+        whole = new.detach().full_tensor() if isinstance(new, DTensor) else new.detach()  # a DTensor: every rank's
+        d = self.param
+        d.copy_(distribute_tensor(whole.to(d.device, d.dtype), d.device_mesh, d.placements, src_data_rank=None))
+        self.register()
+        self.unset = False
+        return True

@@ -320,7 +320,7 @@ class ParoState:
         """A tensor frozen when sharded has no gradient buffers: training it later would silently
         do nothing, so it stops here (freezing a trainable one later is fine: it gets no ``.grad``).
         Nor does a forward run on meta-device tensors never given memory (``to_empty``)."""
-        unset = [p.fqn for g in self.groups for p in g.params if p.unset]
+        unset = [p.fqn for g in self.groups for p in g.params if not p.adopt_replaced() and p.unset]
         if unset:
             raise RuntimeError(f"FSDP parameters should be materialized from meta device before training, but the "
                                f"following were still on meta device: {unset}; call model.to_empty(device=...), then "

@@ -305,6 +305,27 @@ def meta_uneven(impl: str) -> list[Any]:
     return [loss.item(), model[0].weight.grad.full_tensor(), model[2].weight.grad.full_tensor()]
 
 
+def replaced_after_shard(impl: str) -> list[Any]:
+    """FSDP2's lazy-init reset: a parameter assigned over the sharded one after sharding (computed
+    from the other, sharded, weights: a DTensor) is what the forward uses; so is one assigned after
+    a step (which FSDP2 ignores: its reset runs at the first forward only). ``plain``: unsharded."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5, bias=False), nn.Linear(5, 3, bias=False))
+    model.register_parameter("scale", nn.Parameter(torch.ones(5)))
+    model.forward = lambda x: model[1](model[0](x) * model.scale)  # noqa: E731 - a root with its own parameter
+    shard = _fully_shard(impl) if impl != "plain" else (lambda m: m)
+    for m in (model[0], model[1], model):
+        shard(m)
+    with torch.no_grad():
+        model.scale = nn.Parameter(torch.linalg.norm(model[0].weight, dim=1) + 0.5)  # a DTensor, as FSDP2's test
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(1))
+    first = model(x).pow(2).sum()
+    first.backward()
+    model[1].weight = nn.Parameter(torch.full((3, 5), 0.1))  # a plain tensor over a sharded block's weight
+    second = model(x).pow(2).sum()
+    return [first.item(), second.item(), full(model.scale.detach())]
+
+
 def rank_main(_: Any = None) -> dict[str, Any]:
     from torch.distributed.fsdp import FSDPModule
 
@@ -327,9 +348,11 @@ def rank_main(_: Any = None) -> dict[str, Any]:
         out[impl, "tied_across_calls"] = tied_across_calls(impl)
         out[impl, "meta_uneven"] = meta_uneven(impl)
         out[impl, "meta_forgotten"] = meta_forgotten(impl)
+        out[impl, "replaced"] = replaced_after_shard(impl)
     # the aborted step leaves no trace: it equals FSDP2's run without it (torch 2.11's FSDP2 has no reset_iter_state)
     out["torch", "reset"] = out["torch", "1d"]
     out["paro", "reset"] = train(build("paro", None), fail_at=1)
+    out["plain", "replaced"] = replaced_after_shard("plain")
     out["refusals"] = refusals()
     out["meta"] = meta_init()
     return out
@@ -396,6 +419,10 @@ def test_meta_device_init_then_reset_parameters(runs):
     assert got["meta"] == pytest.approx(got["plain"], rel=1e-6)
     for impl in ("torch", "paro"):  # no to_empty: both stop the forward, in FSDP2's words
         assert "should be materialized from meta device" in runs[impl, "meta_forgotten"], impl
+    ref, fsdp2, got = runs["plain", "replaced"], runs["torch", "replaced"], runs["paro", "replaced"]
+    assert fsdp2[0] == pytest.approx(ref[0], rel=1e-6) and got[0] == pytest.approx(ref[0], rel=1e-6)
+    torch.testing.assert_close(got[2], ref[2])  # the parameter assigned before the first forward is used
+    assert got[1] == pytest.approx(ref[1], rel=1e-6) != fsdp2[1]  # and one assigned later (FSDP2 keeps the old)
     ref, got = runs["torch", "meta_uneven"], runs["paro", "meta_uneven"]
     assert got[0] == pytest.approx(ref[0], rel=1e-6)
     for r, g in zip(ref[1:], got[1:]):
