@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 from ..mesh import as_2d
@@ -248,7 +248,10 @@ class Workload:
     """What one step does, for the prediction (the advisor's defaults). ``model``: the shapes
     activations and attention FLOPs need (a flavor, ``LlamaArgs`` or ``ModelSpec``; default: read
     from the model when it is this package's Llama or a Hugging Face Llama-like config);
-    ``activation_bytes``: the activations' peak per rank, when the model is not Llama-shaped."""
+    ``activation_bytes``: the activations' peak per rank, when the model is not Llama-shaped;
+    ``example_inputs``: one micro-batch (a tensor, the forward's arguments, or a dict of keyword
+    arguments): its activations, micro-batch and sequence length are then measured from the model
+    (``measure_activations``), checkpointing and recomputation included."""
 
     micro_batch: int = 2
     seq_len: int = 2048
@@ -256,6 +259,34 @@ class Workload:
     activation_checkpoint: bool = False
     model: Union[str, LlamaArgs, ModelSpec, None] = None
     activation_bytes: Optional[float] = None
+    example_inputs: Any = field(default=None, compare=False, hash=False, repr=False)
+
+
+def seen_workload(model: Any, workload: Optional[Workload], spec: Optional[ModelSpec], param_dtype: Any,
+                  budgeted: bool) -> tuple[Workload, str]:
+    """The workload ``auto`` plans for and the header's words on where its activations come from:
+    measured from ``example_inputs``, given, the Llama formula (for an assumed micro-batch when no
+    ``workload=``), or, under a budget, a one-line refusal: a plan that leaves the activations out is
+    never offered as fitting one."""
+    work = workload or Workload()
+    if not isinstance(work, Workload):
+        raise TypeError(f"workload= takes a paro_fsdp.cost.budget.Workload, got {type(work).__name__}")
+    if work.example_inputs is not None and work.activation_bytes is None:
+        from .workload_probe import measure_activations
+
+        seen = measure_activations(model, work.example_inputs, param_dtype)
+        work = replace(work, activation_bytes=seen.activation_bytes, micro_batch=seen.micro_batch,
+                       seq_len=seen.seq_len, example_inputs=None)
+        return work, f"; activations {_size(seen.activation_bytes)} measured from example_inputs"
+    if work.activation_bytes is not None:
+        return work, f"; activations {_size(work.activation_bytes)} as given"
+    fix = "workload=Workload(example_inputs=<one micro-batch>, grad_accum=<micro-steps per step>)"
+    if spec is not None:
+        return work, "" if workload is not None else f"; ASSUMED (no workload= given): pass {fix} for yours"
+    if budgeted:
+        raise BudgetError(f"memory_budget= needs the activations of a micro-step, which auto cannot model for "
+                          f"{type(model).__name__}: pass {fix} to measure them, or Workload(activation_bytes=...)")
+    return work, ""  # plan_blocks' header says the activations are not modelled
 
 
 def spec_of(model: Any, workload: Workload) -> Optional[ModelSpec]:
@@ -552,7 +583,7 @@ def plan_blocks(blocks: Sequence[Block], n: int, m: int, budget: Optional[float]
                  "activations": float(acts), **peak(chosen)}
     what = f"the fastest single strategy that fits{note}" if uniform else "a strategy per block"
     acts_note = "" if spec is not None or workload.activation_bytes is not None else \
-        " (activations not modelled: pass Workload(model=...) or Workload(activation_bytes=...))"
+        " (activations not modelled: pass Workload(example_inputs=<one micro-batch>) to measure them)"
     header = (f"paro auto: {what}, {n} ranks = {n // m} groups x {m}, micro-batch {workload.micro_batch} x "
               f"{workload.seq_len}, {workload.grad_accum} micro-steps, activation checkpointing "
               f"{'on' if workload.activation_checkpoint else 'off'}, cluster {cluster.name}{acts_note}")
@@ -587,10 +618,10 @@ def auto_policy(model: Any, mesh: Any, block_modules: Sequence[Any], memory_budg
                                       or not memory_budget > 0):
         raise ValueError(f"memory_budget={memory_budget!r}: give bytes per rank as a positive number "
                          f"(e.g. 40 * 2**30), or None for the fastest single strategy that fits")
-    work = workload or Workload()
-    if not isinstance(work, Workload):
-        raise TypeError(f"workload= takes a paro_fsdp.cost.budget.Workload, got {type(work).__name__}")
-    spec = spec_of(model, work)
+    if workload is not None and not isinstance(workload, Workload):
+        raise TypeError(f"workload= takes a paro_fsdp.cost.budget.Workload, got {type(workload).__name__}")
+    spec = spec_of(model, workload or Workload())
+    work, seen = seen_workload(model, workload, spec, mp.param_dtype, memory_budget is not None)
     mesh2 = as_2d(mesh)
     n, m = mesh2.size(), mesh2.size(1)
     pb, gb, ab = mp.param_dtype.itemsize, mp.grad_dtype.itemsize, mp.acc_dtype.itemsize
@@ -617,6 +648,10 @@ def auto_policy(model: Any, mesh: Any, block_modules: Sequence[Any], memory_budg
     blocks = units_of(model, block_modules)
     plan = plan_blocks(blocks, n, m, memory_budget, c, work, spec, pb, gb, ab, reshard_after_forward,
                        flat_below_bytes)
+    plan.header += seen
+    from .workload_probe import watch_first_step
+
+    watch_first_step(model, work.micro_batch, work.seq_len, work.grad_accum, announce=rank == 0)
     if rank == 0:
         (log or print)(source + plan.table())
     return plan.policy()

@@ -1,0 +1,154 @@
+"""The workload ``strategy="auto"`` plans for, seen from the model: the activations of one
+micro-step measured before it is sharded (when the workload gives ``example_inputs``), and the
+first step checked against what the plan assumed.
+
+Why measured: the cost model's activation formula (``cost.model.activation_bytes``) holds for
+Llama-shaped models only; for any other model (a user's own, a Hugging Face model with LoRA,
+activation checkpointing wrapped by hand) a plan whose peak leaves them out picks a layout that
+runs out of memory where activations are most of it (a GPU).
+
+How: one forward and backward of ``example_inputs`` under ``FakeTensorMode`` (no memory, no
+FLOPs: shapes only), with the parameters replaced by fake ones in the working dtype
+(``torch.func.functional_call``), inside torch's ``MemTracker``. The activations are its
+``Activation`` + ``Temp`` bytes at the peak: what autograd saves (after any checkpointing the model
+does, recomputation included) and the backward's transients. Each parameter's gradient is dropped
+as it is accumulated, so the peak is the activations' own (the engine's gradients are sharded and
+priced by the ledger, not here). The loss is the output's ``loss`` (this package's Llama, Hugging
+Face models given ``labels``), else the sum of the first floating output: a loss computed outside
+the model is not in the measurement.
+"""
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+__all__ = ["MeasuredActivations", "measure_activations", "tokens_shape", "watch_first_step"]
+
+
+@dataclass(frozen=True)
+class MeasuredActivations:
+    """``activation_bytes``: the peak of saved and transient activation bytes of one micro-step;
+    ``micro_batch`` / ``seq_len``: read from the inputs (``tokens_shape``)."""
+
+    activation_bytes: float
+    micro_batch: int
+    seq_len: int
+
+
+def tokens_shape(args: tuple, kwargs: dict) -> Optional[tuple[int, int]]:
+    """(batch, sequence) of a micro-batch: the first integer tensor of two or more dimensions (token
+    ids), else the first tensor's leading dimension and 1; None without tensors."""
+    tensors = [t for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)]
+    for t in tensors:
+        if not t.is_floating_point() and t.dim() >= 2:
+            return int(t.shape[0]), int(t.shape[1])
+    return (int(tensors[0].shape[0]) if tensors[0].dim() else 1, 1) if tensors else None
+
+
+def as_call(example_inputs: Any) -> tuple[tuple, dict]:
+    """``example_inputs`` as (args, kwargs): a tensor, a tuple / list of positional arguments, or a
+    dict of keyword arguments (a Hugging Face batch)."""
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    raise TypeError(f"Workload(example_inputs=...) takes one micro-batch as a tensor, a tuple of the forward's "
+                    f"arguments or a dict of its keyword arguments, got {type(example_inputs).__name__}")
+
+
+def _loss(out: Any) -> torch.Tensor:
+    loss = getattr(out, "loss", None)
+    if loss is None and isinstance(out, dict):
+        loss = out.get("loss")
+    if isinstance(loss, torch.Tensor):
+        return loss
+    stack = [out]
+    while stack:
+        x = stack.pop(0)
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.requires_grad:
+            return x.float().sum()
+        if isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (tuple, list)):
+            stack.extend(x)
+        elif hasattr(x, "__dataclass_fields__") or hasattr(x, "to_tuple"):
+            stack.extend(vars(x).values())
+    raise ValueError(f"Workload(example_inputs=...): the model's output ({type(out).__name__}) has no loss and no "
+                     f"floating tensor that needs a gradient to run a backward from; pass "
+                     f"Workload(activation_bytes=...) instead")
+
+
+def measure_activations(model: nn.Module, example_inputs: Any, param_dtype: torch.dtype) -> MeasuredActivations:
+    """One micro-step's activations of ``model`` on ``example_inputs``, its parameters in
+    ``param_dtype`` (module docstring). Allocates nothing: the model's own tensors are read for
+    their shapes only."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.func import functional_call
+    from torch.utils.hooks import RemovableHandle
+
+    args, kwargs = as_call(example_inputs)
+    shape = tokens_shape(args, kwargs) or (1, 1)
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+        def fake_like(t: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+            return torch.empty(t.shape, dtype=dtype or t.dtype, device="cpu" if t.device.type == "meta" else t.device)
+
+        params: dict[str, Any] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            dtype = param_dtype if p.is_floating_point() else None
+            q = nn.Parameter(fake_like(p, dtype), requires_grad=p.requires_grad)
+            if q.requires_grad:  # the gradient leaves as it lands: the peak is the activations'
+                q.register_post_accumulate_grad_hook(lambda t: setattr(t, "grad", None))
+            params[name] = q
+        inputs = [fake.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in args]
+        kw = {k: fake.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        tracker = MemTracker()
+        # MemTracker hooks every parameter's gradient, and a frozen one (LoRA's base) cannot take a
+        # hook: its slot is filled with a no-op handle so the tracker leaves it alone.
+        handles = getattr(tracker, "_param_to_grad_hook_handles", None)
+        if handles is not None:
+            for q in params.values():
+                if not q.requires_grad:
+                    handles[q] = (RemovableHandle(OrderedDict()), RemovableHandle(OrderedDict()))
+        with tracker:
+            with warnings.catch_warnings():  # MemTracker's gradient hook warns on the gradients dropped
+                warnings.simplefilter("ignore", UserWarning)
+                _loss(functional_call(model, params, tuple(inputs), kw, tie_weights=True, strict=False)).backward()
+        peak = tracker.get_tracker_snapshot("peak")
+    acts = sum(float(by_kind.get(kind, 0)) for by_kind in peak.values() for kind in by_kind
+               if str(getattr(kind, "value", kind)) in ("Activation", "Temp"))
+    return MeasuredActivations(acts, *shape)
+
+
+def watch_first_step(model: nn.Module, micro_batch: int, seq_len: int, grad_accum: int, announce: bool) -> None:
+    """Compare the first optimizer step the sharded ``model`` runs with the workload its plan was made
+    for, and warn once, naming the workload to pass, where they differ: the micro-batch's shape (read
+    at the first forward) and the micro-steps per step (the forwards up to the first whose backward
+    reduces: ``set_requires_gradient_sync``). ``announce``: this rank warns (rank 0)."""
+    seen: dict[str, Any] = {"forwards": 0}
+
+    def pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        seen["forwards"] += 1
+        if seen["forwards"] == 1:
+            seen["shape"] = tokens_shape(args, kwargs)
+        groups = module._paro_groups(True) if hasattr(module, "_paro_groups") else []
+        if groups and not all(g.last_backward for g in groups):
+            return  # a micro-step that accumulates: the step goes on
+        handle.remove()
+        shape, steps = seen.get("shape"), seen["forwards"]
+        same_shape = shape is None or (shape[0] == micro_batch and shape[1] in (seq_len, seq_len + 1))
+        if announce and (not same_shape or steps != grad_accum):
+            ran = f"micro-batch {shape[0]} x {shape[1]}" if shape else "its micro-batch"
+            warnings.warn(f"paro auto: the plan was made for micro-batch {micro_batch} x {seq_len} and {grad_accum} "
+                          f"micro-steps per step, the first step ran {ran} and {steps}: its predicted peak and step "
+                          f"time are another workload's; pass workload=Workload(example_inputs=<one micro-batch>, "
+                          f"grad_accum={steps}) to plan for this one", stacklevel=2)
+
+    handle = model.register_forward_pre_hook(pre_forward, with_kwargs=True)
