@@ -321,7 +321,9 @@ class ParoState:
         do nothing, so it stops here (freezing a trainable one later is fine: it gets no ``.grad``).
         Nor does a forward run on meta-device tensors never given memory (``to_empty``)."""
         unset = [p.fqn for g in self.groups for p in g.params if not p.adopt_replaced() and p.unset]
-        if unset:
+        if unset:  # FSDP2 names the first group's (its lazy init stops there): the same names here
+            first = next(g for g in self.groups if any(p.fqn in unset for p in g.params))
+            unset = [p.fqn for p in first.params if p.fqn in unset]
             raise RuntimeError(f"FSDP parameters should be materialized from meta device before training, but the "
                                f"following were still on meta device: {unset}; call model.to_empty(device=...), then "
                                f"initialise them (reset_parameters, or load a state dict)")

@@ -419,6 +419,8 @@ def test_meta_device_init_then_reset_parameters(runs):
     assert got["meta"] == pytest.approx(got["plain"], rel=1e-6)
     for impl in ("torch", "paro"):  # no to_empty: both stop the forward, in FSDP2's words
         assert "should be materialized from meta device" in runs[impl, "meta_forgotten"], impl
+    named = [runs[impl, "meta_forgotten"].split("]")[0] for impl in ("torch", "paro")]
+    assert named[0] == named[1]  # naming the same parameters (the first group's)
     ref, fsdp2, got = runs["plain", "replaced"], runs["torch", "replaced"], runs["paro", "replaced"]
     assert fsdp2[0] == pytest.approx(ref[0], rel=1e-6) and got[0] == pytest.approx(ref[0], rel=1e-6)
     torch.testing.assert_close(got[2], ref[2])  # the parameter assigned before the first forward is used
