@@ -326,6 +326,27 @@ def replaced_after_shard(impl: str) -> list[Any]:
     return [first.item(), second.item(), full(model.scale.detach())]
 
 
+def frozen_in_forward(impl: str) -> dict[str, Any]:
+    """A block with a frozen weight beside a trainable one (LoRA's shape): inside the forward the
+    frozen weight needs no gradient, as FSDP2's unsharded parameter, so autograd keeps no input for
+    its weight gradient: the bytes saved for backward are the unsharded model's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    model[0].weight.requires_grad_(False)  # the frozen base (its layer's input is kept only for it)
+    model[0].bias.requires_grad_(True)
+    seen: dict[str, Any] = {}
+    model[0].register_forward_hook(lambda m, a, o: seen.update(frozen=m.weight.requires_grad,
+                                                                trainable=m.bias.requires_grad))
+    x = torch.randn(4, 8)
+    if impl != "plain":
+        _fully_shard(impl)(model)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+        y = model(x).sum()
+    y.backward()
+    return {**seen, "saved": sorted(tuple(sh) for sh in saved if tuple(sh) == (4, 8))}
+
+
 def rank_main(_: Any = None) -> dict[str, Any]:
     from torch.distributed.fsdp import FSDPModule
 
@@ -353,6 +374,7 @@ def rank_main(_: Any = None) -> dict[str, Any]:
     out["torch", "reset"] = out["torch", "1d"]
     out["paro", "reset"] = train(build("paro", None), fail_at=1)
     out["plain", "replaced"] = replaced_after_shard("plain")
+    out["frozen_in_forward"] = {impl: frozen_in_forward(impl) for impl in ("plain", "torch", "paro")}
     out["refusals"] = refusals()
     out["meta"] = meta_init()
     return out
@@ -411,6 +433,12 @@ def test_what_paro_cannot_honour_fails_in_one_line(runs):
     for impl in ("torch", "paro"):  # FSDP2's words, which its users' tests match
         assert "already managed by another" in runs[impl, "tied_across_calls"], impl
     assert "\n" not in runs["paro", "tied_across_calls"]
+
+
+def test_a_frozen_weight_needs_no_gradient_inside_the_forward(runs):
+    got = runs["frozen_in_forward"]
+    assert got["paro"]["frozen"] is False and got["paro"]["trainable"] is True
+    assert got["paro"] == got["torch"] == got["plain"]  # the same activations kept for backward
 
 
 def test_meta_device_init_then_reset_parameters(runs):
