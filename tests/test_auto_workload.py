@@ -85,6 +85,7 @@ def test_a_model_of_its_own_shape_is_measured_with_its_checkpointing():
 def test_a_hugging_face_model_with_lora_is_measured_from_its_batch():
     """A batch as Hugging Face passes it (keyword arguments, the loss from ``labels``), LoRA's frozen
     base included: at least what autograd saves, the shape read from ``input_ids``."""
+    pytest.importorskip("peft")
     from hf_models import make
 
     model = make("llama", lora={"target_modules": ["q_proj", "v_proj"]})

@@ -430,7 +430,8 @@ def test_what_paro_cannot_honour_fails_in_one_line(runs):
     assert "already a DTensor" in refused["dtensor"] and "\n" not in refused["dtensor"]
     assert "step after backward() returns" in refused["step_in_backward"]
     assert refused["dtensor_untouched"]
-    for impl in ("torch", "paro"):  # FSDP2's words, which its users' tests match
+    # FSDP2's words, which its users' tests match (torch 2.11's FSDP2 accepted the model: no check then)
+    for impl in ("torch", "paro") if runs["torch", "tied_across_calls"] != "accepted" else ("paro",):
         assert "already managed by another" in runs[impl, "tied_across_calls"], impl
     assert "\n" not in runs["paro", "tied_across_calls"]
 
