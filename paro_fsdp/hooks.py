@@ -15,28 +15,38 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 class Unshard(torch.autograd.Function):
     """Hands out a group's whole tensors (``full``, already gathered) in place of its sharded
-    parameters; in backward, ``on_grads`` receives their gradients as one list."""
+    parameters; in backward, ``on_grads`` receives their gradients as one list.
+
+    ``setup_context`` and ``jvp``: torch.func's transforms (``jvp``, ``vmap``) accept only
+    Functions in that form; the whole tensors are not inputs, so their tangents are none."""
 
     @staticmethod
-    def forward(ctx, full: list[torch.Tensor], on_grads: Callable[[list], None],  # type: ignore[override]
+    def forward(full: list[torch.Tensor], on_grads: Callable[[list], None],  # type: ignore[override]
                 *sharded: torch.Tensor):
+        return tuple(p.view_as(p) for p in full)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: tuple) -> None:
+        full, on_grads, *sharded = inputs
         ctx.on_grads = on_grads
-        out = tuple(p.view_as(p) for p in full)
         # A frozen tensor's whole copy needs no gradient (LoRA's base beside its adapters in one
         # group): differentiable, it made autograd keep the inputs of every frozen layer and compute
         # its weight gradient, a full fine-tune's activations (measured: 5.75 MiB for 4.32 on a
         # LoRA Llama) and backward FLOPs. Its gradient arrives as None; a trainable one that got
         # none (unused in this forward) as zeros, as before.
-        ctx.mark_non_differentiable(*[o for o, s in zip(out, sharded) if not s.requires_grad])
+        ctx.mark_non_differentiable(*[o for o, s in zip(output, sharded) if not s.requires_grad])
         ctx.set_materialize_grads(False)
         ctx.like = [(p.shape, p.dtype, p.device) if s.requires_grad else None for p, s in zip(full, sharded)]
-        return out
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None):  # type: ignore[override]
         ctx.on_grads([torch.zeros(like[0], dtype=like[1], device=like[2]) if g is None and like is not None else g
                       for g, like in zip(grads, ctx.like)])
         return (None, None) + (None,) * len(grads)
+
+    @staticmethod
+    def jvp(ctx, *tangents: Any) -> tuple:  # type: ignore[override]
+        return tuple(None for _ in ctx.like)
 
 
 class OnBackward(torch.autograd.Function):
@@ -46,18 +56,25 @@ class OnBackward(torch.autograd.Function):
     Gradients are not materialised: a tensor that reaches no loss (the aux output beside the
     logits) passes None on, instead of a zeros tensor of its shape that its producer's backward
     would then run on. Only the eager hooks use it (state.py returns before it while compiling),
-    so dynamo need not trace ``set_materialize_grads``."""
+    so dynamo need not trace ``set_materialize_grads``. An identity forward-mode too (``jvp``)."""
 
     @staticmethod
-    def forward(ctx, callback: Callable[[], None], *tensors: torch.Tensor):  # type: ignore[override]
-        ctx.callback = callback
-        ctx.set_materialize_grads(False)
+    def forward(callback: Callable[[], None], *tensors: torch.Tensor):  # type: ignore[override]
         return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: tuple) -> None:
+        ctx.callback = inputs[0]
+        ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None):  # type: ignore[override]
         ctx.callback()
         return (None,) + grads
+
+    @staticmethod
+    def jvp(ctx, callback: Any, *tangents: Any) -> tuple:  # type: ignore[override]
+        return tangents
 
 
 def _route(callback: Callable[[], None], tree: Any) -> Any:

@@ -347,6 +347,20 @@ def frozen_in_forward(impl: str) -> dict[str, Any]:
     return {**seen, "saved": sorted(tuple(sh) for sh in saved if tuple(sh) == (4, 8))}
 
 
+def forward_mode(impl: str) -> list[torch.Tensor]:
+    """torch.func.jvp through sharded modules (FSDP2's test_no_warmup_jvp...): the output and its
+    tangent, the tangent flowing through a sharded Linear's input."""
+    torch.manual_seed(0)
+    enc, dec = nn.Linear(8, 16, bias=False), nn.Linear(16, 4, bias=False)
+    if impl != "plain":
+        for m in (enc, dec):
+            _fully_shard(impl)(m, reshard_after_forward=False)
+    x, u, t = torch.randn(8), torch.randn(16), torch.randn(16)
+    e = enc(x)
+    out, tangent = torch.func.jvp(lambda v: dec(e * v), (u,), (t,))
+    return [out.detach(), tangent.detach()]
+
+
 def rank_main(_: Any = None) -> dict[str, Any]:
     from torch.distributed.fsdp import FSDPModule
 
@@ -375,6 +389,7 @@ def rank_main(_: Any = None) -> dict[str, Any]:
     out["paro", "reset"] = train(build("paro", None), fail_at=1)
     out["plain", "replaced"] = replaced_after_shard("plain")
     out["frozen_in_forward"] = {impl: frozen_in_forward(impl) for impl in ("plain", "torch", "paro")}
+    out["forward_mode"] = {impl: forward_mode(impl) for impl in ("plain", "torch", "paro")}
     out["refusals"] = refusals()
     out["meta"] = meta_init()
     return out
@@ -440,6 +455,13 @@ def test_a_frozen_weight_needs_no_gradient_inside_the_forward(runs):
     got = runs["frozen_in_forward"]
     assert got["paro"]["frozen"] is False and got["paro"]["trainable"] is True
     assert got["paro"] == got["torch"] == got["plain"]  # the same activations kept for backward
+
+
+def test_forward_mode_ad_through_sharded_modules(runs):
+    got = runs["forward_mode"]
+    for impl in ("torch", "paro"):
+        for a, b in zip(got[impl], got["plain"]):
+            torch.testing.assert_close(a, b)
 
 
 def test_meta_device_init_then_reset_parameters(runs):
