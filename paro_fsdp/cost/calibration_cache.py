@@ -2,8 +2,8 @@
 ``fully_shard``, the trainer's ``paro_strategy = "auto"``) reads what this mesh measured before
 instead of measuring it again at every start.
 
-Why: a calibration takes 20-35 s on CPU ranks and its timings move between runs (shared cores, the
-network), so the same model, cluster and budget picked different plans run after run (issue 45).
+Why: a calibration takes seconds to tens of seconds and its timings move between runs (shared cores,
+the network), so the same model, cluster and budget picked different plans run after run.
 Measured once and kept, the cluster makes the plan a function of its inputs, and planning takes
 seconds.
 
