@@ -396,3 +396,20 @@ def test_a_budget_every_strategy_fits_is_the_fastest_single_strategy():
         fits = {s: t for s, (f, t) in single.items() if f <= budget}
         assert plan.options[0].label[0].name == min(fits, key=fits.get)
         assert "under the 1.05x a mix must gain" in plan.header
+
+
+def test_a_model_of_its_own_shape_stays_within_its_budget():
+    """A residual MLP of a user's own shape (its parameters about its activations' size, its loss
+    outside it: ``loss_fn``), planned from one micro-batch between IIG's and NIG's predicted peaks,
+    then trained on 4 gloo ranks: its peak is where a block's backward has finished (its whole
+    gradients reduced, the previous block's reduction in flight, the head's gradient held), which
+    the peak model priced at the loss alone (measured 1.10x of predicted, over its budget)."""
+    from tools.bench.auto_budget import _plans
+    from tools.local_world import run_local_world
+
+    payload = {"models": ["mlp"], "group_size": 2, "micro_batch": 2, "seq_len": 64, "accum": 2,
+               "cluster": "a100_ib"}
+    budget, plan = _plans("mlp", payload, 4, 2)[1]
+    payload["budgets"] = {"mlp": [budget]}
+    measured = min(rank[0]["measured"] for rank in run_local_world(4, "tools.bench.auto_budget:_rank_main", payload))
+    assert measured <= budget and 0.9 <= measured / plan.footprint <= 1.1, (budget, plan.footprint, measured)

@@ -82,6 +82,30 @@ def test_a_model_of_its_own_shape_is_measured_with_its_checkpointing():
     assert (plain.micro_batch, plain.seq_len) == (2, 32)
 
 
+def test_the_backward_moments_and_a_loss_outside_the_model_are_measured():
+    """With the blocks named, what is held while a block's backward runs and when it has finished
+    (the reduction's moment) is measured too: less than the peak, in that order, the finished one
+    about the first block backward runs less its own saved activations. A loss computed outside the
+    model (``loss_fn``: cross-entropy on the logits) adds its log-softmax and the logits' gradient
+    to the peak, which a sum of the output does not see."""
+    x, y = torch.randint(0, 100, (2, 32)), torch.randint(0, 100, (2, 32))
+    model = Mine()
+    ce = lambda logits: nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())  # noqa: E731
+    plain = measure_activations(model, x, torch.float32, list(model.blocks))
+    outside = measure_activations(model, x, torch.float32, list(model.blocks), loss_fn=ce)
+    assert plain.after_backward < plain.in_backward <= plain.activation_bytes
+    block = saved_bytes(model.blocks[-1], torch.randn(2, 32, 64))
+    assert plain.after_backward <= plain.activation_bytes - block
+    assert outside.activation_bytes >= plain.activation_bytes
+    head = nn.Sequential(nn.Embedding(100, 16), nn.Linear(16, 1000))  # logits outweigh the rest
+    y = torch.randint(0, 1000, (2, 32))
+    logits = 2 * 32 * 1000 * 4
+    summed, ce_head = (measure_activations(head, x, torch.float32, loss_fn=f) for f in (None, ce))
+    assert ce_head.activation_bytes >= summed.activation_bytes + 2 * logits
+    without = measure_activations(model, x, torch.float32)  # no blocks: every moment is the peak
+    assert without.in_backward == without.after_backward == without.activation_bytes
+
+
 def test_a_hugging_face_model_with_lora_is_measured_from_its_batch():
     """A batch as Hugging Face passes it (keyword arguments, the loss from ``labels``), LoRA's frozen
     base included: at least what autograd saves, the shape read from ``input_ids``."""

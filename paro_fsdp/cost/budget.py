@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+from operator import mul
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
@@ -28,7 +29,7 @@ from ..overlap import IN_FLIGHT_BYTES
 from ..plan import plan_of
 from ..strategy import ALL_STRATEGIES, Level, Strategy, StrategyLike
 from .cluster import AdvisorError, Cluster, GiB, load_cluster
-from .ledger import PEAK_MAX, Bucket, peak_coefs, peak_of, peak_terms, traffic_of
+from .ledger import PEAK_MAX, Bucket, backward_moments, peak_of, peak_terms, traffic_of
 from .model import ModelSpec, activation_bytes, model_spec
 from .predict import exposed_seconds, moves_seconds, optimizer_seconds, traffic_time
 
@@ -66,17 +67,22 @@ class Option:
 
 @dataclass(frozen=True)
 class Footprint:
-    """footprint(plan) = const + sum w + sum_d coefs[d] x max_items peaks[d]
-    + sum_j min(caps[j], sum_items queues[j])."""
+    """footprint(plan) = sum w + max over moments (const + sum_d coefs[d] x max_items peaks[d])
+    + sum_j min(caps[j], sum_items queues[j]); the moments: (const, coefs), then each of ``also``
+    (the backward's and the reduction's: ``ledger.peak_of``)."""
 
     const: float = 0.0
     coefs: tuple[float, ...] = ()
     caps: tuple[float, ...] = ()
+    also: tuple[tuple[float, tuple[float, ...]], ...] = ()
+
+    def fixed(self, T: Sequence[float]) -> float:
+        """The largest moment's constant part, each max term at its value in ``T``."""
+        return max(c + sum(k * t for k, t in zip(coefs, T)) for c, coefs in ((self.const, self.coefs), *self.also))
 
     def of(self, chosen: Sequence[Option]) -> float:
-        total = self.const + sum(o.w for o in chosen)
-        for d, c in enumerate(self.coefs):
-            total += c * max((o.peaks[d] for o in chosen), default=0.0)
+        T = [max((o.peaks[d] for o in chosen), default=0.0) for d in range(len(self.coefs))]
+        total = self.fixed(T) + sum(o.w for o in chosen)
         for j, cap in enumerate(self.caps):
             total += min(cap, sum(o.queues[j] for o in chosen))
         return total
@@ -113,7 +119,7 @@ def _case(items, fp: Footprint, T, capped):
         idx = [i for i, o in enumerate(opts) if all(o.peaks[d] <= T[d] for d in range(len(T)))]
         allowed.append(idx)
         weights.append([opts[i].w + sum(opts[i].queues[j] for j in range(len(capped)) if not capped[j]) for i in idx])
-    fixed = fp.const + sum(c * t for c, t in zip(fp.coefs, T)) + sum(cap for cap, c in zip(fp.caps, capped) if c)
+    fixed = fp.fixed(T) + sum(cap for cap, c in zip(fp.caps, capped) if c)
     return allowed, weights, fixed
 
 
@@ -249,9 +255,13 @@ class Workload:
     activations and attention FLOPs need (a flavor, ``LlamaArgs`` or ``ModelSpec``; default: read
     from the model when it is this package's Llama or a Hugging Face Llama-like config);
     ``activation_bytes``: the activations' peak per rank, when the model is not Llama-shaped;
-    ``example_inputs``: one micro-batch (a tensor, the forward's arguments, or a dict of keyword
-    arguments): its activations, micro-batch and sequence length are then measured from the model
-    (``measure_activations``), checkpointing and recomputation included."""
+    ``activations_in_backward`` / ``activations_after_backward``: those held while a block's
+    backward runs / when it has finished (``ledger.backward_moments``; default:
+    ``activation_bytes``); ``example_inputs``: one micro-batch (a tensor, the forward's arguments,
+    or a dict of keyword arguments): the activations, micro-batch and sequence length are then
+    measured from the model (``measure_activations``), checkpointing and recomputation included;
+    ``loss_fn``: for that measurement, the loss of the model's output when the model returns none
+    (the training loop's loss outside the model, e.g. ``lambda logits: F.cross_entropy(...)``)."""
 
     micro_batch: int = 2
     seq_len: int = 2048
@@ -259,11 +269,14 @@ class Workload:
     activation_checkpoint: bool = False
     model: Union[str, LlamaArgs, ModelSpec, None] = None
     activation_bytes: Optional[float] = None
+    activations_in_backward: Optional[float] = None
+    activations_after_backward: Optional[float] = None
     example_inputs: Any = field(default=None, compare=False, hash=False, repr=False)
+    loss_fn: Optional[Callable[[Any], Any]] = field(default=None, compare=False, hash=False, repr=False)
 
 
 def seen_workload(model: Any, workload: Optional[Workload], spec: Optional[ModelSpec], param_dtype: Any,
-                  budgeted: bool) -> tuple[Workload, str]:
+                  budgeted: bool, block_modules: Sequence[Any] = ()) -> tuple[Workload, str]:
     """The workload ``auto`` plans for and the header's words on where its activations come from:
     measured from ``example_inputs``, given, the Llama formula (for an assumed micro-batch when no
     ``workload=``), or, under a budget, a one-line refusal: a plan that leaves the activations out is
@@ -274,9 +287,10 @@ def seen_workload(model: Any, workload: Optional[Workload], spec: Optional[Model
     if work.example_inputs is not None and work.activation_bytes is None:
         from .workload_probe import measure_activations
 
-        seen = measure_activations(model, work.example_inputs, param_dtype)
-        work = replace(work, activation_bytes=seen.activation_bytes, micro_batch=seen.micro_batch,
-                       seq_len=seen.seq_len, example_inputs=None)
+        seen = measure_activations(model, work.example_inputs, param_dtype, block_modules, work.loss_fn)
+        work = replace(work, activation_bytes=seen.activation_bytes, activations_in_backward=seen.in_backward,
+                       activations_after_backward=seen.after_backward, micro_batch=seen.micro_batch,
+                       seq_len=seen.seq_len, example_inputs=None, loss_fn=None)
         return work, f"; activations {_size(seen.activation_bytes)} measured from example_inputs"
     if work.activation_bytes is not None:
         return work, f"; activations {_size(work.activation_bytes)} as given"
@@ -515,15 +529,19 @@ def plan_blocks(blocks: Sequence[Block], n: int, m: int, budget: Optional[float]
     env = _env(n, m, cluster, workload, spec, param_bytes, grad_bytes, acc_bytes, reshard_after_forward,
                flat_below_bytes)
     cands = [Strategy.parse(s) for s in (strategies or ALL_STRATEGIES)]
-    acts = workload.activation_bytes
-    if acts is None:
-        acts = activation_bytes(spec, workload.micro_batch, workload.seq_len, param_bytes,
-                                workload.activation_checkpoint)["peak"] if spec is not None else 0.0
+    acts, inside, after = (workload.activation_bytes, workload.activations_in_backward,
+                           workload.activations_after_backward)
+    if acts is None and spec is not None:
+        formula = activation_bytes(spec, workload.micro_batch, workload.seq_len, param_bytes,
+                                   workload.activation_checkpoint)
+        acts, after = formula["peak"], formula["held"]
+    acts = float(acts or 0.0)
     ckpt = workload.activation_checkpoint
-    fp = Footprint(float(acts), peak_coefs(ckpt), (float(IN_FLIGHT_BYTES),))
+    (const, coefs), *also = backward_moments(acts, ckpt, inside, after)
+    fp = Footprint(const, coefs, (float(IN_FLIGHT_BYTES),), tuple(also))
 
     def peak(chosen: Sequence[Option]) -> dict[str, float]:  # the three moments: ledger.peak_of
-        return peak_of([o.detail for o in chosen], float(acts), ckpt, float(IN_FLIGHT_BYTES))
+        return peak_of([o.detail for o in chosen], acts, ckpt, float(IN_FLIGHT_BYTES), inside, after)
 
     uniform, note = budget is None, ""
     limit = cluster.usable_bytes if uniform else float(budget)
@@ -545,15 +563,7 @@ def plan_blocks(blocks: Sequence[Block], n: int, m: int, budget: Optional[float]
         idx = [0] * len(items)
     else:
         items = _items(env, blocks, cands, False)
-        room, found = limit, None
-        for _ in range(8):  # the knapsack bounds the backward moment; the boundary's and the push's are checked
-            found = solve(items, room, fp, cells)
-            if found is None:
-                break
-            over = peak([opts[i] for opts, i in zip(items, found[0])])["peak"] - limit
-            if over <= 0:
-                break
-            room, found = room - over, None
+        found = _within(items, fp, limit, cells, lambda idx: peak([opts[i] for opts, i in zip(items, idx)])["peak"])
         if found is None:
             small, plan = min_footprint(items, fp)
             raise BudgetError(f"memory_budget = {_size(limit)} per rank is too small: the smallest footprint "
@@ -576,11 +586,12 @@ def plan_blocks(blocks: Sequence[Block], n: int, m: int, budget: Optional[float]
             for k, i in zip(ks, sorted(idx[k] for k in ks)):
                 idx[k] = i
     chosen = [opts[i] for opts, i in zip(items, idx)]
-    breakdown = {"additive": sum(o.w for o in chosen),
-                 "gathered": fp.coefs[0] * max(o.peaks[0] for o in chosen),
-                 "gradients": sum(c * max(o.peaks[d] for o in chosen) for d, c in enumerate(fp.coefs) if d),
+    tops = [max(o.peaks[d] for o in chosen) for d in range(len(fp.coefs))]
+    held_acts, coefs = max(((fp.const, fp.coefs), *fp.also), key=lambda x: x[0] + sum(map(mul, x[1], tops)))
+    breakdown = {"additive": sum(o.w for o in chosen), "gathered": coefs[0] * tops[0],  # the larger moment's parts
+                 "gradients": sum(map(mul, coefs[1:], tops[1:])),
                  "queues": sum(min(cap, sum(o.queues[j] for o in chosen)) for j, cap in enumerate(fp.caps)),
-                 "activations": float(acts), **peak(chosen)}
+                 "activations": held_acts, **peak(chosen)}
     what = f"the fastest single strategy that fits{note}" if uniform else "a strategy per block"
     acts_note = "" if spec is not None or workload.activation_bytes is not None else \
         " (activations not modelled: pass Workload(example_inputs=<one micro-batch>) to measure them)"
@@ -589,6 +600,21 @@ def plan_blocks(blocks: Sequence[Block], n: int, m: int, budget: Optional[float]
               f"{'on' if workload.activation_checkpoint else 'off'}, cluster {cluster.name}{acts_note}")
     return BudgetPlan(list(blocks), chosen, breakdown["peak"], sum(o.t for o in chosen), limit, breakdown, header,
                       single)
+
+
+def _within(items, fp: Footprint, limit: float, cells: int, peak_of_plan: Callable[[list[int]], float]):
+    """``solve``'s fastest plan whose whole peak (``peak_of_plan``) is within ``limit``: the knapsack
+    bounds the backward's moments (``fp``), and where the boundary's or the push's moment of its plan
+    is over, the largest room whose plan fits, by bisection down to the smallest footprint."""
+    fits = lambda room: (lambda f: f if f is not None and peak_of_plan(f[0]) <= limit else None)(  # noqa: E731
+        solve(items, room, fp, cells))
+    found = fits(limit)
+    lo, hi = min_footprint(items, fp)[0], limit
+    for _ in range(0 if found is not None or lo > hi else 12):
+        mid = (lo + hi) / 2
+        better = fits(mid)
+        lo, hi, found = (mid, hi, better) if better is not None else (lo, mid, found)
+    return found
 
 
 def _describe(blocks: Sequence[Block], items, plan: Sequence[int]) -> str:
@@ -621,7 +647,7 @@ def auto_policy(model: Any, mesh: Any, block_modules: Sequence[Any], memory_budg
     if workload is not None and not isinstance(workload, Workload):
         raise TypeError(f"workload= takes a paro_fsdp.cost.budget.Workload, got {type(workload).__name__}")
     spec = spec_of(model, workload or Workload())
-    work, seen = seen_workload(model, workload, spec, mp.param_dtype, memory_budget is not None)
+    work, seen = seen_workload(model, workload, spec, mp.param_dtype, memory_budget is not None, block_modules)
     mesh2 = as_2d(mesh)
     n, m = mesh2.size(), mesh2.size(1)
     pb, gb, ab = mp.param_dtype.itemsize, mp.grad_dtype.itemsize, mp.acc_dtype.itemsize

@@ -21,14 +21,14 @@ when n divides dim 0 of every tensor, else the engine's padding makes its number
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 from ..collectives import CommStats, ring_bytes, runs_flat
 from ..plan import Move, plan_of
 from ..strategy import Level, Strategy, StrategyLike
 
-__all__ = ["Bucket", "Ledger", "buckets_of", "formula_bytes", "formula_memory", "memory_of", "peak_of", "peak_terms",
-           "traffic_of"]
+__all__ = ["Bucket", "Ledger", "backward_moments", "buckets_of", "formula_bytes", "formula_memory", "memory_of",
+           "peak_of", "peak_terms", "traffic_of"]
 
 _N = Level.N
 #: a global collective's phases as PaRO-CC runs them (the inter phase on 1/m of the message)
@@ -134,37 +134,53 @@ def peak_terms(b: Bucket, n: int, m: int, param_bytes: int, grad_bytes: int, acc
             "gathered": 0.0 if kept else gathered / (2 if s.p == Level.G else 1),  # half a block, measured
             "reducing": 0.0 if root else reducing,
             "nested": reducing if s.g == Level.G and not root else 0.0,
+            "reduced": reducing / s.g.divisor(n, m) if not root else 0.0,  # the previous block's, in flight
+            "root_grads": reducing if root else 0.0,  # the head's, held until the root's reduction at the end
             "queue": grad_bytes * tr / s.g.divisor(n, m) if tr and n > 1 else 0.0,
             "boundary": grad_bytes * tr if s.g == _N and s.os != Level.I and tr and n > 1 else 0.0,
             "push": param_bytes * tr if s.p == _N and s.os != _N else 0.0}
 
 
-#: the backward phase's max terms (``peak_terms`` keys) and their multiples: at the loss (no
-#: checkpointing) the block re-gathered and the one prefetched; mid-backward (checkpointing) also
-#: the gather's buffer, the block's gradients, the reduction in flight, the slack one and
-#: PaRO-CC's NESTED copy (measured on CPU ranks, ``tools.bench.memory_peak``)
-PEAK_MAX = ("gathered", "reducing", "nested")
+#: the max terms of the backward's moments (``peak_terms`` keys): a block's gathered parameters,
+#: its whole gradients, PaRO-CC's NESTED copy of them, their reduced shard; the root's whole gradients
+PEAK_MAX = ("gathered", "reducing", "nested", "reduced", "root_grads")
 
 
-def peak_coefs(checkpoint: bool) -> tuple[float, ...]:
-    return (3.0, 3.0, 1.0) if checkpoint else (2.0, 0.0, 0.0)
+def backward_moments(activations: float, checkpoint: bool, in_backward: Optional[float] = None,
+                     after_backward: Optional[float] = None) -> tuple[tuple[float, tuple[float, ...]], ...]:
+    """The backward's moments, each (the activations held then, the multiples of ``PEAK_MAX``'s
+    max terms), measured on CPU ranks (``tools.bench.memory_peak``, ``tools.bench.auto_budget``).
+    Without checkpointing: at the loss (``activations``, the peak, no block gathered); inside a
+    block's backward (``in_backward``: the block re-gathered and the next one prefetched); a block's
+    backward done (``after_backward``: both blocks, its whole gradients, their reduction's input and
+    the copy gloo's reduce-scatter makes of it, the NESTED copy, the previous block's reduction still
+    in flight, the root's whole gradients made before the blocks' (the head's)), where a model whose parameters are
+    about its activations' size peaks. With checkpointing the peak is mid-backward, the recomputed
+    block's gather in flight too. Unmeasured (None): the peak, which the formula's Llama reaches at
+    the loss."""
+    inside = activations if in_backward is None else in_backward
+    after = (activations if after_backward is None else after_backward, (2.0, 3.0, 1.0, 1.0, 1.0))
+    if checkpoint:
+        return (activations, (3.0, 3.0, 1.0, 0.0, 0.0)), after
+    return (activations, (0.0, 0.0, 0.0, 0.0, 0.0)), (inside, (2.0, 0.0, 0.0, 0.0, 0.0)), after
 
 
-def peak_of(terms: list[dict], activations: float, checkpoint: bool, cap: float) -> dict[str, float]:
+def peak_of(terms: list[dict], activations: float, checkpoint: bool, cap: float, in_backward: Optional[float] = None,
+            after_backward: Optional[float] = None) -> dict[str, float]:
     """The predicted per-rank peak of a step from its buckets' ``peak_terms``, as the max of three
-    moments (measured on CPU ranks, ``tools.bench.memory_peak``): ``backward`` (the last micro-step's
-    backward: states, G, activations, the root's gathered parameters, the largest blocks'
-    gathered parameters (and gradients in flight with checkpointing, where the peak is
-    mid-backward, with overlap's boundary reductions in flight, within ``cap``)), ``boundary`` (the end of
-    backward: G = N's full-size reduction input and overlap's queue) and ``push`` (after the
+    moments: ``backward`` (the last micro-step's backward: states, the root's gathered parameters,
+    the largest of ``backward_moments``, and with checkpointing overlap's boundary reductions in
+    flight, within ``cap``), ``boundary`` (the end of backward: G = N's full-size reduction input,
+    the copy gloo's reduce-scatter makes of the largest, and overlap's queue) and ``push`` (after the
     optimizer step: master gradients, P = N's gathered push); ``peak`` their max."""
     add = lambda k: sum(t[k] for t in terms)  # noqa: E731
-    top = lambda k: max((t[k] for t in terms), default=0.0)  # noqa: E731
+    top = [max((t[k] for t in terms), default=0.0) for k in PEAK_MAX]
     states = add("states")
     queue = min(cap, add("queue"))
-    backward = states + activations + add("kept") + sum(c * top(k) for c, k in zip(peak_coefs(checkpoint), PEAK_MAX))
+    moments = backward_moments(activations, checkpoint, in_backward, after_backward)
+    backward = states + add("kept") + max(a + sum(c * x for c, x in zip(coefs, top)) for a, coefs in moments)
     backward += queue if checkpoint else 0.0  # the boundary's reductions in flight mid-backward
-    boundary = states + add("boundary") + top("reducing") + queue
+    boundary = states + add("boundary") + max((t["boundary"] for t in terms), default=0.0) + top[1] + queue
     push = states - add("G") + add("master_grads") + add("push")
     return {"backward": backward, "boundary": boundary, "push": push, "peak": max(backward, boundary, push)}
 

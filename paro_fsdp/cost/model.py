@@ -128,7 +128,8 @@ def activation_bytes(spec: ModelSpec, micro_batch: int, seq_len: int, act_bytes:
     4-byte activations; ``peak``: saved + the transient at the peak, measured on CPU ranks
     (``tools.bench.memory_peak``): the loss's fp32 gradients of the logits at the start of backward,
     or, with checkpointing, mid-backward, the recomputed layer less what its backward has freed
-    (0.8 of it)."""
+    (0.8 of it); ``held``: saved when the last block's backward has finished (its layer and the
+    root's log-softmax freed), the activations of ``ledger.peak_of``'s ``reduction`` moment."""
     h, f, nh, V, L = spec.dim, spec.ffn_dim, spec.n_heads, spec.vocab_size, spec.n_layers
     tokens = micro_batch * seq_len
     a = act_bytes
@@ -140,8 +141,9 @@ def activation_bytes(spec: ModelSpec, micro_batch: int, seq_len: int, act_bytes:
     kept = L * a * h if checkpoint else L * per_layer  # checkpointing keeps each block's input only
     saved = (kept + root) * tokens + 8 * micro_batch + 4  # + the tokens column, the loss weight
     transient = (0.8 * per_layer if checkpoint else 8 * V + (a * V if a < 4 else 0)) * tokens
-    return {"saved": float(saved), "peak": float(saved + transient), "per_layer_token": float(per_layer),
-            "root_token": float(root)}
+    held = saved - (kept / L + 4 * V) * tokens
+    return {"saved": float(saved), "peak": float(saved + transient), "held": float(held),
+            "per_layer_token": float(per_layer), "root_token": float(root)}
 
 
 def buckets(spec: ModelSpec, strategy: StrategyLike, reshard_after_forward: bool = True) -> list[Bucket]:

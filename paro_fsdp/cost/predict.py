@@ -170,9 +170,10 @@ def predict(model: Union[str, LlamaArgs, ModelSpec], strategy: StrategyLike, n: 
 
     mem = memory_of(bks, n, m, pb, ab, OS_BYTES)
     states = mem.pop("total")
-    acts = activation_bytes(spec, micro_batch, seq_len, pb, ckpt)["peak"]
+    act = activation_bytes(spec, micro_batch, seq_len, pb, ckpt)
+    acts = act["peak"]
     terms = [peak_terms(b, n, m, pb, gb, ab, i == 0 or not reshard_after_forward, i == 0) for i, b in enumerate(bks)]
-    peak = peak_of(terms, acts, ckpt, IN_FLIGHT_BYTES)
+    peak = peak_of(terms, acts, ckpt, IN_FLIGHT_BYTES, after_backward=act["held"])
     memory = {**mem, "states": states, "activations": acts, **peak, "total": peak["peak"]}
 
     traffic = traffic_of(bks, n, m, A, pb, gb)

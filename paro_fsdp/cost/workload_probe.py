@@ -14,15 +14,21 @@ FLOPs: shapes only), with the parameters replaced by fake ones in the working dt
 does, recomputation included) and the backward's transients. Each parameter's gradient is dropped
 as it is accumulated, so the peak is the activations' own (the engine's gradients are sharded and
 priced by the ledger, not here). The loss is the output's ``loss`` (this package's Llama, Hugging
-Face models given ``labels``), else the sum of the first floating output: a loss computed outside
-the model is not in the measurement.
+Face models given ``labels``), else ``loss_fn(output)`` (a loss computed outside the model: its
+transients are in the measurement), else the sum of the first floating output.
+
+Three numbers, because the engine's backward has three moments (``cost.ledger.backward_moments``):
+the activations' own peak (at the loss, or inside the first block's backward), the most held while
+a block's backward runs (its parameters gathered, the next block's prefetched) and when it has
+finished (its whole gradients reduced), each the most over the blocks: the first whose backward
+runs. A model whose parameters are about its activations' size peaks at the last.
 """
 from __future__ import annotations
 
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -33,9 +39,12 @@ __all__ = ["MeasuredActivations", "measure_activations", "tokens_shape", "watch_
 @dataclass(frozen=True)
 class MeasuredActivations:
     """``activation_bytes``: the peak of saved and transient activation bytes of one micro-step;
-    ``micro_batch`` / ``seq_len``: read from the inputs (``tokens_shape``)."""
+    ``in_backward`` / ``after_backward``: the most of them while a block's backward runs / when it
+    has finished; ``micro_batch`` / ``seq_len``: read from the inputs (``tokens_shape``)."""
 
     activation_bytes: float
+    in_backward: float
+    after_backward: float
     micro_batch: int
     seq_len: int
 
@@ -63,12 +72,14 @@ def as_call(example_inputs: Any) -> tuple[tuple, dict]:
                     f"arguments or a dict of its keyword arguments, got {type(example_inputs).__name__}")
 
 
-def _loss(out: Any) -> torch.Tensor:
+def _loss(out: Any, loss_fn: Optional[Callable[[Any], torch.Tensor]] = None) -> torch.Tensor:
     loss = getattr(out, "loss", None)
     if loss is None and isinstance(out, dict):
         loss = out.get("loss")
     if isinstance(loss, torch.Tensor):
         return loss
+    if loss_fn is not None:
+        return loss_fn(out)
     stack = [out]
     while stack:
         x = stack.pop(0)
@@ -82,15 +93,18 @@ def _loss(out: Any) -> torch.Tensor:
             stack.extend(vars(x).values())
     raise ValueError(f"Workload(example_inputs=...): the model's output ({type(out).__name__}) has no loss and no "
                      f"floating tensor that needs a gradient to run a backward from; pass "
-                     f"Workload(activation_bytes=...) instead")
+                     f"Workload(loss_fn=<output -> loss>) or Workload(activation_bytes=...) instead")
 
 
-def measure_activations(model: nn.Module, example_inputs: Any, param_dtype: torch.dtype) -> MeasuredActivations:
+def measure_activations(model: nn.Module, example_inputs: Any, param_dtype: torch.dtype,
+                        blocks: Sequence[nn.Module] = (),
+                        loss_fn: Optional[Callable[[Any], torch.Tensor]] = None) -> MeasuredActivations:
     """One micro-step's activations of ``model`` on ``example_inputs``, its parameters in
-    ``param_dtype`` (module docstring). Allocates nothing: the model's own tensors are read for
-    their shapes only."""
+    ``param_dtype`` (module docstring); ``blocks``: the modules sharded apart (their backwards'
+    ends are the reduction moments); ``loss_fn``: the loss of the output when the model returns
+    none. Allocates nothing: the model's own tensors are read for their shapes only."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker, _ModState
     from torch.func import functional_call
     from torch.utils.hooks import RemovableHandle
 
@@ -120,11 +134,19 @@ def measure_activations(model: nn.Module, example_inputs: Any, param_dtype: torc
         with tracker:
             with warnings.catch_warnings():  # MemTracker's gradient hook warns on the gradients dropped
                 warnings.simplefilter("ignore", UserWarning)
-                _loss(functional_call(model, params, tuple(inputs), kw, tie_weights=True, strict=False)).backward()
-        peak = tracker.get_tracker_snapshot("peak")
-    acts = sum(float(by_kind.get(kind, 0)) for by_kind in peak.values() for kind in by_kind
+                _loss(functional_call(model, params, tuple(inputs), kw, tie_weights=True, strict=False),
+                      loss_fn).backward()  # the output not held through the backward (a user's loop drops it)
+        acts = _activations(tracker.get_tracker_snapshot("peak"))
+        inside, after = ([_activations(snap) for b in blocks if b in tracker.memory_tracking
+                          for snap in tracker.memory_tracking[b].snapshots.get(state, [])]
+                         for state in (_ModState.PEAK_BW, _ModState.POST_BW))
+    return MeasuredActivations(acts, max(inside, default=acts), max(after, default=acts), *shape)
+
+
+def _activations(snapshot: dict) -> float:
+    """Activation and temporary bytes of a MemTracker snapshot ({device: {kind: bytes}})."""
+    return sum(float(by_kind.get(kind, 0)) for by_kind in snapshot.values() for kind in by_kind
                if str(getattr(kind, "value", kind)) in ("Activation", "Temp"))
-    return MeasuredActivations(acts, *shape)
 
 
 def watch_first_step(model: nn.Module, micro_batch: int, seq_len: int, grad_accum: int, announce: bool) -> None:

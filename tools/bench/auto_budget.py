@@ -106,14 +106,27 @@ def _example(kind: str, payload: dict) -> Any:
 
 
 def _loss(kind: str, model: Any, batch: Any) -> Any:
-    import torch.nn.functional as F
-
     if kind == "llama":
         return model(batch).loss
     if kind.startswith("hf"):
         return model(**batch).loss
-    logits = model(batch[:, :-1])  # a user's model: the loss outside it
-    return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+    return _outside_loss(batch)(model(batch[:, :-1]))  # a user's model: the loss outside it
+
+
+def _outside_loss(batch: Any) -> Any:
+    """The loss a user's loop computes from the logits (next-token cross-entropy)."""
+    import torch.nn.functional as F
+
+    return lambda logits: F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+
+
+def _workload(kind: str, payload: dict) -> Any:
+    """auto's workload as a user gives it: one micro-batch, the micro-steps, a loss outside the model."""
+    from paro_fsdp.cost.budget import Workload
+
+    batch = _batches(kind, 1, payload["micro_batch"], payload["seq_len"], 0)[0]
+    outside = _outside_loss(batch) if kind in ("gpt", "mlp") else None
+    return Workload(example_inputs=_example(kind, payload), grad_accum=payload["accum"], loss_fn=outside)
 
 
 def _plans(kind: str, payload: dict, n: int, m: int) -> list[tuple[Optional[float], Any]]:
@@ -125,9 +138,8 @@ def _plans(kind: str, payload: dict, n: int, m: int) -> list[tuple[Optional[floa
     from paro_fsdp.cost.cluster import load_cluster
 
     model = _model(kind, payload["seq_len"])
-    work = Workload(example_inputs=_example(kind, payload), grad_accum=payload["accum"])
     spec = spec_of(model, Workload())
-    seen, _ = seen_workload(model, work, spec, torch.float32, True)
+    seen, _ = seen_workload(model, _workload(kind, payload), spec, torch.float32, True, _default_blocks(model))
     cluster = load_cluster(payload["cluster"])
 
     def plan(budget: Optional[float]) -> Any:
@@ -147,13 +159,12 @@ def _one(kind: str, budget: Optional[float], payload: dict, mesh: Any) -> dict:
     import torch.distributed as dist
 
     from paro_fsdp import paro_shard
-    from paro_fsdp.cost.budget import Workload
 
     from .memory_peak import _cpu_peak
 
     rank, accum = dist.get_rank(), payload["accum"]
     batches = _batches(kind, 2 * accum, payload["micro_batch"], payload["seq_len"], rank)
-    work = Workload(example_inputs=_example(kind, payload), grad_accum=accum)
+    work = _workload(kind, payload)
     headers, plans = [], []
 
     def shard() -> Any:
