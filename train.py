@@ -36,7 +36,7 @@ from paro_fsdp.collective_order import CollectiveOrderCheck
 from paro_fsdp.train.checkpoint import TrainState, build_checkpointer, load_model_weights, start_afresh
 from paro_fsdp.train.config import JobConfig, grad_accum_steps, group_size
 from paro_fsdp.train.config_parse import (check_extras, check_one_process, config_errors, help_text, parse_args,
-                                          tokenizer_of, validate)
+                                          validate)
 from paro_fsdp.train.data import build_dataloader
 from paro_fsdp.train.estimate import run_estimate
 from paro_fsdp.train.faults import (NonFiniteGuard, TrainingStopped, exit_status, nonfinite_masters,
@@ -48,6 +48,7 @@ from paro_fsdp.train.optimizer import build_optimizer, clip_grad_norm_
 from paro_fsdp.train.parallelize import (auto_strategy, build_loss_fn, build_model, check_policy,
                                          init_distributed, model_args, parallelize)
 from paro_fsdp.train.timeline import group_dims
+from paro_fsdp.train.tokenizer import tokenizer_of
 
 
 def _log(msg: str) -> None:

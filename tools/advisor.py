@@ -31,10 +31,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from paro_fsdp.models.llama import FLAVORS
+from paro_fsdp.models.llama import FLAVORS, LlamaArgs
 from paro_fsdp.strategy import ALL_STRATEGIES, Strategy
 from paro_fsdp.cost.cluster import AdvisorError, Cluster, GiB, load_cluster
-from paro_fsdp.cost.model import ModelSpec, custom_model, model_spec
+from paro_fsdp.cost.model import ModelSpec, model_spec
 from paro_fsdp.dtypes import DTYPES
 from paro_fsdp.cost.predict import (
     ACTIVATION_CHECKPOINT_MODES,
@@ -107,6 +107,46 @@ def plot_memory_vs_time(preds: Sequence[Prediction], cluster: Cluster, title: st
     return path
 
 
+def _efficiency(c: Cluster) -> float:
+    """Fraction of the node's line rate the inter link achieves (for Gb/s conversions)."""
+    if c.inter_efficiency is not None:
+        return c.inter_efficiency
+    if c.node_gbps:
+        return c.inter.bandwidth_gbs * c.gpus_per_node * 8 / c.node_gbps
+    return 0.9
+
+
+def with_node_gbps(c: Cluster, gbps: float) -> Cluster:
+    """The same cluster with ``gbps`` Gbit/s of network per node (same efficiency)."""
+    if gbps <= 0:
+        raise AdvisorError(f"inter-node bandwidth must be > 0 Gb/s, got {gbps}")
+    eff = _efficiency(c)
+    inter = replace(c.inter, bandwidth_gbs=gbps / 8 * eff / c.gpus_per_node, per_kind={})
+    return replace(c, inter=inter, node_gbps=gbps, inter_efficiency=eff, name=f"{c.name}@{gbps:g}Gbps")
+
+
+def node_gbps_equivalent(c: Cluster, per_gpu_gbs: float) -> float:
+    """Gbit/s per node that gives ``per_gpu_gbs`` GB/s per GPU on the inter link."""
+    return per_gpu_gbs * c.gpus_per_node * 8 / _efficiency(c)
+
+
+def custom_model(params: float, layers: int, hidden: int, vocab_size: int = 32000, heads: Optional[int] = None,
+                 trainable_fraction: float = 1.0) -> ModelSpec:
+    """A Llama-shaped model from Psi, depth and width (LLaMA-style: head dim 128, SwiGLU FFN
+    sized so the total is ``params``)."""
+    if layers < 1 or hidden < 1 or params <= 0:
+        raise AdvisorError(f"--params, --layers, --hidden must be positive, got {params}, {layers}, {hidden}")
+    heads = heads or max(1, hidden // 128)
+    root = 2 * vocab_size * hidden + hidden
+    per_layer = (params - root) / layers
+    ffn = round((per_layer - 4 * hidden * hidden - 2 * hidden) / (3 * hidden))
+    if ffn < 1:
+        raise AdvisorError(f"{params:.3g} parameters are too few for {layers} layers of width {hidden} "
+                           f"(attention and embeddings alone need {root + layers * 4 * hidden * hidden:.3g})")
+    args = LlamaArgs(dim=hidden, n_layers=layers, n_heads=heads, ffn_dim=ffn, vocab_size=vocab_size)
+    return replace(model_spec(args, trainable_fraction), name=f"{params / 1e9:.3g}B")
+
+
 def sweep(spec: ModelSpec, what: str, values: Sequence[float], cluster: Cluster, m: int, kw: dict[str, Any],
           strategies: Sequence[str]) -> list[dict[str, Any]]:
     """Predictions over GPU counts or node inter bandwidths: one row per value."""
@@ -116,7 +156,7 @@ def sweep(spec: ModelSpec, what: str, values: Sequence[float], cluster: Cluster,
         if what == "gpus":
             n = int(v)
         else:
-            c = cluster.with_node_gbps(float(v))
+            c = with_node_gbps(cluster, float(v))
         preds = rank_strategies(spec, n, m, kw["micro_batch"], kw["grad_accum"], kw["seq_len"], c,
                                 dtype=kw["dtype"], reduce_dtype=kw["reduce_dtype"],
                                 activation_checkpoint=kw["activation_checkpoint"],
@@ -166,7 +206,7 @@ def plot_sweep(rows: list[dict[str, Any]], what: str, shown: Sequence[str], clus
         if what != "gpus":
             a.set_xscale("log")
     if what != "gpus":
-        eq = cluster.node_gbps_equivalent(cluster.intra.bandwidth_gbs)
+        eq = node_gbps_equivalent(cluster, cluster.intra.bandwidth_gbs)
         for a in (ax, ax2):
             a.axvline(eq, color="tab:purple", lw=0.8, ls=":")
         ax.text(
@@ -264,7 +304,7 @@ def _cluster_from_args(a: argparse.Namespace) -> Cluster:
         inter = replace(c.inter, bandwidth_gbs=c.inter.bandwidth_gbs * c.gpus_per_node / a.gpus_per_node, per_kind={})
         c = replace(c, gpus_per_node=a.gpus_per_node, inter=inter)
     if a.inter_gbps is not None:
-        c = c.with_node_gbps(a.inter_gbps)
+        c = with_node_gbps(c, a.inter_gbps)
     return c
 
 
@@ -305,7 +345,7 @@ def _run(a: argparse.Namespace) -> int:
     if a.sweep:
         values = _parse_values(a.values or DEFAULT_SWEEP[a.sweep], a.sweep)
         if a.sweep == "inter-gbps" and a.values is None:  # up to where inter equals intra per GPU
-            values.append(round(cluster.node_gbps_equivalent(cluster.intra.bandwidth_gbs)))
+            values.append(round(node_gbps_equivalent(cluster, cluster.intra.bandwidth_gbs)))
         if a.sweep == "gpus":
             bad = [int(v) for v in values if int(v) != v or int(v) % m]
             if bad:

@@ -9,7 +9,7 @@ import dataclasses
 import json
 import os
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Union
@@ -90,26 +90,6 @@ class Cluster:
     @property
     def usable_bytes(self) -> float:
         return self.memory_gib * GiB * self.usable_memory_fraction
-
-    def efficiency(self) -> float:
-        """Fraction of the node's line rate the inter link achieves (for Gb/s conversions)."""
-        if self.inter_efficiency is not None:
-            return self.inter_efficiency
-        if self.node_gbps:
-            return self.inter.bandwidth_gbs * self.gpus_per_node * 8 / self.node_gbps
-        return 0.9
-
-    def with_node_gbps(self, gbps: float) -> "Cluster":
-        """The same cluster with ``gbps`` Gbit/s of network per node (same efficiency)."""
-        if gbps <= 0:
-            raise AdvisorError(f"inter-node bandwidth must be > 0 Gb/s, got {gbps}")
-        eff = self.efficiency()
-        inter = replace(self.inter, bandwidth_gbs=gbps / 8 * eff / self.gpus_per_node, per_kind={})
-        return replace(self, inter=inter, node_gbps=gbps, inter_efficiency=eff, name=f"{self.name}@{gbps:g}Gbps")
-
-    def node_gbps_equivalent(self, per_gpu_gbs: float) -> float:
-        """Gbit/s per node that gives ``per_gpu_gbs`` GB/s per GPU on the inter link."""
-        return per_gpu_gbs * self.gpus_per_node * 8 / self.efficiency()
 
 
 # The file's schema, read and written from these tables: field -> (type, rule, required).

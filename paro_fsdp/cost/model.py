@@ -7,14 +7,14 @@ the engine's buckets and against what autograd saves (tests/test_advisor.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional, Union
+from typing import Union
 
 from .ledger import Bucket
 from ..models.llama import FLAVORS, LlamaArgs, flavor
 from ..strategy import Level, Strategy, StrategyLike
 from .cluster import AdvisorError
 
-__all__ = ["ModelSpec", "activation_bytes", "buckets", "custom_model", "flops_per_token", "model_spec"]
+__all__ = ["ModelSpec", "activation_bytes", "buckets", "flops_per_token", "model_spec"]
 
 _N = Level.N
 
@@ -100,23 +100,6 @@ def model_spec(model: Union[str, LlamaArgs, ModelSpec], trainable_fraction: floa
     # the first t layers are trainable, t >= 1 closest to fraction x Psi
     return replace(spec, trainable_layers=min(range(1, spec.n_layers + 1),
                                               key=lambda t: abs(t * spec.layer - fraction * spec.psi)))
-
-
-def custom_model(params: float, layers: int, hidden: int, vocab_size: int = 32000, heads: Optional[int] = None,
-                 trainable_fraction: float = 1.0) -> ModelSpec:
-    """A Llama-shaped model from Psi, depth and width (LLaMA-style: head dim 128, SwiGLU FFN
-    sized so the total is ``params``)."""
-    if layers < 1 or hidden < 1 or params <= 0:
-        raise AdvisorError(f"--params, --layers, --hidden must be positive, got {params}, {layers}, {hidden}")
-    heads = heads or max(1, hidden // 128)
-    root = 2 * vocab_size * hidden + hidden
-    per_layer = (params - root) / layers
-    ffn = round((per_layer - 4 * hidden * hidden - 2 * hidden) / (3 * hidden))
-    if ffn < 1:
-        raise AdvisorError(f"{params:.3g} parameters are too few for {layers} layers of width {hidden} "
-                           f"(attention and embeddings alone need {root + layers * 4 * hidden * hidden:.3g})")
-    args = LlamaArgs(dim=hidden, n_layers=layers, n_heads=heads, ffn_dim=ffn, vocab_size=vocab_size)
-    return replace(model_spec(args, trainable_fraction), name=f"{params / 1e9:.3g}B")
 
 
 def activation_bytes(spec: ModelSpec, micro_batch: int, seq_len: int, act_bytes: int = 2,

@@ -2,4 +2,5 @@
 schema) and ``config_parse`` (TOML + CLI, and every error as one line), ``tokenizer``, ``data``, ``parallelize``
 (process group, model, strategy, activation checkpointing, paro_shard, compile), ``hf_model`` (a Hugging Face
 folder, LoRA, the export), ``optimizer``, ``lr``, ``checkpoint`` (DCP), ``metrics`` (log line, TensorBoard,
-profiler), ``timeline``, ``faults`` (signals, the stop vote, failures, the exit status) and ``estimate``."""
+profiler), ``timeline``, ``faults`` (signals, the stop vote, failures, the exit status), ``torchrun`` (its store, grace
+and command line, a config error told once) and ``estimate``."""

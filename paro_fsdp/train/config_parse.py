@@ -1,11 +1,9 @@
-"""Reading the trainer's config (``config.py``'s schema): defaults, then the TOML file
-(``--job.config_file``), then CLI overrides ``--section.key value`` (``--section.key=value``;
-booleans also bare; lists ``a,b,c``; ``paro_policy`` as ``pattern=STRATEGY,...``).
+"""Reading the trainer's config (``config.py``'s schema): defaults, the TOML file, then CLI overrides
+``--section.key value`` (booleans also bare; lists ``a,b,c``; ``paro_policy`` as ``pattern=STRATEGY,...``).
 
-Why so strict: a typo in a long job's config must stop it at start-up, not hours later, so
-every unknown key, wrong type and impossible combination raises :class:`ConfigError` with one
-line naming the key and the valid choices (``train.py`` exits 2). No torch import: parsing and
-``--print-config`` stay fast.
+Why so strict: a typo in a long job's config must stop it at start-up, not hours later: every unknown key,
+wrong type and impossible combination is one ConfigError line naming the key and the valid choices (exit 2).
+No torch import: parsing and ``--print-config`` stay fast.
 """
 from __future__ import annotations
 
@@ -20,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Literal, Optional, get_args, get_origin
 
 from .config import (FLAVOR_NAMES, GRAPH_PASSES, JSONL_SUFFIXES, MODEL_NAMES, SECTIONS, TEXT_SUFFIXES, ConfigError,
-                     JobConfig, tokenizer_spec)
+                     JobConfig)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -364,27 +362,6 @@ def config_errors(*kinds: type[BaseException]) -> Iterator[None]:
     try:
         yield
     except kinds as exc:
-        raise ConfigError(str(exc)) from None
-
-
-def tokenizer_of(cfg: JobConfig) -> Any:
-    """The config's tokenizer; a Hugging Face folder is checked first (without a model its tokenizer does not
-    matter)."""
-    from .tokenizer import build_tokenizer
-
-    if cfg.model.name == "hf":
-        from paro_fsdp.integrations.hf import HFModelError, read_config, weight_files
-
-        with config_errors(HFModelError):
-            read_config(cfg.model.hf_path)
-            weight_files(cfg.model.hf_path)
-    try:
-        return build_tokenizer(tokenizer_spec(cfg))
-    except (FileNotFoundError, RuntimeError) as exc:
-        if isinstance(exc, FileNotFoundError) and cfg.model.name == "hf" and cfg.model.tokenizer == "auto":
-            raise ConfigError(f"model.hf_path = {cfg.model.hf_path!r} has no tokenizer.json (model.tokenizer = "
-                              f"\"auto\" reads the folder's); valid: --model.tokenizer PATH (a tokenizer.json, or the "
-                              f"folder holding one)") from None
         raise ConfigError(str(exc)) from None
 
 

@@ -22,6 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..api import paro_shard
 from ..cost.ledger import formula_bytes, formula_memory
+from ..cost.model import model_spec
 from ..dtypes import DTYPES, short_name
 from ..mesh import init_paro_mesh
 from ..mixed_precision import MixedPrecision
@@ -61,26 +62,6 @@ def fake_mesh(world: int, group: int):
     if (world, group) not in _meshes:
         _meshes[world, group] = init_paro_mesh(group)
     return _meshes[world, group]
-
-
-def _param_counts(args: LlamaArgs) -> tuple[int, int]:
-    """(root parameters, parameters of one layer) of a flavor, from a fake one-layer model."""
-    with FakeTensorMode():
-        model = Llama(replace(args, n_layers=1))
-    layer = sum(p.numel() for p in model.layers[0].parameters())
-    root = sum(p.numel() for p in model.parameters()) - layer
-    return root, layer
-
-
-def trainable_layers(args: LlamaArgs, fraction: float) -> int:
-    """How many leading layers are trainable for ``fraction`` (all of them, root too, at 1)."""
-    if not 0 < fraction <= 1:
-        raise ValueError(f"trainable fraction must be in (0, 1], got {fraction}")
-    if fraction == 1:
-        return args.n_layers
-    root, layer = _param_counts(args)
-    target = fraction * (root + args.n_layers * layer)
-    return min(range(1, args.n_layers + 1), key=lambda t: abs(t * layer - target))
 
 
 def _measure(args: LlamaArgs, pattern: Sequence[bool], root_trainable: bool, mesh: Any, strategy: str,
@@ -162,10 +143,8 @@ def estimate(model: Union[str, LlamaArgs] = "llama7b", world: int = 64, group: i
     pb, gb, ab = mp.param_dtype.itemsize, mp.grad_dtype.itemsize, mp.acc_dtype.itemsize  # ab: the G accumulator's
     mesh = fake_mesh(world, group)
 
-    t = trainable_layers(args, trainable_fraction)
-    root, layer = _param_counts(args)
-    psi = root + args.n_layers * layer
-    psi_t = psi if t == args.n_layers else t * layer
+    spec = model_spec(args, trainable_fraction)  # the first t layers train, the root only with all of them
+    t, root, psi, psi_t = spec.trainable_layers, spec.root, spec.psi, spec.psi_trainable
     kw = dict(mesh=mesh, mp=mp, grad_accum=grad_accum, micro_batch=micro_batch, seq_len=seq_len, max_norm=max_norm,
               flat_below_bytes=flat_below_bytes)
 

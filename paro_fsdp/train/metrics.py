@@ -40,10 +40,6 @@ PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
 PEAK_TFLOPS_ENV = "PARO_PEAK_TFLOPS"  # overrides one GPU's peak TFLOP/s for the run's dtype (or corrects the table)
 
 
-def peak_host_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
 def host_now() -> dict[str, float]:
     """Resident memory and open fds now: a long run's leak shows as a slope (Linux /proc; empty elsewhere)."""
     try:
@@ -177,7 +173,7 @@ class MetricsLogger:
         tps = self.tokens_per_step / step_time if step_time > 0 else 0.0
         cuda = cuda_memory(self.device) if self.device.type == "cuda" else None
         peak_name = "cuda_max_allocated" if cuda else "peak_rss"
-        peak = cuda["cuda_max_allocated"] if cuda else peak_host_rss_bytes()
+        peak = cuda["cuda_max_allocated"] if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB
         mfu = 100.0 * self.flops_per_token * tps / (self.peak_flops * self.world_size) if self.peak_flops else None
         eta = avg * (self.total_steps - step)
         # under torch.compile the ledger sees only collectives run eagerly (the graphs' own are in
@@ -362,15 +358,10 @@ _RECORDING = (torch.profiler.ProfilerAction.RECORD, torch.profiler.ProfilerActio
 
 
 class StepProfiler(torch.profiler.profile):
-    """torch's profiler, which in the step it traces records only ``traced`` micro-steps: the first
-    ``traced - 1`` and the last, which runs into the step's boundary (clip, optimizer step, zero_grad: the
-    once-per-step inter-group traffic). Why: torch's stop and export of a trace, which hold the training
-    thread, grow with its events, so with every micro-step traced (docs/trainer.md has the figures).
-    The pause covers CPU and GPU activity alike.
-
-    Collection pauses with torch's ``toggle_collection_dynamic``; the trace keeps a zero-length
-    ``paro::pause#<micro-steps skipped>`` range where it paused and ``paro::resume`` where it went on,
-    so the timeline can cut the untraced time out (``timeline.parse``)."""
+    """torch's profiler recording, in a traced step, only the first ``traced - 1`` micro-steps and the last (the
+    step's boundary). Why: torch's stop and export of a trace hold the training thread for time that grows with
+    its events (docs/trainer.md). The marks ``paro::pause#<skipped>`` / ``paro::resume`` let the timeline cut the
+    untraced time out (``timeline.parse``)."""
 
     def __init__(self, traced: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)

@@ -24,7 +24,7 @@ from paro_fsdp.mesh import device_type_for_backend, local_cuda_index
 from paro_fsdp.models.llama import Llama, LlamaArgs, flavor
 
 from .config import ConfigError, JobConfig
-from .faults import restart_store
+from .torchrun import restart_store
 
 
 def init_distributed(cfg: JobConfig) -> torch.device:

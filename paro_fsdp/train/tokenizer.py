@@ -6,9 +6,11 @@ trainer widens the ``debug`` embedding to fit); a ``tokenizer.json`` needs ``tok
 from __future__ import annotations
 
 import os
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
+
+from .config import ConfigError, JobConfig, tokenizer_spec
 
 
 class Tokenizer(Protocol):
@@ -78,3 +80,24 @@ def build_tokenizer(spec: str) -> Tokenizer:
             "HuggingFace tokenizer.json (or the folder holding it)"
         )
     return HFTokenizer(path)
+
+
+def tokenizer_of(cfg: JobConfig) -> Any:
+    """The config's tokenizer; a Hugging Face folder is checked first (without a model its tokenizer does not
+    matter)."""
+    if cfg.model.name == "hf":
+        from paro_fsdp.integrations.hf import HFModelError, read_config, weight_files
+
+        try:
+            read_config(cfg.model.hf_path)
+            weight_files(cfg.model.hf_path)
+        except HFModelError as exc:
+            raise ConfigError(str(exc)) from None
+    try:
+        return build_tokenizer(tokenizer_spec(cfg))
+    except (FileNotFoundError, RuntimeError) as exc:
+        if isinstance(exc, FileNotFoundError) and cfg.model.name == "hf" and cfg.model.tokenizer == "auto":
+            raise ConfigError(f"model.hf_path = {cfg.model.hf_path!r} has no tokenizer.json (model.tokenizer = "
+                              f"\"auto\" reads the folder's); valid: --model.tokenizer PATH (a tokenizer.json, or the "
+                              f"folder holding one)") from None
+        raise ConfigError(str(exc)) from None
