@@ -8,19 +8,12 @@ strategy for the whole model wastes the budget: a layout between two strategies'
 is often faster than either. The engine already runs per-tensor policies, so the answer is one.
 Every cost comes from the ledger (``peak_terms``, ``traffic_of``, ``Ledger``) and the plan
 (``plan_of``), never a table of its own.
-
-Why ``solve`` is exact: the max and capped terms of the peak are not additive, so it enumerates
-them (each candidate value of a max term, each side of a cap) and solves the additive rest by DP
-over memory with every weight rounded *up* to the grid: a plan it accepts fits for certain, and
-every plan with k grid cells to spare (k items) is accepted.
 """
 from __future__ import annotations
 
-import itertools
-import math
 import os
 from operator import mul
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 from ..mesh import as_2d
@@ -28,179 +21,22 @@ from ..models.llama import LlamaArgs
 from ..overlap import IN_FLIGHT_BYTES
 from ..plan import plan_of
 from ..strategy import ALL_STRATEGIES, Level, Strategy, StrategyLike
-from .cluster import AdvisorError, Cluster, GiB, load_cluster
+from .cluster import AdvisorError, Cluster, load_cluster
+from .knapsack import DEFAULT_CELLS, BudgetError, Footprint, Option, _size, min_footprint, solve, within
 from .ledger import PEAK_MAX, Bucket, backward_moments, peak_of, peak_terms, traffic_of
-from .model import ModelSpec, activation_bytes, model_spec
+from .model import ModelSpec, activation_bytes
 from .predict import exposed_seconds, moves_seconds, optimizer_seconds, traffic_time
+from .workload import Workload, seen_workload, spec_of
 
 __all__ = ["BudgetError", "BudgetPlan", "Footprint", "Option", "Workload", "auto_policy", "min_footprint",
-           "plan_blocks", "solve", "units_of"]
+           "plan_blocks", "solve", "units_of"]  # the solver's names re-exported from .knapsack
 
-DEFAULT_CELLS = 1 << 14
 # A plan per block is taken only where it is predicted this much faster than the fastest single
 # strategy that fits. The per-block time prices each block as if it hid its own traffic; a mix runs
 # every strategy's collectives, each on its own dimension, and measured (tools.bench --budgets,
 # 1.0M Llama, 200 Mbit/s) 6-14% slower than the single strategy it was predicted to beat by 3-4%.
 MIX_GAIN = 1.05
 _N = Level.N
-
-
-class BudgetError(AdvisorError):
-    """Nothing fits the budget: one line, naming the smallest footprint and what gives it."""
-
-
-# ---- the solver: items with options, an additive part, max terms and capped sums ----------------------------
-
-
-@dataclass(frozen=True)
-class Option:
-    """One choice for one item. ``w``: additive bytes; ``t``: seconds; ``peaks[d]``: its value of
-    max term d; ``queues[j]``: what it adds to capped sum j; ``label``: what it stands for."""
-
-    w: float
-    t: float
-    peaks: tuple[float, ...] = ()
-    queues: tuple[float, ...] = ()
-    label: Any = None
-    detail: dict = field(default_factory=dict, compare=False, hash=False)
-
-
-@dataclass(frozen=True)
-class Footprint:
-    """footprint(plan) = sum w + max over moments (const + sum_d coefs[d] x max_items peaks[d])
-    + sum_j min(caps[j], sum_items queues[j]); the moments: (const, coefs), then each of ``also``
-    (the backward's and the reduction's: ``ledger.peak_of``)."""
-
-    const: float = 0.0
-    coefs: tuple[float, ...] = ()
-    caps: tuple[float, ...] = ()
-    also: tuple[tuple[float, tuple[float, ...]], ...] = ()
-
-    def fixed(self, T: Sequence[float]) -> float:
-        """The largest moment's constant part, each max term at its value in ``T``."""
-        return max(c + sum(k * t for k, t in zip(coefs, T)) for c, coefs in ((self.const, self.coefs), *self.also))
-
-    def of(self, chosen: Sequence[Option]) -> float:
-        T = [max((o.peaks[d] for o in chosen), default=0.0) for d in range(len(self.coefs))]
-        total = self.fixed(T) + sum(o.w for o in chosen)
-        for j, cap in enumerate(self.caps):
-            total += min(cap, sum(o.queues[j] for o in chosen))
-        return total
-
-
-def _pareto(opts: Sequence[Option]) -> list[int]:
-    """Indices of the options no other beats or ties on every dimension (the first of equals kept)."""
-    keys = [(o.w, o.t, *o.peaks, *o.queues) for o in opts]
-    keep = []
-    for i, a in enumerate(keys):
-        if not any(j != i and all(x <= y for x, y in zip(b, a)) and (b != a or j < i) for j, b in enumerate(keys)):
-            keep.append(i)
-    return keep
-
-
-def _cases(items: Sequence[Sequence[Option]], fp: Footprint):
-    """(thresholds per max term, branch per cap: True = the cap) worth solving."""
-    thresholds = []
-    for d in range(len(fp.coefs)):
-        low = max((min(o.peaks[d] for o in opts) for opts in items), default=0.0)
-        thresholds.append(sorted({o.peaks[d] for opts in items for o in opts if o.peaks[d] >= low}) or [0.0])
-    branches = []
-    for j, cap in enumerate(fp.caps):
-        most = sum(max(o.queues[j] for o in opts) for opts in items)
-        least = sum(min(o.queues[j] for o in opts) for opts in items)
-        branches.append([False] if most <= cap else [True] if least >= cap else [False, True])
-    return itertools.product(itertools.product(*thresholds), itertools.product(*branches))
-
-
-def _case(items, fp: Footprint, T, capped):
-    """Options allowed under thresholds ``T`` (indices), their case weights, and the room's constant."""
-    allowed, weights = [], []
-    for opts in items:
-        idx = [i for i, o in enumerate(opts) if all(o.peaks[d] <= T[d] for d in range(len(T)))]
-        allowed.append(idx)
-        weights.append([opts[i].w + sum(opts[i].queues[j] for j in range(len(capped)) if not capped[j]) for i in idx])
-    fixed = fp.fixed(T) + sum(cap for cap, c in zip(fp.caps, capped) if c)
-    return allowed, weights, fixed
-
-
-def _knapsack(weights: list[list[float]], times: list[list[float]], room: float, cells: int) -> Optional[list[int]]:
-    """Min total time with total weight <= room, one option per item (positions into each list), by
-    DP over memory rounded up to a grid (module docstring); None when nothing fits."""
-    import numpy as np
-
-    integral = all(abs(w - round(w)) < 1e-9 for ws in weights for w in ws)
-    if integral and room <= cells:
-        delta, C = 1.0, int(math.floor(room + 1e-9))
-    else:
-        delta, C = room / cells, cells
-    cw = [[int(math.ceil(w / delta - 1e-9)) for w in ws] for ws in weights]
-    dp = np.full(C + 1, np.inf)
-    dp[0] = 0.0
-    arg = np.full((len(weights), C + 1), -1, dtype=np.int32)
-    for i, (ws, ts) in enumerate(zip(cw, times)):
-        new = np.full(C + 1, np.inf)
-        for j, (w, t) in enumerate(zip(ws, ts)):
-            if w > C:
-                continue
-            cand = np.full(C + 1, np.inf)
-            cand[w:] = dp[: C + 1 - w] + t
-            better = cand < new
-            new[better] = cand[better]
-            arg[i][better] = j
-        dp = new
-    if not np.isfinite(dp).any():
-        return None
-    c = int(np.argmin(dp))  # the first of equal times: the least memory
-    out = []
-    for i in range(len(weights) - 1, -1, -1):
-        j = int(arg[i][c])
-        out.append(j)
-        c -= cw[i][j]
-    return out[::-1]
-
-
-def solve(items: Sequence[Sequence[Option]], budget: float, fp: Footprint = Footprint(),
-          cells: int = DEFAULT_CELLS) -> Optional[tuple[list[int], float, float]]:
-    """The fastest plan (one option index per item) whose footprint is within ``budget``:
-    (indices, footprint, time), or None when nothing fits. Exact up to the grid (module docstring)."""
-    pruned = [_pareto(opts) for opts in items]
-    sub = [[opts[i] for i in keep] for opts, keep in zip(items, pruned)]
-    best: Optional[tuple[float, float, list[int]]] = None
-    for T, capped in _cases(sub, fp):
-        allowed, weights, fixed = _case(sub, fp, T, capped)
-        room = budget - fixed
-        if room < 0 or any(not a for a in allowed):
-            continue
-        times = [[sub[k][i].t for i in a] for k, a in enumerate(allowed)]
-        pick = _knapsack(weights, times, room, cells)
-        if pick is None:
-            continue
-        chosen = [allowed[k][j] for k, j in enumerate(pick)]
-        plan = [sub[k][i] for k, i in enumerate(chosen)]
-        key = (sum(o.t for o in plan), fp.of(plan), [pruned[k][i] for k, i in enumerate(chosen)])
-        if best is None or key[:2] < best[:2]:
-            best = key
-    if best is None:
-        return None
-    return best[2], best[1], best[0]
-
-
-def min_footprint(items: Sequence[Sequence[Option]], fp: Footprint = Footprint()) -> tuple[float, list[int]]:
-    """The smallest footprint any plan has, and a plan with it (exact: the same cases as ``solve``,
-    each item then takes its lightest allowed option)."""
-    best: Optional[tuple[float, list[int]]] = None
-    for T, capped in _cases(items, fp):
-        allowed, weights, fixed = _case(items, fp, T, capped)
-        if any(not a for a in allowed):
-            continue
-        chosen = [a[min(range(len(ws)), key=lambda i: (ws[i], items[k][a[i]].t))]
-                  for k, (a, ws) in enumerate(zip(allowed, weights))]
-        value = fp.of([items[k][i] for k, i in enumerate(chosen)])
-        if best is None or value < best[0]:
-            best = (value, chosen)
-    if best is None:
-        raise ValueError("min_footprint: an item has no options")
-    return best
 
 
 # ---- the model's items: the root and each block, trainable and frozen tensors apart ------------------------
@@ -247,77 +83,6 @@ def units_of(model: Any, block_modules: Sequence[Any]) -> list[Block]:
             root = mod is model
             out.append(Block("<root>" if root else names[id(mod)], tuple(units), root, "" if root else names[id(mod)]))
     return out
-
-
-@dataclass(frozen=True)
-class Workload:
-    """What one step does, for the prediction (the advisor's defaults). ``model``: the shapes
-    activations and attention FLOPs need (a flavor, ``LlamaArgs`` or ``ModelSpec``; default: read
-    from the model when it is this package's Llama or a Hugging Face Llama-like config);
-    ``activation_bytes``: the activations' peak per rank, when the model is not Llama-shaped;
-    ``activations_in_backward`` / ``activations_after_backward``: those held while a block's
-    backward runs / when it has finished (``ledger.backward_moments``; default:
-    ``activation_bytes``); ``example_inputs``: one micro-batch (a tensor, the forward's arguments,
-    or a dict of keyword arguments): the activations, micro-batch and sequence length are then
-    measured from the model (``measure_activations``), checkpointing and recomputation included;
-    ``loss_fn``: for that measurement, the loss of the model's output when the model returns none
-    (the training loop's loss outside the model, e.g. ``lambda logits: F.cross_entropy(...)``)."""
-
-    micro_batch: int = 2
-    seq_len: int = 2048
-    grad_accum: int = 4
-    activation_checkpoint: bool = False
-    model: Union[str, LlamaArgs, ModelSpec, None] = None
-    activation_bytes: Optional[float] = None
-    activations_in_backward: Optional[float] = None
-    activations_after_backward: Optional[float] = None
-    example_inputs: Any = field(default=None, compare=False, hash=False, repr=False)
-    loss_fn: Optional[Callable[[Any], Any]] = field(default=None, compare=False, hash=False, repr=False)
-
-
-def seen_workload(model: Any, workload: Optional[Workload], spec: Optional[ModelSpec], param_dtype: Any,
-                  budgeted: bool, block_modules: Sequence[Any] = ()) -> tuple[Workload, str]:
-    """The workload ``auto`` plans for and the header's words on where its activations come from:
-    measured from ``example_inputs``, given, the Llama formula (for an assumed micro-batch when no
-    ``workload=``), or, under a budget, a one-line refusal: a plan that leaves the activations out is
-    never offered as fitting one."""
-    work = workload or Workload()
-    if not isinstance(work, Workload):
-        raise TypeError(f"workload= takes a paro_fsdp.cost.budget.Workload, got {type(work).__name__}")
-    if work.example_inputs is not None and work.activation_bytes is None:
-        from .workload_probe import measure_activations
-
-        seen = measure_activations(model, work.example_inputs, param_dtype, block_modules, work.loss_fn)
-        work = replace(work, activation_bytes=seen.activation_bytes, activations_in_backward=seen.in_backward,
-                       activations_after_backward=seen.after_backward, micro_batch=seen.micro_batch,
-                       seq_len=seen.seq_len, example_inputs=None, loss_fn=None)
-        return work, f"; activations {_size(seen.activation_bytes)} measured from example_inputs"
-    if work.activation_bytes is not None:
-        return work, f"; activations {_size(work.activation_bytes)} as given"
-    fix = "workload=Workload(example_inputs=<one micro-batch>, grad_accum=<micro-steps per step>)"
-    if spec is not None:
-        return work, "" if workload is not None else f"; ASSUMED (no workload= given): pass {fix} for yours"
-    if budgeted:
-        raise BudgetError(f"memory_budget= needs the activations of a micro-step, which auto cannot model for "
-                          f"{type(model).__name__}: pass {fix} to measure them, or Workload(activation_bytes=...)")
-    return work, ""  # plan_blocks' header says the activations are not modelled
-
-
-def spec_of(model: Any, workload: Workload) -> Optional[ModelSpec]:
-    """The Llama-shaped spec of ``model``: the workload's, this package's Llama's own args, or a
-    Hugging Face config's Llama fields; None when none says."""
-    if workload.model is not None:
-        return model_spec(workload.model)
-    args = getattr(model, "args", None)
-    if isinstance(args, LlamaArgs):
-        return model_spec(args)
-    c = getattr(model, "config", None)
-    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
-    if c is not None and all(isinstance(getattr(c, k, None), int) for k in keys):
-        kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-        return model_spec(LlamaArgs(dim=c.hidden_size, n_layers=c.num_hidden_layers, n_heads=c.num_attention_heads,
-                                    n_kv_heads=kv, ffn_dim=c.intermediate_size, vocab_size=c.vocab_size))
-    return None
 
 
 @dataclass(frozen=True)
@@ -482,10 +247,6 @@ class BudgetPlan:
         return "\n".join(line for line in lines if line)
 
 
-def _size(x: float) -> str:
-    return f"{x / GiB:.3f} GiB" if x >= GiB else f"{x / 2**20:.2f} MiB"
-
-
 def _shape(b: Block) -> tuple:
     return tuple((u.numel, u.trainable) for u in b.units)
 
@@ -563,7 +324,7 @@ def plan_blocks(blocks: Sequence[Block], n: int, m: int, budget: Optional[float]
         idx = [0] * len(items)
     else:
         items = _items(env, blocks, cands, False)
-        found = _within(items, fp, limit, cells, lambda idx: peak([opts[i] for opts, i in zip(items, idx)])["peak"])
+        found = within(items, fp, limit, cells, lambda idx: peak([opts[i] for opts, i in zip(items, idx)])["peak"])
         if found is None:
             small, plan = min_footprint(items, fp)
             raise BudgetError(f"memory_budget = {_size(limit)} per rank is too small: the smallest footprint "
@@ -600,21 +361,6 @@ def plan_blocks(blocks: Sequence[Block], n: int, m: int, budget: Optional[float]
               f"{'on' if workload.activation_checkpoint else 'off'}, cluster {cluster.name}{acts_note}")
     return BudgetPlan(list(blocks), chosen, breakdown["peak"], sum(o.t for o in chosen), limit, breakdown, header,
                       single)
-
-
-def _within(items, fp: Footprint, limit: float, cells: int, peak_of_plan: Callable[[list[int]], float]):
-    """``solve``'s fastest plan whose whole peak (``peak_of_plan``) is within ``limit``: the knapsack
-    bounds the backward's moments (``fp``), and where the boundary's or the push's moment of its plan
-    is over, the largest room whose plan fits, by bisection down to the smallest footprint."""
-    fits = lambda room: (lambda f: f if f is not None and peak_of_plan(f[0]) <= limit else None)(  # noqa: E731
-        solve(items, room, fp, cells))
-    found = fits(limit)
-    lo, hi = min_footprint(items, fp)[0], limit
-    for _ in range(0 if found is not None or lo > hi else 12):
-        mid = (lo + hi) / 2
-        better = fits(mid)
-        lo, hi, found = (mid, hi, better) if better is not None else (lo, mid, found)
-    return found
 
 
 def _describe(blocks: Sequence[Block], items, plan: Sequence[int]) -> str:
