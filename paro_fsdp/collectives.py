@@ -32,11 +32,6 @@ class Kind(_Name):
     REDUCE_SCATTER = "reduce_scatter"
     ALL_REDUCE = "all_reduce"
 
-    @property
-    def ring_passes(self) -> int:
-        """Times its data goes round the ring: an all-reduce is a reduce-scatter and an all-gather."""
-        return 2 if self is Kind.ALL_REDUCE else 1
-
 
 class Dim(_Name):
     """Which ranks it runs over: inside the group, across groups (one rank per group), or all."""
@@ -61,12 +56,12 @@ HIER: dict[Kind, tuple[tuple[Kind, Dim], ...]] = {
 def ring_bytes(kind: str, nbytes: float, k: int) -> float:
     """Bytes one rank sends in a ring ``kind`` over ``k`` ranks on a buffer of ``nbytes`` (the
     all-gather's output, the reduction's input): S(k-1)/k, doubled for an all-reduce."""
-    return Kind(kind).ring_passes * nbytes * (k - 1) / k
+    return (2 if kind == Kind.ALL_REDUCE else 1) * nbytes * (k - 1) / k
 
 
 def hops(kind: str, k: int) -> int:
     """Ring steps of ``kind`` over ``k`` ranks: k - 1, or 2(k - 1) for an all-reduce."""
-    return Kind(kind).ring_passes * (k - 1)
+    return (2 if kind == Kind.ALL_REDUCE else 1) * (k - 1)
 
 
 def runs_flat(nbytes: float, flat_below_bytes: float) -> bool:

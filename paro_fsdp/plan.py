@@ -23,6 +23,7 @@ inside the group. Levels finer than the last move's result are local slices, not
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Optional
 
 from .collectives import Dim, Kind
@@ -32,7 +33,6 @@ __all__ = ["PHASES", "Move", "Plan", "plan_of"]
 
 PHASES = ("gather", "reduce", "boundary", "push")
 _N, _I, _G = Level.N, Level.I, Level.G
-_AG, _RS, _AR = Kind.ALL_GATHER, Kind.REDUCE_SCATTER, Kind.ALL_REDUCE
 _INTRA, _INTER, _GLOBAL = Dim.INTRA, Dim.INTER, Dim.GLOBAL
 
 
@@ -60,18 +60,7 @@ class Move:
         return psi / m if self.dim == _INTER else psi
 
 
-def _ag(dim: Dim, src: Level, dst: Level) -> Move:
-    return Move(_AG, dim, src, dst)
-
-
-def _rs(dim: Dim, src: Level, dst: Level) -> Move:
-    return Move(_RS, dim, src, dst)
-
-
-def _ar(dim: Dim, src: Level, dst: Level) -> Move:
-    return Move(_AR, dim, src, dst)
-
-
+_ag, _rs, _ar = (partial(Move, kind) for kind in (Kind.ALL_GATHER, Kind.REDUCE_SCATTER, Kind.ALL_REDUCE))
 #: whole tensors from the P-level shard (the micro-step's gather)
 _GATHER = {_N: (), _I: (_ag(_INTRA, _I, _N),), _G: (_ag(_GLOBAL, _G, _N),)}
 #: whole gradients to the G level (the micro-step's reduction)
