@@ -16,6 +16,7 @@ from typing import Generator
 import torch
 from torch.distributed.tensor import DTensor
 
+from .collectives import Dim, Kind
 from .comm import Work
 from .param_group import GradState, ParoParamGroup
 from .plan import Move
@@ -85,23 +86,23 @@ def _issue(group: ParoParamGroup, move: Move, flat: torch.Tensor) -> Work:
     """Put one move on the wire. Global moves run on NESTED buffers (PaRO-CC's order), inter
     reductions on the intra shard laid out [g, sum_g]."""
     layout, dt, kind = group.t_layout, flat.dtype, move.kind
-    if move.dim == "global":
-        if kind == "reduce_scatter":
+    if move.dim == Dim.GLOBAL:
+        if kind == Kind.REDUCE_SCATTER:
             empty = torch.empty if layout.nested_uniform else torch.zeros
             nested = layout.full_to_nested(flat, empty(layout.numel_nested(), dtype=dt, device=group.device))
             return group.cc.reduce_scatter(nested, order="nested")
-        return group.cc.all_gather(flat, order="nested") if kind == "all_gather" else group.cc.all_reduce(flat)
-    if move.dim == "inter" and kind == "reduce_scatter":
+        return group.cc.all_gather(flat, order="nested") if kind == Kind.ALL_GATHER else group.cc.all_reduce(flat)
+    if move.dim == Dim.INTER and kind == Kind.REDUCE_SCATTER:
         flat = layout.i_to_inter(flat, torch.empty(group.info.g * layout.sum_g, dtype=dt, device=group.device))
-    return getattr(group.comm, kind)(flat, move.dim)
+    return getattr(group.comm, str(kind))(flat, move.dim)
 
 
 def _arrive(group: ParoParamGroup, move: Move, result: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:
     """A gathered result back to the layout of its level (FULL, or the I buffer)."""
     layout = group.t_layout
-    if move.kind != "all_gather" or move.dim == "intra":
+    if move.kind != Kind.ALL_GATHER or move.dim == Dim.INTRA:
         return result
-    if move.dim == "global":
+    if move.dim == Dim.GLOBAL:
         whole = torch.empty(layout.numel(Level.N), dtype=result.dtype, device=group.device)
         return layout.nested_to_full(result, whole)
     return layout.inter_to_i(result, into if into is not None else
@@ -119,7 +120,7 @@ def set_master_grads(group: ParoParamGroup, reduced: torch.Tensor) -> None:
     (a whole G where every group's boundary is in flight together: III on one rank)."""
     layout, OS, dt = group.t_layout, group.strategy.os, group.mp.grad_dtype
     scale = 1.0 / (group.info.n if group.grad_divide_factor is None else group.grad_divide_factor)
-    if OS == Level.N:
+    if group.plan.masters_whole:
         grads = []
         for master, t in zip(group.master, layout.tensors):
             tmp = torch.empty(group.info.m * t.size_i, dtype=dt, device=group.device)
@@ -146,20 +147,21 @@ def push_params(group: ParoParamGroup) -> Steps:
     (``shares_p``, or ``casts_p``: gathers cast them). A P level finer than the push's result is a local slice."""
     if not group.trainable or group.shares_p or group.casts_p:
         return
-    layout, P, OS, dt = group.t_layout, group.strategy.p, group.strategy.os, group.mp.param_dtype
-    if OS == Level.N:  # every rank updated whole tensors: slice
+    layout, plan, dt = group.t_layout, group.plan, group.mp.param_dtype
+    if plan.masters_whole:  # every rank updated whole tensors: slice
         for local, master, t in zip(group.p_locals, group.master, layout.tensors):
-            local.copy_(t.local_slice(master, P, group.info.k))
+            local.copy_(t.local_slice(master, group.strategy.p, group.info.k))
         return
-    moves, out = group.plan.push, []
-    for pending in run_moves(group, moves, group.master_flat.to(dt), out, into=group.p_flat if P == Level.I else None):
+    out: list[torch.Tensor] = []
+    into = group.p_flat if plan.push_reaches_p and not plan.params_whole else None  # straight into P's storage
+    for pending in run_moves(group, plan.push, group.master_flat.to(dt), out, into=into):
         yield pending
-    if P == Level.N:  # gathered to FULL: into the whole working tensors
+    if plan.params_whole:  # gathered to FULL: into the whole working tensors
         for local, t in zip(group.p_locals[: len(group.trainable)], layout.tensors):
             tmp = torch.empty(group.info.m * t.size_i, dtype=dt, device=group.device)
             layout.copy_out(out[0], t, tmp)
             local.copy_(tmp[: local.numel()].view(local.shape))
-    elif (moves[-1].dst if moves else OS) == P:
+    elif plan.push_reaches_p:
         if out[0] is not group.p_flat:
             group.p_flat[: out[0].numel()].copy_(out[0])
     else:  # P = G from OS = I: a slice

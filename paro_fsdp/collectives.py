@@ -1,5 +1,6 @@
-"""What one collective is: its kinds and mesh dimensions, the bytes one rank sends in its ring,
-its ring steps, whether a global one runs flat, and ``CommStats``, the one counter of collectives.
+"""What one collective is: its kind (``Kind``) and mesh dimension (``Dim``), a global one's
+phases as PaRO-CC runs them (``HIER``), the bytes one rank sends in its ring, its ring steps,
+whether a global one runs flat, and ``CommStats``, the one counter of collectives.
 
 Why one module under everything else: the engine (``comm.MeshComm``), the ledger
 (``cost.ledger``), the graph passes and the cost model must use the same formula, and the
@@ -8,24 +9,59 @@ engine's counter and the ledger's must compare as equals. The cost is the *logic
 """
 from __future__ import annotations
 
+import enum
 from collections import defaultdict
 
-__all__ = ["DIMS", "KINDS", "CommStats", "hops", "ring_bytes", "runs_flat"]
+__all__ = ["DIMS", "HIER", "KINDS", "CommStats", "Dim", "Kind", "hops", "ring_bytes", "runs_flat"]
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce")
-DIMS = ("intra", "inter", "global")
+
+class _Name(str, enum.Enum):
+    """A name that is its string: table keys, ``CommStats`` keys and printed rows stay plain words."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class Kind(_Name):
+    """What a collective does; the engine calls ``MeshComm``'s method of this name."""
+
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_REDUCE = "all_reduce"
+
+
+class Dim(_Name):
+    """Which ranks it runs over: inside the group, across groups (one rank per group), or all."""
+
+    INTRA = "intra"
+    INTER = "inter"
+    GLOBAL = "global"
+
+
+KINDS = tuple(Kind)
+DIMS = tuple(Dim)
+
+#: a global collective as PaRO-CC runs it, phase by phase (the inter phase on 1/m of the message):
+#: the one copy of the split, which ``paro_cc`` issues and ``cost.ledger`` counts
+HIER: dict[Kind, tuple[tuple[Kind, Dim], ...]] = {
+    Kind.ALL_GATHER: ((Kind.ALL_GATHER, Dim.INTER), (Kind.ALL_GATHER, Dim.INTRA)),
+    Kind.REDUCE_SCATTER: ((Kind.REDUCE_SCATTER, Dim.INTRA), (Kind.REDUCE_SCATTER, Dim.INTER)),
+    Kind.ALL_REDUCE: ((Kind.REDUCE_SCATTER, Dim.INTRA), (Kind.ALL_REDUCE, Dim.INTER), (Kind.ALL_GATHER, Dim.INTRA)),
+}
 
 
 def ring_bytes(kind: str, nbytes: float, k: int) -> float:
     """Bytes one rank sends in a ring ``kind`` over ``k`` ranks on a buffer of ``nbytes`` (the
     all-gather's output, the reduction's input): S(k-1)/k, doubled for an all-reduce."""
-    per_rank = nbytes * (k - 1) / k
-    return 2 * per_rank if kind == "all_reduce" else per_rank
+    return (2 if kind == Kind.ALL_REDUCE else 1) * nbytes * (k - 1) / k
 
 
 def hops(kind: str, k: int) -> int:
     """Ring steps of ``kind`` over ``k`` ranks: k - 1, or 2(k - 1) for an all-reduce."""
-    return 2 * (k - 1) if kind == "all_reduce" else k - 1
+    return (2 if kind == Kind.ALL_REDUCE else 1) * (k - 1)
 
 
 def runs_flat(nbytes: float, flat_below_bytes: float) -> bool:

@@ -11,7 +11,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from ._compat import use_safe_gloo_all_gather
-from .collectives import CommStats, ring_bytes
+from .collectives import CommStats, Kind, ring_bytes
 from .mesh import MeshGroups
 from .streams import CommStreams, active
 
@@ -117,18 +117,18 @@ class MeshComm:
     # ---- issued where the caller stands: the functional result ---------------------------------
     def functional_all_gather(self, shard: torch.Tensor, dim: str, out: torch.Tensor | None = None) -> torch.Tensor:
         k = self.info.size(dim)
-        self._count("all_gather", dim, shard.numel() * k, shard)
+        self._count(Kind.ALL_GATHER, dim, shard.numel() * k, shard)
         if out is not None:  # into a given buffer (eager: a pooled one)
             return _ops.all_gather_into_tensor_out(shard, k, self.info.group_names[dim], out=out)
         return _ops.all_gather_into_tensor(shard, k, self.info.group_names[dim])
 
     def functional_reduce_scatter(self, full: torch.Tensor, dim: str, *, op: str = "sum") -> torch.Tensor:
         k = self.info.size(dim)
-        self._count("reduce_scatter", dim, full.numel(), full)
+        self._count(Kind.REDUCE_SCATTER, dim, full.numel(), full)
         return _ops.reduce_scatter_tensor(full, op, k, self.info.group_names[dim])
 
     def functional_all_reduce(self, t: torch.Tensor, dim: str, *, op: str = "sum") -> torch.Tensor:
-        self._count("all_reduce", dim, t.numel(), t)
+        self._count(Kind.ALL_REDUCE, dim, t.numel(), t)
         return _ops.all_reduce(t, op, self.info.group_names[dim])
 
     # ---- on the side stream of its kind on a GPU: a Pending ------------------------------------

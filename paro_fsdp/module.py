@@ -23,7 +23,7 @@ from .overlap import boundary_bytes, push_bytes, push_dims
 from .param_group import ParoParamGroup
 from .state import ParoBlock, ParoState
 from .strategy import Level, Strategy
-from .traced import compile_block
+from .traced import _compile_block
 
 
 class ParoModule(FSDPModule):
@@ -90,7 +90,7 @@ class ParoModule(FSDPModule):
         for b in self._paro_blocks(recurse):
             b.reshard_after_forward = reshard_after_forward
             for g in b.groups:
-                g.reshard_after_forward = reshard_after_forward and g.strategy.p != Level.N
+                g.reshard_after_forward = reshard_after_forward and not g.plan.params_whole
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """``False``: keep the gathered parameters after backward, for the next forward (as FSDP2,
@@ -183,7 +183,7 @@ class ParoModule(FSDPModule):
 
     def compile(self, *args: Any, **kwargs: Any) -> None:
         """torch's ``nn.Module.compile``, made right for a sharded block: the block's hooks go
-        into its graph (``traced.compile_block``), so the gather is a graph node and
+        into its graph (``traced._compile_block``), so the gather is a graph node and
         ``reshard_after_forward`` holds (backward re-gathers). torch's own compiles
         ``_call_impl``, a frame dynamo skips: the gathered tensors became a graph input, kept from
         forward to backward. The root (whose parameters stay gathered anyway) compiles as torch's."""
@@ -193,7 +193,7 @@ class ParoModule(FSDPModule):
         if args:
             raise TypeError("compile() of a sharded block: pass torch.compile's options by keyword "
                             "(backend=..., fullgraph=...)")
-        compile_block(self, **kwargs)
+        _compile_block(self, **kwargs)
 
     def _get_fsdp_state(self) -> "_ForwardHooks":
         """What torch's ``register_fsdp_forward_method`` calls around a method (``generate``):
@@ -407,7 +407,7 @@ def _local_like(param: DTensor, whole: torch.Tensor) -> DTensor:
 def in_flight_bytes(state: ParoState) -> int:
     """The most ``overlap`` and the reductions' slack keep alive at once (``memory_report``)."""
     def grad_buffer(g: ParoParamGroup) -> int:  # a G-level reduction's input, FULL or NESTED
-        return g.t_layout.numel(Level.N) * g.mp.grad_dtype.itemsize if g.trainable and g.strategy.g != Level.N else 0
+        return g.t_layout.numel(Level.N) * g.mp.grad_dtype.itemsize if g.trainable and not g.plan.grads_whole else 0
 
     slack = max((sum(grad_buffer(g) for g in b.groups) for b in state.blocks), default=0)
     boundary = min(state.boundary.limit_bytes,

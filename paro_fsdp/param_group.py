@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from .collectives import Dim
 from .comm import MeshComm, Work
 from .paro_cc import ParoCC
 from .layout import FlatLayout, TensorLayout, param_placements, tensor_layout
@@ -90,7 +91,7 @@ class ParoParamGroup:
         self.comm, self.cc = comm, cc  # one-dimension collectives; global ones (PaRO-CC), both the model's
         self.refs = sorted(refs, key=lambda r: not r.requires_grad)  # trainable first
         self.trainable = [r for r in self.refs if r.requires_grad]
-        self.reshard_after_forward = reshard_after_forward and strategy.p != Level.N
+        self.reshard_after_forward = reshard_after_forward and not self.plan.params_whole
         # every buffer on the mesh's device: a CPU-built model moves shard by shard (NCCL never sees CPU tensors)
         self.device = device = mesh_device(info)
         layouts = [tensor_layout(r.fqn, r.shape, info) for r in self.refs]
@@ -111,11 +112,12 @@ class ParoParamGroup:
         # (``shares_p``); in a lower param dtype, where every tensor trains, a gather sends them cast
         # (``casts_p``, FSDP2's copy-in: a block's shard for the gather's time) and no param-dtype
         # copy is kept beside them (2 bytes a parameter in bf16: GGG holds FSDP2's 16, not 18)
-        self.shares_p = P == OS and mp.param_dtype == torch.float32
-        self.casts_p = P == OS != Level.N and mp.param_dtype != torch.float32 and n_t == len(self.refs)
+        plan = self.plan
+        self.shares_p = plan.p_at_os and mp.param_dtype == torch.float32
+        self.casts_p = plan.p_shard_at_os and mp.param_dtype != torch.float32 and n_t == len(self.refs)
         with torch.no_grad():
             # P storage: the working copies view it
-            if P == Level.N:
+            if plan.params_whole:
                 flat = None
                 working = [o.to(device=device, dtype=mp.param_dtype, copy=True) for o in originals]
             else:
@@ -131,7 +133,7 @@ class ParoParamGroup:
             if self.shares_p or self.casts_p:  # trainable tensors come first in P: the masters are its prefix
                 self.master_flat = flat if n_t == len(self.refs) else None
                 masters = working[:n_t]
-            elif OS == Level.N:
+            elif plan.masters_whole:
                 self.master_flat = None
                 masters = [o.to(device=device, dtype=torch.float32, copy=True) for o in originals[:n_t]]
             else:
@@ -156,13 +158,13 @@ class ParoParamGroup:
 
         # whole tensors while unsharded: the working copies (P = N) or views of padded buffers
         for p in self.params:
-            if P == Level.N:
+            if plan.params_whole:
                 p.whole = p.working
             else:
                 p.whole_buf = torch.empty(info.m * p.layout.size_i, dtype=mp.param_dtype, device=device)
                 p.whole = p.whole_buf[: p.ref.numel].view(p.ref.shape)
                 p.whole_buf.untyped_storage().resize_(0)
-        self.state = ShardState.UNSHARDED if P == Level.N else ShardState.SHARDED
+        self.state = ShardState.UNSHARDED if plan.params_whole else ShardState.SHARDED
         self._pending: Work | None = None
         self.grad_acc = GradAccumulator(self.t_layout.numel(strategy.g), mp.acc_dtype, device)
         self._pending_rs: Work | None = None
@@ -209,7 +211,7 @@ class ParoParamGroup:
     @property
     def full_bufs(self) -> list[torch.Tensor] | None:
         """The whole tensors' padded buffers (None for P = N: the working copies are whole)."""
-        return None if self.strategy.p == Level.N else [p.whole_buf for p in self.params]
+        return None if self.plan.params_whole else [p.whole_buf for p in self.params]
 
     @property
     def full_params(self) -> list[torch.Tensor]:
@@ -223,7 +225,7 @@ class ParoParamGroup:
         NESTED (P = G, the global PaRO-CC all-gather, whose inter phase goes first; ``parts``:
         its chunks as they arrived, for ``copy_out``)."""
         (move,) = self.plan.gather
-        if move.dim == "global":
+        if move.dim == Dim.GLOBAL:
             return self.cc.all_gather(self.p_send(), order="nested", params=True, parts=parts)
         out = self._take(self.info.m * self.p_layout.sum_i, self.mp.param_dtype) if parts else None
         if out is not None:  # (never set while tracing: torch 2.11's dynamo refuses the mutation in a HOP)
@@ -259,12 +261,12 @@ class ParoParamGroup:
         """Tensor ``t``'s rows in ``gather_params``' result (a view where the layout allows):
         read row-major, its first numel elements are the whole tensor."""
         layout = self.p_layout
-        return layout.nested_rows(gathered, t) if self.strategy.p == Level.G else layout.full_rows(gathered, t)
+        return layout.nested_rows(gathered, t) if self.plan.runs_global("gather") else layout.full_rows(gathered, t)
 
     def copy_out(self, gathered: torch.Tensor | list, t: TensorLayout, dst: torch.Tensor) -> None:
         """Write tensor ``t`` from ``gather_params(parts=True)``'s result into ``dst`` (its
         padded whole buffer): one copy, chunk by chunk for a chunked global gather."""
-        if self.strategy.p == Level.G:
+        if self.plan.runs_global("gather"):
             self.p_layout.copy_out_nested(gathered, t, dst)
         else:
             rows = self.p_layout.full_rows(gathered, t)
@@ -274,14 +276,14 @@ class ParoParamGroup:
         """The input of the G-level reduction: the whole-tensor gradients (None: zeros) laid out
         NESTED (G = G) or FULL (G = I or N), in the reduce dtype, padding rows zero. ``into``
         (G = N, eager): add them into that FULL accumulator instead, nothing to send."""
-        layout, G, dt = self.t_layout, self.strategy.g, self.mp.grad_dtype
+        layout, dt = self.t_layout, self.mp.grad_dtype
         if into is not None:
             for t, grad in zip(layout.tensors, grads):
                 if grad is not None:
                     layout.copy_in(into, t, grad.to(into.dtype), add=True)
             return into
         present = all(g_ is not None for g_ in grads)
-        if G == Level.G:
+        if self.plan.runs_global("reduce"):
             dense = present and layout.nested_uniform
             buf = self._new(layout.numel_nested(), dt, dense)
             for t, grad in zip(layout.tensors, grads):
@@ -349,13 +351,13 @@ class ParoParamGroup:
         for b in bufs:
             b.untyped_storage().resize_(b.numel() * b.element_size())
         with torch.autograd._unsafe_preserve_version_counter(bufs):
-            if self.strategy.p == Level.I:  # one op: each tensor's [m, size_i] columns into its buffer (FSDP2's)
+            if self.plan.runs_global("gather"):
+                for p in self.params:
+                    self.copy_out(gathered, p.layout, p.whole_buf)
+            else:  # one op: each tensor's [m, size_i] columns into its buffer (FSDP2's)
                 m, sizes = self.info.m, [t.size_i for t in self.p_layout.tensors]
                 torch.split_with_sizes_copy(gathered.view(m, -1), sizes, dim=1,
                                             out=[b.view(m, n) for b, n in zip(bufs, sizes)])
-            else:
-                for p in self.params:
-                    self.copy_out(gathered, p.layout, p.whole_buf)
         streams = active(self.comm.streams)
         if streams is not None:  # the result's memory is reused only after these copies (streams.py)
             streams.copied_out(gathered)
@@ -367,7 +369,7 @@ class ParoParamGroup:
         """Free the whole tensors; the modules hold the sharded parameters again (never a freed
         buffer)."""
         self.register_sharded()
-        if self.strategy.p == Level.N or self.state == ShardState.SHARDED:
+        if self.plan.params_whole or self.state == ShardState.SHARDED:
             return
         if self.state == ShardState.GATHERING:
             self._pending.wait()
@@ -387,7 +389,7 @@ class ParoParamGroup:
         acc = self.grad_acc.ensure()
         self.grads = GradState.AT_G
         self.finish_grad_reduction()  # the group used again in this backward: one reduction in flight per group
-        if self.strategy.g == Level.N:  # nothing on the wire: add straight into the accumulator
+        if self.plan.grads_whole:  # nothing on the wire: add straight into the accumulator
             self.grad_buffer(grads, into=acc)
             return
         self._pending_rs = self.reduce_grad_buffer(self.grad_buffer(grads))
@@ -424,8 +426,8 @@ class ParoParamGroup:
 
         p_tensors = [] if self.casts_p else [self.p_flat] if self.p_flat is not None else self.p_locals
         p_bytes = sum(t.numel() * t.element_size() for t in p_tensors)  # casts_p: the masters, counted in OS
-        S, OS, layout = self.strategy, self.strategy.os, self.t_layout
-        g_numel = layout.numel(S.g) if self.trainable else 0
+        plan, layout = self.plan, self.t_layout
+        g_numel = layout.numel(self.strategy.g) if self.trainable else 0
         g_bytes = g_numel * size(self.mp.acc_dtype)
         os_numel = self.master_flat.numel() if self.master_flat is not None else sum(m_.numel() for m_ in self.master)
         os_bytes = 0 if self.shares_p else os_numel * 4  # shared: counted in P
@@ -439,9 +441,9 @@ class ParoParamGroup:
         if self.trainable and self.info.n > 1:
             full = layout.numel(Level.N)
             cast = size(self.mp.grad_dtype) if self.mp.acc_dtype != self.mp.grad_dtype else 0
-            if S.g == Level.N:  # the accumulator cast to the wire dtype, then a FULL-size collective buffer
-                boundary_grads = full * cast + (full * size(self.mp.grad_dtype) if OS != Level.I else 0)
-            if S.p == Level.N and OS != Level.N:  # gathered to FULL (OS = G: NESTED, then FULL)
-                boundary_params = full * size(self.mp.param_dtype) * (2 if OS == Level.G else 1)
+            if plan.grads_whole:  # the accumulator cast to the wire dtype, then (global) a FULL-size collective buffer
+                boundary_grads = full * cast + (full * size(self.mp.grad_dtype) if plan.runs_global("boundary") else 0)
+            if plan.params_whole and plan.push:  # gathered to FULL (global: NESTED, then FULL)
+                boundary_params = full * size(self.mp.param_dtype) * (2 if plan.runs_global("push") else 1)
         return {"P": p_bytes, "G": g_bytes, "OS": os_bytes, "master_grads": os_numel * 4 if self.trainable else 0,
                 "boundary_grads": boundary_grads, "boundary_params": boundary_params}

@@ -14,6 +14,7 @@ On CPU the later phases are issued inside ``wait()``, so every rank must wait in
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -21,7 +22,7 @@ from typing import Callable
 import torch
 
 from .comm import MeshComm
-from .collectives import runs_flat
+from .collectives import HIER, Dim, Kind, runs_flat
 from .streams import active
 
 _ops = torch.ops._c10d_functional
@@ -106,6 +107,12 @@ class ParoCC:
         self.flat_below_bytes = flat_below_bytes
         self._ag, self._rs = comm.functional_all_gather, comm.functional_reduce_scatter
         self._ar = comm.functional_all_reduce
+        self._calls = {Kind.ALL_GATHER: self._ag, Kind.REDUCE_SCATTER: self._rs, Kind.ALL_REDUCE: self._ar}
+
+    def _phases(self, kind: Kind) -> list[Callable[..., torch.Tensor]]:
+        """The calls of a global ``kind``'s phases, each on its mesh dimension, in the order of
+        ``collectives.HIER`` (the one copy of the split, which the ledger counts)."""
+        return [functools.partial(self._calls[k], dim=d) for k, d in HIER[kind]]
 
     def _nchunks(self, nbytes: int, limit: int, chunks: int | None) -> int:
         if chunks is None:
@@ -167,22 +174,23 @@ class ParoCC:
         if n == 1:
             return _done(whole(x.clone()))
         if g == 1 or m == 1:  # one level only: the global group *is* that level, same rank order
-            res = self._ag(x, "intra" if g == 1 else "inter")
+            res = self._ag(x, Dim.INTRA if g == 1 else Dim.INTER)
             return HierPending(lambda: whole(_wait(res)))
         if s == 0:
             return _done(whole(x.new_empty(out_shape)))
         if runs_flat(n * s * x.element_size(), self.flat_below_bytes):
-            res = self._ag(x, "global")  # flat rank order k * m + l
+            res = self._ag(x, Dim.GLOBAL)  # flat rank order k * m + l
             if order == "nested":
                 return HierPending(lambda: whole(flat_to_nested(_wait(res), g, m)))
             return HierPending(lambda: _wait(res).view(out_shape))
         bounds = _bounds(s, self._nchunks(n * s * x.element_size(), s, chunks))
-        inter = [self._ag(x[a:b], "inter") for a, b in bounds]  # [k][j] per chunk, all in flight
+        inter_phase, intra_phase = self._phases(Kind.ALL_GATHER)
+        inter = [inter_phase(x[a:b]) for a, b in bounds]  # [k][j] per chunk, all in flight
 
         def finish() -> torch.Tensor | list:
             intra = []
             for part in inter:  # intra phase of chunk c overlaps the inter phase of c + 1 ...
-                intra.append(self._ag(_wait(part), "intra"))
+                intra.append(intra_phase(_wait(part)))
             if parts:  # intra output [l][k][b - a]: chunk c's columns of the nested layout
                 return [(a, b, _wait(part).view(m, g, b - a)) for (a, b), part in zip(bounds, intra)]
             if len(bounds) == 1 and order == "nested":
@@ -214,26 +222,27 @@ class ParoCC:
         if n == 1:
             return _done(x.clone().view(out_shape))
         if g == 1 or m == 1:
-            res = self._rs(x, "intra" if g == 1 else "inter", op=op)
+            res = self._rs(x, Dim.INTRA if g == 1 else Dim.INTER, op=op)
             return HierPending(lambda: _wait(res).view(out_shape))
         s = x.numel() // n
         if s == 0:
             return _done(x.new_empty(out_shape))
         if runs_flat(x.numel() * x.element_size(), self.flat_below_bytes):
-            res = self._rs(x if order == "flat" else nested_to_flat(x, g, m), "global", op=op)
+            res = self._rs(x if order == "flat" else nested_to_flat(x, g, m), Dim.GLOBAL, op=op)
             return HierPending(lambda: _wait(res).view(out_shape))
         bounds = _bounds(s, self._nchunks(x.numel() * x.element_size(), s, chunks))
         src = self._blocks(x, s, order)  # [k][l][s]
+        intra_phase, inter_phase = self._phases(Kind.REDUCE_SCATTER)
         if len(bounds) == 1 and order == "nested":
-            intra = [self._rs(x, "intra", op=op)]  # the input already is [l][k][s]
+            intra = [intra_phase(x, op=op)]  # the input already is [l][k][s]
         else:  # per chunk a contiguous [l][k][s_c] buffer: intra RS hands rank l its [k][s_c]
-            intra = [self._rs(src[:, :, a:b].transpose(0, 1).contiguous().view(-1), "intra", op=op) for a, b in bounds]
+            intra = [intra_phase(src[:, :, a:b].transpose(0, 1).contiguous().view(-1), op=op) for a, b in bounds]
 
         inter: list[torch.Tensor] = []
 
         def advance() -> None:
             if not inter:
-                inter.extend(self._rs(_wait(part), "inter", op=op) for part in intra)
+                inter.extend(inter_phase(_wait(part), op=op) for part in intra)
 
         def finish() -> torch.Tensor:
             advance()
@@ -260,13 +269,13 @@ class ParoCC:
         if g * m == 1:
             return _done(x.clone().view(shape))
         if g == 1 or m == 1:
-            res = self._ar(x, "intra" if g == 1 else "inter", op=op)
+            res = self._ar(x, Dim.INTRA if g == 1 else Dim.INTER, op=op)
             return HierPending(lambda: _wait(res).view(shape))
         numel = x.numel()
         if numel == 0:
             return _done(t.clone())
         if runs_flat(numel * x.element_size(), self.flat_below_bytes):
-            res = self._ar(x, "global", op=op)
+            res = self._ar(x, Dim.GLOBAL, op=op)
             return HierPending(lambda: _wait(res).view(shape))
         # chunks are whole rows of m elements (the intra reduce-scatter splits each into m
         # pieces); only a last partial row is padded, so a tensor whose size m divides moves
@@ -282,23 +291,24 @@ class ParoCC:
             padded[: b - a].copy_(x[a:b])
             return padded
 
-        rs = [self._rs(piece(a, b), "intra", op=op) for a, b in bounds]
+        rs_phase, ar_phase, ag_phase = self._phases(Kind.ALL_REDUCE)
+        rs = [rs_phase(piece(a, b), op=op) for a, b in bounds]
         ar: list[torch.Tensor] = []
 
         def advance() -> None:  # every chunk's inter all-reduce in flight
             if not ar:
-                ar.extend(self._ar(_wait(part), "inter", op=op) for part in rs)
+                ar.extend(ar_phase(_wait(part), op=op) for part in rs)
 
         def finish() -> torch.Tensor:
             ag: list[torch.Tensor] = []
             if ar:  # advanced: the inter phases are all on the wire
-                ag.extend(self._ag(_wait(part), "intra") for part in ar)
+                ag.extend(ag_phase(_wait(part)) for part in ar)
             else:
                 for c in range(len(bounds)):  # keep both links busy: chunk c's inter AR next to c-1's intra AG
-                    ar.append(self._ar(_wait(rs[c]), "inter", op=op))
+                    ar.append(ar_phase(_wait(rs[c]), op=op))
                     if c:
-                        ag.append(self._ag(_wait(ar[c - 1]), "intra"))
-                ag.append(self._ag(_wait(ar[-1]), "intra"))
+                        ag.append(ag_phase(_wait(ar[c - 1])))
+                ag.append(ag_phase(_wait(ar[-1])))
             if len(bounds) == 1 and numel % m == 0:
                 return _wait(ag[0]).view(shape)
             out = torch.empty(numel, dtype=x.dtype, device=x.device)

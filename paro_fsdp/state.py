@@ -236,7 +236,7 @@ class ParoState:
         self.in_flight: list[tuple[ParoBlock, ParoParamGroup]] = []  # gradient reductions to the G level
         self.boundary = InFlight()  # last micro-step: reductions to the OS level (overlap.py)
         self.pushes = InFlight()  # after the step: master -> P level, waited at each pre-forward
-        self.compiled_push = None  # traced.compile_push: the pushes as one compiled graph
+        self.compiled_push = None  # traced._compile_push: the pushes as one compiled graph
         self.applying = False  # inside ParoModule._apply (module.to(...)): nested sharded modules leave it alone
         self.post_optim_event: torch.Event | None = None  # FSDP2's set_post_optim_event, for the next forward
 

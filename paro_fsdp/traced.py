@@ -15,7 +15,6 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from ._compat import isolate_compile_cache  # noqa: F401 - callers compiling the engine import it from here
 from .boundary import push_params, reduce_to_os, run, set_master_grads
 from .param_group import GradState
 from .strategy import Level
@@ -51,7 +50,7 @@ class GatherForCompute(torch.autograd.Function):
         adding ``acc``, the G-level sum of the earlier micro-steps."""
         ctx.group, ctx.n, ctx.last = group, len(p), last
         ctx.save_for_backward(acc)
-        if group.strategy.p == Level.N:
+        if group.plan.params_whole:
             return tuple(t.view_as(t) for t in p)
         return tuple(gather_whole(group))
 
@@ -84,7 +83,7 @@ def unshard(group: "ParoParamGroup") -> list[torch.Tensor]:
     ``reshard_after_forward`` (P = I or G), the gather runs under a selective-checkpoint policy
     that makes the compiler recompute it in backward rather than keep whole tensors alive (as
     the eager engine frees and re-gathers them)."""
-    p = group.p_locals if group.strategy.p == Level.N else [group.master_flat if group.casts_p else group.p_flat]
+    p = group.p_locals if group.plan.params_whole else [group.master_flat if group.casts_p else group.p_flat]
     if not group.trainable or not torch.is_grad_enabled():
         with torch.no_grad():
             return _gather(group, None, None, False, *p)
@@ -108,7 +107,7 @@ def _checkpointed_call_with_hooks(block: nn.Module, *args, **kwargs):
     return checkpoint(block._call_impl, *args, use_reentrant=False, **kwargs)
 
 
-def compile_block(block: nn.Module, checkpointed: bool = False, **compile_kwargs) -> None:
+def _compile_block(block: nn.Module, checkpointed: bool = False, **compile_kwargs) -> None:
     """``block.compile(**compile_kwargs)`` with the block's hooks in its graph (why:
     ``ParoModule.compile``): the compiled frame is this module's, which dynamo traces, and it
     inlines ``_call_impl`` with the hooks. ``checkpointed``: the whole call, hooks included, under
@@ -165,13 +164,13 @@ def make_sinks_on_compile(groups: Iterable["ParoParamGroup"]) -> None:
 
 
 def _push_each(groups: list["ParoParamGroup"]) -> None:
-    """What ``compile_push`` compiles: each group's push in turn, every collective waited as
+    """What ``_compile_push`` compiles: each group's push in turn, every collective waited as
     issued (in the graph, the passes decide what overlaps)."""
     for g in groups:
         run(push_params(g))
 
 
-def compile_push(model: nn.Module, **compile_kwargs) -> None:
+def _compile_push(model: nn.Module, **compile_kwargs) -> None:
     """Refresh the working copies after each optimizer step with one compiled graph
     (``compile_kwargs`` go to ``torch.compile``), whose collectives the passes merge and
     schedule, instead of the eager pushes (which then no longer wait for the next forward)."""

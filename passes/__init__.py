@@ -9,12 +9,12 @@ that compiles a sharded model.
 ``compile_model`` does, in order (each part switchable):
   1. the graph passes for this model's process groups bound to its compiles (inductor's config
      patch), run after inductor's post-grad passes on every forward and backward graph;
-  2. the blocks compiled with their hooks inside their graphs (``paro_fsdp.traced.compile_block``):
+  2. the blocks compiled with their hooks inside their graphs (``paro_fsdp.traced._compile_block``):
      a block's gather and its compute are one graph, the gather recomputed in backward, the last
      micro-step's reduction to the OS level in the backward graph (scope "blocks", as torchtitan
      compiles per block); or the whole model as torch's ``model.compile()`` does (scope "model");
   3. the refresh of the working copies after each optimizer step as one graph
-     (``paro_fsdp.traced.compile_push``), whose all-gathers the bucketing pass merges.
+     (``paro_fsdp.traced._compile_push``), whose all-gathers the bucketing pass merges.
 Why a call of this package and not the engine's: the engine never imports the passes (they sit
 above it). What torch users already write keeps working without it: ``block.compile()`` and
 ``model.compile()`` on a sharded model compile the engine's way, without passes and with an eager
@@ -45,7 +45,8 @@ import torch.nn as nn
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from paro_fsdp.mesh import MeshGroups
-from paro_fsdp.traced import compile_block, compile_push, isolate_compile_cache
+from paro_fsdp._compat import isolate_compile_cache
+from paro_fsdp.traced import _compile_block, _compile_push
 
 from .bucketing import bucket_collectives
 from .graph import GroupTable, collectives, group_table, phase_of
@@ -246,9 +247,9 @@ def compile_model(model: nn.Module, passes: Iterable[str] = ORDER, *, scope: str
             checkpointed = hasattr(block, "checkpoint_in_graph")
             if checkpointed:
                 block.checkpoint_in_graph = True
-            compile_block(block, checkpointed=checkpointed, **compile_kwargs)
+            _compile_block(block, checkpointed=checkpointed, **compile_kwargs)
     if push:  # a loop over the groups' generators: not one full graph
-        compile_push(model, **{k: v for k, v in compile_kwargs.items() if k != "fullgraph"})
+        _compile_push(model, **{k: v for k, v in compile_kwargs.items() if k != "fullgraph"})
     return record
 
 

@@ -15,6 +15,8 @@ import torch.fx as fx
 from torch._inductor.fx_passes.bucketing import merge_all_gather, merge_reduce_scatter
 from torch._inductor.pattern_matcher import stable_topological_sort
 
+from paro_fsdp.collectives import Kind
+
 from .graph import Collective, GroupTable, collectives
 
 
@@ -35,10 +37,10 @@ def plan(graph: fx.Graph, groups: GroupTable) -> list[list[Collective]]:
     """Buckets of two or more collectives that can be merged (graph order kept)."""
     keyed: dict[tuple, list[Collective]] = defaultdict(list)
     for c in collectives(graph, groups):
-        if c.kind == "all_reduce":  # the engine all-reduces only at the boundary, in eager code
+        if c.kind == Kind.ALL_REDUCE:  # the engine all-reduces only at the boundary, in eager code
             continue
         val = c.node.args[0].meta.get("val")  # type: ignore[union-attr]
-        op = c.node.args[1] if c.kind == "reduce_scatter" else None
+        op = c.node.args[1] if c.kind == Kind.REDUCE_SCATTER else None
         keyed[(c.kind, c.group, getattr(val, "dtype", None), op, c.block)].append(c)
     buckets = []
     for members in keyed.values():
@@ -58,8 +60,8 @@ def plan(graph: fx.Graph, groups: GroupTable) -> list[list[Collective]]:
 def bucket_collectives(gm: fx.GraphModule, groups: GroupTable) -> int:
     """Merge every bucket of ``plan``; return how many collectives were removed."""
     buckets = plan(gm.graph, groups)
-    ag = [[c.node for c in b] for b in buckets if b[0].kind == "all_gather"]
-    rs = [[c.node for c in b] for b in buckets if b[0].kind == "reduce_scatter"]
+    ag = [[c.node for c in b] for b in buckets if b[0].kind == Kind.ALL_GATHER]
+    rs = [[c.node for c in b] for b in buckets if b[0].kind == Kind.REDUCE_SCATTER]
     if ag:
         merge_all_gather(gm, ag)
     if rs:

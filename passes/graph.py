@@ -15,7 +15,7 @@ from typing import Mapping
 import torch
 import torch.fx as fx
 
-from paro_fsdp.collectives import ring_bytes
+from paro_fsdp.collectives import Kind, ring_bytes
 from paro_fsdp.mesh import MeshGroups
 
 #: c10d group name -> (mesh dimension, the MeshGroups it belongs to): how a pass tells an intra
@@ -30,10 +30,10 @@ def group_table(*meshes: MeshGroups) -> dict[str, tuple[str, MeshGroups]]:
 
 _ops = torch.ops._c10d_functional
 KIND_OF = {
-    _ops.all_gather_into_tensor.default: "all_gather",
-    _ops.all_gather_into_tensor_out.default: "all_gather",  # what torch's bucketing emits
-    _ops.reduce_scatter_tensor.default: "reduce_scatter",
-    _ops.all_reduce.default: "all_reduce",
+    _ops.all_gather_into_tensor.default: Kind.ALL_GATHER,
+    _ops.all_gather_into_tensor_out.default: Kind.ALL_GATHER,  # what torch's bucketing emits
+    _ops.reduce_scatter_tensor.default: Kind.REDUCE_SCATTER,
+    _ops.all_reduce.default: Kind.ALL_REDUCE,
 }
 WAITS = {_ops.wait_tensor.default, torch.ops.c10d_functional.wait_tensor.default}
 #: ops whose cost dwarfs the layout copies around collectives, forward and backward: what
@@ -59,9 +59,9 @@ COMPUTE = {getattr(torch.ops.aten, name).default for name in COMPUTE_OPS
 class Collective:
     node: fx.Node  # the collective (issues it)
     wait: fx.Node  # its wait_tensor
-    kind: str
+    kind: Kind
     group: str
-    dim: str  # "intra" / "inter" / "global" (or "?" for a group paro_shard did not create)
+    dim: str  # a ``Dim`` (or "?" for a group paro_shard did not create)
     info: MeshGroups | None  # sizes and group names of its mesh (None: a group paro_shard did not create)
     block: tuple  # the module path of the block that issued it
     nbytes: int  # bytes of the whole buffer (all-gather output, reduce-scatter / all-reduce input)
@@ -80,9 +80,9 @@ def group_size_of(node: fx.Node, kind: str) -> int:
     """Ranks in a collective's group. all_gather_into_tensor(x, size, name) and
     reduce_scatter_tensor(x, op, size, name) carry it; all_reduce(x, op, name) only names its
     group, whose size c10d knows."""
-    if kind == "all_gather":
+    if kind == Kind.ALL_GATHER:
         return int(node.args[1])
-    if kind == "reduce_scatter":
+    if kind == Kind.REDUCE_SCATTER:
         return int(node.args[2])
     from torch.distributed.distributed_c10d import _resolve_process_group
 
@@ -111,7 +111,7 @@ def collectives(graph: fx.Graph, groups: GroupTable) -> list[Collective]:
             continue
         group = str(node.args[-1])
         dim, info = groups.get(group, ("?", None))
-        v = _val(waits[0]) if kind == "all_gather" else _val(node.args[0])  # type: ignore[arg-type]
+        v = _val(waits[0]) if kind == Kind.ALL_GATHER else _val(node.args[0])  # type: ignore[arg-type]
         nbytes = v.numel() * v.element_size() if v is not None else 0
         out.append(Collective(node, waits[0], kind, group, dim, info, block_of(node), nbytes))
     return out

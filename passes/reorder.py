@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from paro_fsdp.collectives import Kind
+
 from .graph import COMPUTE, KIND_OF, WAITS, Collective, GroupTable, collectives, positions
 
 
@@ -103,7 +105,7 @@ def _last_real_input(node: fx.Node, pos: dict[fx.Node, int]) -> fx.Node:
 
 def _inflight_bytes(graph: fx.Graph, at: int, colls: list[Collective]) -> int:
     pos = positions(graph)
-    return sum(c.nbytes for c in colls if c.kind == "all_gather" and pos[c.node] <= at < pos[c.wait])
+    return sum(c.nbytes for c in colls if c.kind == Kind.ALL_GATHER and pos[c.node] <= at < pos[c.wait])
 
 
 def hoist_issues(graph: fx.Graph, groups: GroupTable, max_prefetch_bytes: int | None = None) -> int:
@@ -114,12 +116,12 @@ def hoist_issues(graph: fx.Graph, groups: GroupTable, max_prefetch_bytes: int | 
     colls = collectives(graph, groups)
     blocks: list[tuple] = []
     for c in colls:
-        if c.kind == "all_gather" and c.block not in blocks:
+        if c.kind == Kind.ALL_GATHER and c.block not in blocks:
             blocks.append(c.block)
     for c in colls:
         pos = positions(graph)
         own_waits = {p.wait for p in colls if p.block == c.block and p is not c}
-        if c.kind == "all_gather":
+        if c.kind == Kind.ALL_GATHER:
             i = blocks.index(c.block)
             # the first (inter) phase of a hierarchical gather goes a block further ahead than
             # its second phase and than a single-phase gather
@@ -129,7 +131,7 @@ def hoist_issues(graph: fx.Graph, groups: GroupTable, max_prefetch_bytes: int | 
             if ahead >= 0:
                 # where that block's compute starts: the first wait of its last-phase gathers
                 # (a first-phase wait feeds another collective, and may itself have moved early)
-                prev = [p for p in colls if p.block == blocks[ahead] and p.kind == "all_gather"
+                prev = [p for p in colls if p.block == blocks[ahead] and p.kind == Kind.ALL_GATHER
                         and not any(u.target in KIND_OF for u in p.wait.users)]
                 if not prev:
                     continue
@@ -183,7 +185,7 @@ def defer_second_phases(graph: fx.Graph, groups: GroupTable) -> int:
     colls = collectives(graph, groups)
     waits = {c.node: c.wait for c in colls}
     for c in colls:
-        second = _collective_fed_by(c.wait) if c.kind != "all_gather" else None
+        second = _collective_fed_by(c.wait) if c.kind != Kind.ALL_GATHER else None
         if second not in waits:
             continue
         pos = positions(graph)

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from paro_fsdp._compat import route_roofline_estimate
-from paro_fsdp.collectives import ring_bytes
+from paro_fsdp.collectives import Dim, Kind, ring_bytes
 from paro_fsdp.cost.cluster import Cluster, link_for, link_seconds, load_cluster
 from paro_fsdp.mesh import MeshGroups
 
@@ -64,11 +64,11 @@ class RuntimeEstimate:
     def collective_ms(self, node: fx.Node, override_size: int | None = None) -> float:
         kind = KIND_OF[node.target]
         group = str(node.args[-1])
-        dim = self.groups.get(group, ("global", None))[0]
+        dim = self.groups.get(group, (Dim.GLOBAL, None))[0]
         k = group_size_of(node, kind)
         if override_size is not None:
             nbytes = override_size
-        elif kind == "all_gather":
+        elif kind == Kind.ALL_GATHER:
             nbytes = _numel_bytes(node.meta.get("val"))
         else:
             nbytes = _numel_bytes(node.args[0].meta.get("val"))  # type: ignore[union-attr]

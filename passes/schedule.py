@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass
 
 import torch.fx as fx
 
+from paro_fsdp.collectives import Dim, Kind
+
 from .graph import COMPUTE, GroupTable, collectives, positions
 
 
@@ -42,8 +44,8 @@ _CODE_ISSUE = re.compile(r"(buf\w+) = torch\.ops\._c10d_functional\."
                          r"\w*\.default\(.*'([^']*)'\)")
 _CODE_WAIT = re.compile(r"torch\.ops\._c10d_functional\.wait_tensor\.default\((buf\w+)\)")
 _CODE_COMPUTE = re.compile(r"extern_kernels\.(mm|addmm|bmm|baddbmm)\(|_scaled_dot_product|convolution")
-_CODE_KIND = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
-              "all_reduce": "all_reduce"}
+_CODE_KIND = {"all_gather_into_tensor": Kind.ALL_GATHER, "reduce_scatter_tensor": Kind.REDUCE_SCATTER,
+              "all_reduce": Kind.ALL_REDUCE}
 
 
 def schedule_of_code(code: str, groups: GroupTable) -> list[Event]:
@@ -88,7 +90,7 @@ def as_dicts(events: list[Event]) -> list[dict]:
     return [asdict(e) for e in events]
 
 
-COLORS = {"intra": "tab:blue", "inter": "tab:red", "global": "tab:purple", "?": "tab:gray"}
+COLORS = {Dim.INTRA: "tab:blue", Dim.INTER: "tab:red", Dim.GLOBAL: "tab:purple", "?": "tab:gray"}
 
 
 def render_png(before: list[Event], after: list[Event], path: str, title: str) -> None:
@@ -101,7 +103,7 @@ def render_png(before: list[Event], after: list[Event], path: str, title: str) -
 
     rows = max(len(before), len(after), 1)
     fig, axes = plt.subplots(2, 1, figsize=(11, 1.6 + 0.5 * rows), sharex=True)
-    short = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR"}
+    short = {Kind.ALL_GATHER: "AG", Kind.REDUCE_SCATTER: "RS", Kind.ALL_REDUCE: "AR"}
     for ax, events, name in zip(axes, (before, after), ("before", "after")):
         for row, e in enumerate(events):
             ax.barh(row, max(e.wait - e.issue, 0.6), left=e.issue, color=COLORS.get(e.dim, "tab:gray"), height=0.7)

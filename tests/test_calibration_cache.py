@@ -1,5 +1,5 @@
 """The calibration kept between runs (``paro_fsdp/cost/calibration_cache.py``): ``strategy="auto"``
-without ``cluster=`` measures a mesh once, then reads it (issue 45, "Repeatable").
+without ``cluster=`` measures a mesh once, then reads it: the same plan run after run.
 
 On 4 real gloo ranks (2 groups x 2), twice in fresh processes, with ``calibrate_in_process`` replaced
 by a stand-in that counts its calls and returns timings that move from call to call and rank to rank

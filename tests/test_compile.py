@@ -170,13 +170,13 @@ PUSH = {
 
 @pytest.mark.parametrize("strategy", _fast(PUSH, ("IIG", "GGG")))
 def test_compiled_push_to_p_is_one_graph_bucketed_per_dimension(mesh, strategy):
-    from paro_fsdp.traced import compile_push
+    from paro_fsdp.traced import _compile_push
 
     _, model = compile_step(mesh, strategy, last=True)
     groups = [g for g in model._paro_state.groups if g.trainable]
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     record = passes.ParoPasses(["bucketing"], meshes=[model.paro_mesh_groups()])
-    compile_push(model, backend=passes.aot_backend(record))
+    _compile_push(model, backend=passes.aot_backend(record))
     for m in opt.param_groups[0]["params"]:  # the fake world's reductions leave garbage
         m.grad = torch.ones_like(m)
     counters.clear()
@@ -535,7 +535,7 @@ def _check(got: dict, ref: dict, case: tuple) -> None:
     if not _g_n_falls_back(strategy, how.get("boundary_in_graph", True)):
         assert (got["graphs"] > 0) == (strategy[:2] != "NN" or how.get("boundary_in_graph", True))
     if how.get("scope") == "blocks" and strategy[0] != "N":
-        # per block as the trainer compiles (traced.compile_block): the gather is in the block's
+        # per block as the trainer compiles (traced._compile_block): the gather is in the block's
         # graph, so reshard_after_forward holds and its backward graph re-gathers
         assert got["backward_gathers"] > 0
     for (loss, norm), (ref_loss, ref_norm) in zip(got["losses"], ref["losses"]):

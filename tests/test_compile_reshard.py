@@ -146,7 +146,7 @@ def test_per_block_compile_regathers_in_backward_as_eager(mesh, strategy, reshar
 @pytest.mark.parametrize("strategy", ["GGG", pytest.param("IGG", marks=pytest.mark.slow)])
 def test_torch_block_compile_keeps_the_strategy_memory(mesh, strategy):
     """torch's own ``block.compile()``, FSDP2's and torchtitan's recipe: the backward graph
-    re-gathers as ``compile_block``'s does, and the bytes moved and saved are the same."""
+    re-gathers as ``_compile_block``'s does, and the bytes moved and saved are the same."""
     ours, torchs = per_block(mesh, strategy), per_block(mesh, strategy, torch_compile=True)
     gathers = {k: v for k, v in graph_ring(torchs["record"], "backward", "count").items() if k.startswith("all_gather")}
     assert gathers == {f"all_gather/{d}": 1 for d in P_DIMS[strategy[0]]}

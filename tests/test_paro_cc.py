@@ -192,6 +192,7 @@ def _side_stream_checks(info, plain, n: int) -> dict:
     """With side streams (a GPU), every phase of a PaRO-CC collective is issued by the call
     itself (none from wait()), on the stream of its kind, and results equal the CPU path's."""
     from paro_fsdp.comm import MeshComm
+    from paro_fsdp.collectives import HIER, Kind
     from paro_fsdp.paro_cc import ParoCC
 
     rec = RecordingStreams()
@@ -203,17 +204,17 @@ def _side_stream_checks(info, plain, n: int) -> dict:
         (
             "all_gather",
             lambda c: c.all_gather(x, order="nested", chunks=4),
-            {("all_gather", "inter"): 4, ("all_gather", "intra"): 4},
+            dict.fromkeys(HIER[Kind.ALL_GATHER], 4),
         ),
         (
             "reduce_scatter",
             lambda c: c.reduce_scatter(torch.cat([x] * n), order="nested", chunks=4),
-            {("reduce_scatter", "intra"): 4, ("reduce_scatter", "inter"): 4},
+            dict.fromkeys(HIER[Kind.REDUCE_SCATTER], 4),
         ),
         (
             "all_reduce",
             lambda c: c.all_reduce(x, chunks=3),
-            {("reduce_scatter", "intra"): 3, ("all_reduce", "inter"): 3, ("all_gather", "intra"): 3},
+            dict.fromkeys(HIER[Kind.ALL_REDUCE], 3),
         ),
     ):
         stats.reset()

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from paro_fsdp import paro_shard
-from paro_fsdp.collectives import CommStats
+from paro_fsdp.collectives import HIER, CommStats, Dim
 from paro_fsdp.comm import MeshComm
 from paro_fsdp.cost.ledger import Bucket, traffic_of
 from paro_fsdp.overlap import forward_dims, push_dims
@@ -17,16 +17,11 @@ from paro_fsdp.plan import plan_of
 from paro_fsdp.strategy import ALL_STRATEGIES
 from paro_fsdp.train.estimate import fake_mesh, release_fake_world
 
-#: a global collective as PaRO-CC's phases (never flat here: flat_below_bytes = 0)
-PHASES = {"all_gather": [("all_gather", "inter"), ("all_gather", "intra")],
-          "reduce_scatter": [("reduce_scatter", "intra"), ("reduce_scatter", "inter")],
-          "all_reduce": [("reduce_scatter", "intra"), ("all_reduce", "inter"), ("all_gather", "intra")]}
-
-
 def expand(moves) -> list[tuple[str, str]]:
+    """A global move as PaRO-CC's phases (never flat here: flat_below_bytes = 0)."""
     out: list[tuple[str, str]] = []
     for m in moves:
-        out += PHASES[m.kind] if m.dim == "global" else [(m.kind, m.dim)]
+        out += HIER[m.kind] if m.dim == Dim.GLOBAL else [(m.kind, m.dim)]
     return out
 
 

@@ -333,7 +333,7 @@ def test_compiled_whole_model_and_push_graph_run_nothing_across_groups_eagerly(f
     got, want = more["compiled/IIG/model"], first["family/IIG"]
     assert got["losses"] == pytest.approx(want["losses"], rel=1e-5)
     # the whole model's boundary and the push are graph nodes (set_requires_gradient_sync on the
-    # last micro-step, traced.compile_push), so no inter traffic runs eagerly
+    # last micro-step, traced._compile_push), so no inter traffic runs eagerly
     assert any(k.endswith("/inter") for k in want["comm"])
     assert not any(k.endswith("/inter") and v["bytes"] for k, v in got["comm"].items())
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _compat
-from ..collectives import KINDS, hops, ring_bytes
+from ..collectives import KINDS, Kind, hops, ring_bytes
 from ..dtypes import dtype_of
 from ..models.llama import Llama, LlamaArgs, TransformerBlock, flavor, rope_tables
 from .cluster import GB, Cluster, GiB, Link
@@ -109,9 +109,9 @@ def calibrate_in_process(mesh: Any, model_args: Optional[Union[str, LlamaArgs]] 
         k, grp = sizes[d], groups[d]
         full = torch.ones(numel(mib, k), device=dev)
         shard = torch.ones(full.numel() // k, device=dev)
-        if kind == "all_gather":
+        if kind == Kind.ALL_GATHER:
             return lambda async_op=False: _compat.all_gather_single(full, shard, group=grp, async_op=async_op)
-        if kind == "reduce_scatter":
+        if kind == Kind.REDUCE_SCATTER:
             return lambda: _compat.reduce_scatter_single(shard, full, group=grp)
         return lambda: dist.all_reduce(full, group=grp)
 
@@ -131,7 +131,7 @@ def calibrate_in_process(mesh: Any, model_args: Optional[Union[str, LlamaArgs]] 
             bw, a = fit_alpha_beta(list(zip(ring, times)))
             per_kind[kind] = (bw / GB, a / hops(kind, k) * 1e6)
             measured[f"{d}_{kind}_seconds"] = [round(t, 7) for t in times]
-        base = per_kind["all_gather"]
+        base = per_kind[Kind.ALL_GATHER]
         links[d] = Link(*base, {kd: v for kd, v in per_kind.items() if v != base})
     for d, other in (("intra", "inter"), ("inter", "intra")):
         measured[f"{d}_link"] = "measured" if d in links else (f"copied from {other}" if other in links else
@@ -169,7 +169,7 @@ def calibrate_in_process(mesh: Any, model_args: Optional[Union[str, LlamaArgs]] 
     t_bw = together(lambda: yb.add_(xb), max(reps, 5))
     def overlap_on(d: str, rounds: int) -> float:
         """How much of a collective on ``d`` issued async hides behind matmuls of the same length."""
-        comm = collective("all_gather", d, sizes_mib[-1])
+        comm = collective(Kind.ALL_GATHER, d, sizes_mib[-1])
         n_mm = max(1, int(round(timed(comm, reps) / max(t_mm, 1e-9))))
         comp = lambda: [a_ @ b_ for _ in range(n_mm)]  # noqa: E731
 

@@ -14,7 +14,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Union
 
-from ..collectives import KINDS, hops
+from ..collectives import KINDS, Dim, Kind, hops
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -85,7 +85,7 @@ class Cluster:
         """The fraction of compute a collective on ``dim`` hides behind. Apart per dimension because
         they differ where ranks share a host: the inter link's collective waits on a network while
         the intra one is a copy competing with compute for the same cores."""
-        return self.intra_overlap if dim == "intra" and self.intra_overlap is not None else self.overlap
+        return self.intra_overlap if dim == Dim.INTRA and self.intra_overlap is not None else self.overlap
 
     @property
     def usable_bytes(self) -> float:
@@ -201,7 +201,7 @@ def _scaled(link: Link, factor: float, cap: Link) -> Link:
         return min(link.cost(kind)[0] * factor, cap.cost(kind)[0]) / GB
 
     per_kind = {k: (bw(k), link.cost(k)[1] * 1e6) for k in KINDS}
-    return Link(bw("all_gather"), link.latency_us, per_kind)
+    return Link(bw(Kind.ALL_GATHER), link.latency_us, per_kind)
 
 
 def link_for(dim: str, cluster: Cluster, n: Optional[int] = None, m: Optional[int] = None) -> Link:
@@ -214,9 +214,9 @@ def link_for(dim: str, cluster: Cluster, n: Optional[int] = None, m: Optional[in
     of whole nodes, one ring: inter x GPUs/node; never faster than NVLink, any other layout the
     plain per-GPU share (conservative)."""
     if n is None or m is None:
-        return cluster.intra if dim == "intra" else cluster.inter
+        return cluster.intra if dim == Dim.INTRA else cluster.inter
     gpn = cluster.gpus_per_node
-    if dim == "intra":
+    if dim == Dim.INTRA:
         if m <= gpn and gpn % m == 0:
             return cluster.intra
         return _scaled(cluster.inter, gpn, cluster.intra) if m % gpn == 0 else cluster.inter

@@ -9,7 +9,7 @@ Notation: n ranks, m per group, g = n / m groups; Psi = all parameters, Psi' = t
 ``os_bytes`` per trainable element of OS (AdamW: 12 = K). Which collectives run is the plan's
 (``plan.py``): per micro-step ``gather`` (twice for a block, forward and again in backward; once
 for the root, which stays gathered) and ``reduce``; once per step ``boundary`` and ``push``, on
-Psi'. A global collective is counted as PaRO-CC's phases (``_PHASES``), or flat below
+Psi'. A global collective is counted as PaRO-CC's phases (``collectives.HIER``), or flat below
 ``flat_below_bytes``; the ledger sizes a message by the bucket's Psi, the engine by its padded
 buffer. The clip's scalar all-reduce is DTensor's (``clip=True``: one flat fp32 all-reduce).
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
-from ..collectives import CommStats, ring_bytes, runs_flat
+from ..collectives import HIER, CommStats, Dim, Kind, ring_bytes, runs_flat
 from ..plan import Move, plan_of
 from ..strategy import Level, Strategy, StrategyLike
 
@@ -31,10 +31,6 @@ __all__ = ["Bucket", "Ledger", "backward_moments", "buckets_of", "formula_bytes"
            "peak_of", "peak_terms", "traffic_of"]
 
 _N = Level.N
-#: a global collective's phases as PaRO-CC runs them (the inter phase on 1/m of the message)
-_PHASES = {"all_gather": (("all_gather", "inter"), ("all_gather", "intra")),
-           "reduce_scatter": (("reduce_scatter", "intra"), ("reduce_scatter", "inter")),
-           "all_reduce": (("reduce_scatter", "intra"), ("all_reduce", "inter"), ("all_gather", "intra"))}
 
 
 class Ledger:
@@ -51,7 +47,7 @@ class Ledger:
     def add(self, kind: str, dim: str, full_numel: float, itemsize: int, times: float = 1) -> None:
         """Record ``times`` collectives of ``kind`` over ``dim`` on a buffer of ``full_numel``
         elements (the gathered size for an all-gather, the input for a reduction)."""
-        k = {"intra": self.m, "inter": self.g, "global": self.n}[dim]
+        k = {Dim.INTRA: self.m, Dim.INTER: self.g, Dim.GLOBAL: self.n}[dim]
         if k == 1 or times == 0:
             return
         self.stats.record(kind, dim, times * ring_bytes(kind, full_numel * itemsize, k), times)
@@ -61,14 +57,14 @@ class Ledger:
         is one PaRO-CC call: its phases, or one flat collective (below the threshold, or on a mesh
         of one dimension)."""
         for move in moves:
-            if move.dim != "global":
+            if move.dim != Dim.GLOBAL:
                 self.add(move.kind, move.dim, move.numel(psi, self.m), itemsize, times)
             elif self.m == 1 or self.g == 1 or runs_flat(psi * itemsize, self.flat_below_bytes):
-                dim = "global" if self.m > 1 and self.g > 1 else ("inter" if self.m == 1 else "intra")
+                dim = Dim.GLOBAL if self.m > 1 and self.g > 1 else (Dim.INTER if self.m == 1 else Dim.INTRA)
                 self.add(move.kind, dim, psi, itemsize, times)
             else:
-                for kind, dim in _PHASES[move.kind]:
-                    self.add(kind, dim, psi / self.m if dim == "inter" else psi, itemsize, times)
+                for kind, dim in HIER[move.kind]:
+                    self.add(kind, dim, psi / self.m if dim == Dim.INTER else psi, itemsize, times)
 
 
 @dataclass(frozen=True)
@@ -99,7 +95,7 @@ def traffic_of(buckets: Iterable[Bucket], n: int, m: int, grad_accum: int = 1, p
             t.count(plan.boundary, b.trainable, grad_bytes)
             t.count(plan.push, b.trainable, param_bytes)
     if clip:
-        t.add("all_reduce", "global", 1, 4)  # the fp32 squared-norm scalar
+        t.add(Kind.ALL_REDUCE, Dim.GLOBAL, 1, 4)  # the fp32 squared-norm scalar
     return t.stats
 
 
@@ -110,7 +106,7 @@ def memory_of(buckets: Iterable[Bucket], n: int, m: int, param_bytes: int = 2, g
     out = {"P": 0.0, "G": 0.0, "OS": 0.0, "master_grads": 0.0}
     for b in buckets:
         s = b.strategy
-        cast = s.p == s.os != _N and param_bytes != 4 and b.numel == b.trainable  # P is the master, sent cast
+        cast = plan_of(s).p_shard_at_os and param_bytes != 4 and b.numel == b.trainable  # P is the master, sent cast
         out["P"] += 0.0 if cast else param_bytes * b.numel / s.p.divisor(n, m)
         out["G"] += grad_bytes * b.trainable / s.g.divisor(n, m)
         shared = 4 if s.p == s.os and param_bytes == 4 else 0  # fp32 P = OS: the parameter is the master
@@ -190,7 +186,7 @@ def _whole_model(strategy: StrategyLike, psi: int, psi_trainable: int, psi_kept:
     s = Strategy.parse(strategy)
     if not 0 <= psi_kept <= psi or not 0 <= psi_trainable <= psi:
         raise ValueError(f"need 0 <= psi_kept, psi_trainable <= psi, got {psi_kept}, {psi_trainable}, {psi}")
-    once = 0 if s.p == _N else 1
+    once = 0 if plan_of(s).params_whole else 1
     return [Bucket(s, psi_kept, 0, once), Bucket(s, psi - psi_kept, psi_trainable, 2 * once)]
 
 
@@ -200,7 +196,7 @@ def formula_bytes(strategy: StrategyLike, psi: int, psi_trainable: int, n: int, 
     ``{"intra", "inter", "global", "total"}`` ("global": the clip-norm all-reduce, with ``clip=True``)."""
     buckets = _whole_model(strategy, psi, psi_trainable, psi_kept)
     t = traffic_of(buckets, n, m, grad_accum, param_bytes, grad_bytes, clip)
-    out = {dim: t.bytes(dim=dim) for dim in ("intra", "inter", "global")}
+    out = {str(dim): t.bytes(dim=dim) for dim in Dim}
     out["total"] = sum(out.values())
     return out
 
@@ -224,7 +220,7 @@ def buckets_of(model: Any) -> list[Bucket]:
     out = []
     for block in state.blocks:
         for g in block.groups:
-            gathers = 0 if g.strategy.p == _N else (2 if g.reshard_after_forward and not block.is_root else 1)
+            gathers = 0 if g.plan.params_whole else (2 if g.reshard_after_forward and not block.is_root else 1)
             out.append(Bucket(g.strategy, sum(r.numel for r in g.refs),
                               sum(r.numel for r in g.trainable), gathers))
     return out

@@ -11,12 +11,12 @@ from typing import Union
 
 from .ledger import Bucket
 from ..models.llama import FLAVORS, LlamaArgs, flavor
-from ..strategy import Level, Strategy, StrategyLike
+from ..plan import plan_of
+from ..strategy import Strategy, StrategyLike
 from .cluster import AdvisorError
 
 __all__ = ["ModelSpec", "activation_bytes", "buckets", "flops_per_token", "model_spec"]
 
-_N = Level.N
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,7 @@ def activation_bytes(spec: ModelSpec, micro_batch: int, seq_len: int, act_bytes:
 def buckets(spec: ModelSpec, strategy: StrategyLike, reshard_after_forward: bool = True) -> list[Bucket]:
     """The engine's buckets for a whole-model strategy: root, trainable layers, frozen layers."""
     s = Strategy.parse(strategy)
-    once = 0 if s.p == _N else 1
+    once = 0 if plan_of(s).params_whole else 1
     twice = 2 * once if reshard_after_forward else once
     out = [Bucket(s, spec.root, spec.root if spec.root_trainable else 0, once)]
     out += [Bucket(s, spec.layer, spec.layer, twice)] * spec.trainable_layers

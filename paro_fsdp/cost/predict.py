@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Iterable, Optional, Sequence, Union
 
-from ..collectives import CommStats, hops
+from ..collectives import CommStats, Dim, Kind, hops
 from ..dtypes import dtype_of
 from .ledger import Ledger, memory_of, peak_of, peak_terms, traffic_of
 from ..models.llama import LlamaArgs
@@ -71,15 +71,15 @@ class Prediction:
 
     @property
     def intra_bytes(self) -> float:
-        return self.traffic.bytes(dim="intra")
+        return self.traffic.bytes(dim=Dim.INTRA)
 
     @property
     def inter_bytes(self) -> float:
-        return self.traffic.bytes(dim="inter")
+        return self.traffic.bytes(dim=Dim.INTER)
 
     @property
     def global_bytes(self) -> float:
-        return self.traffic.bytes(dim="global")
+        return self.traffic.bytes(dim=Dim.GLOBAL)
 
 
 def _check_sizes(n: int, m: int, micro_batch: int, grad_accum: int, seq_len: int) -> None:
@@ -103,15 +103,15 @@ def traffic_time(t: CommStats, n: int, m: int, cluster: Cluster) -> dict[str, fl
     """Seconds per mesh dimension for the collectives in ``t`` (alpha-beta ring model) on the
     (n / m, m) mesh, each dimension on the links its rings use (``link_for`` with the mesh shape)."""
     g = n // m
-    out = {"intra": 0.0, "inter": 0.0, "global": 0.0}
+    out = {str(d): 0.0 for d in Dim}
     for key, e in t.as_dict().items():
-        kind, dim = key.split("/")
-        if dim == "global":  # a flat collective over all ranks: a hierarchical all-reduce's latency
-            lat = sum(hops("all_reduce", k) * link_for(d, cluster, n, m).cost("all_reduce")[1]
-                      for d, k in (("intra", m), ("inter", g)))
-            out[dim] += e["count"] * lat + e["bytes"] / link_for("inter", cluster, n, m).cost("all_reduce")[0]
+        kind, dim = (c(x) for c, x in zip((Kind, Dim), key.split("/")))
+        if dim == Dim.GLOBAL:  # a flat collective over all ranks: a hierarchical all-reduce's latency
+            ar = Kind.ALL_REDUCE
+            lat = sum(hops(ar, k) * link_for(d, cluster, n, m).cost(ar)[1] for d, k in ((Dim.INTRA, m), (Dim.INTER, g)))
+            out[dim] += e["count"] * lat + e["bytes"] / link_for(Dim.INTER, cluster, n, m).cost(ar)[0]
         else:
-            out[dim] += link_seconds(link_for(dim, cluster, n, m), kind, m if dim == "intra" else g, e["bytes"],
+            out[dim] += link_seconds(link_for(dim, cluster, n, m), kind, m if dim == Dim.INTRA else g, e["bytes"],
                                      e["count"])
     return out
 
@@ -134,8 +134,8 @@ def exposed_seconds(by_dim: dict[str, float], compute: float, cluster: Cluster) 
     ``compute`` seconds: each dimension hides up to its ``cluster.overlap_of`` of the compute, the
     slow (inter, flat) traffic first, the intra traffic in the compute it leaves. With one overlap
     for both: max(0, total - overlap x compute)."""
-    slow, fast = by_dim.get("inter", 0.0) + by_dim.get("global", 0.0), by_dim.get("intra", 0.0)
-    phi_slow, phi_fast = cluster.overlap_of("inter"), cluster.overlap_of("intra")
+    slow, fast = by_dim.get(Dim.INTER, 0.0) + by_dim.get(Dim.GLOBAL, 0.0), by_dim.get(Dim.INTRA, 0.0)
+    phi_slow, phi_fast = cluster.overlap_of(Dim.INTER), cluster.overlap_of(Dim.INTRA)
     hid_slow = min(slow, phi_slow * compute)
     left = max(0.0, compute - hid_slow / phi_slow) if phi_slow > 0 else compute
     return slow + fast - hid_slow - min(fast, phi_fast * left)
@@ -182,7 +182,7 @@ def predict(model: Union[str, LlamaArgs, ModelSpec], strategy: StrategyLike, n: 
     seconds = partial(moves_seconds, n=n, m=m, cluster=cluster)
     def total(*parts: dict[str, float], times: Sequence[float] = ()) -> dict[str, float]:
         k = list(times) or [1.0] * len(parts)
-        return {d: sum(w * p[d] for w, p in zip(k, parts)) for d in ("intra", "inter", "global")}
+        return {str(d): sum(w * p[d] for w, p in zip(k, parts)) for d in Dim}
 
     zero = total()
     plan = plan_of(s)

@@ -168,7 +168,7 @@ class Compile:
     passes: list[str] = field(default_factory=lambda: list(GRAPH_PASSES))
     """Graph passes to run, any of: bucketing, reorder ([] for none; inductor only)"""
     push_graph: bool = False
-    """Also compile the push of the updated parameters to P after each optimizer step (traced.compile_push;
+    """Also compile the push of the updated parameters to P after each optimizer step (traced._compile_push;
     off: it saves a few launches per step for about a block's compile time; docs/benchmarks.md)"""
     max_prefetch_mb: float = -1
     """reorder pass: bound on gathered parameters in flight, MiB (-1: no bound, 0: no prefetch)"""

@@ -154,7 +154,8 @@ def compile_first_block(model: torch.nn.Module, device: str) -> Any:
     import torch.distributed as dist
 
     import passes
-    from paro_fsdp.traced import compile_block, isolate_compile_cache
+    from paro_fsdp._compat import isolate_compile_cache
+    from paro_fsdp.traced import _compile_block
 
     isolate_compile_cache(dist.get_rank())
     torch._inductor.config.force_disable_caches = True  # a cache hit would skip the passes (and the record)
@@ -165,7 +166,7 @@ def compile_first_block(model: torch.nn.Module, device: str) -> Any:
     else:
         record = passes.ParoPasses(passes.ORDER, meshes=[model.paro_mesh_groups()])
         backend = passes.aot_backend(record)
-    compile_block(model.layers[0], backend=backend, fullgraph=True)  # the engine's hooks in the block's graph
+    _compile_block(model.layers[0], backend=backend, fullgraph=True)  # the engine's hooks in the block's graph
     return record
 
 

@@ -21,18 +21,16 @@ graphs, so all but the first hit the cache), ``fsdp2``
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import socket
 import tempfile
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from paro_fsdp.models.llama import FLAVORS, LlamaArgs
+from tools.local_world import run_local_world
 
 from .workload import GROUP, LR, MAX_NORM, WD, WORLD, make_model, reduce_max
 
@@ -47,7 +45,7 @@ class Config:
     strategy: str
     variants: tuple[str, ...]
     breakdown: bool = False  # print rank 0's compile time per phase (dynamo's compile_times)
-    push_graph: bool = False  # compile the push to P after each optimizer step (traced.compile_push)
+    push_graph: bool = False  # compile the push to P after each optimizer step (compile_model(push=True))
 
 
 def _tokens(cfg: Config, rank: int, step: int) -> torch.Tensor:
@@ -91,11 +89,10 @@ def _counters() -> dict[str, int]:
             "fx_miss": int(counters["inductor"]["fxgraph_cache_miss"])}
 
 
-def _worker(rank: int, cfg: Config, variant: str, port: int, cache: str, out: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", TORCHINDUCTOR_CACHE_DIR=cache)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+def _rank_main(job: tuple[Config, str]) -> dict:
+    """One rank of a run (``tools.local_world``): rank 0's times and counters, the others' {}."""
+    cfg, variant = job
+    rank, out = dist.get_rank(), {}
     model, clip, opt = _build(cfg, variant)  # passes.compile_model gives each rank its own cache folder
     times, frames = [], []
     for step in range(2):
@@ -116,23 +113,13 @@ def _worker(rank: int, cfg: Config, variant: str, port: int, cache: str, out: di
             from torch._dynamo.utils import compile_times
 
             print(f"rank 0 compile times by phase (s):\n{compile_times(repr='str', aggregate=True)}", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return out
 
 
 def run_variant(cfg: Config, variant: str, cache: str) -> dict:
     """One fresh 4-rank run of ``variant`` over the inductor cache folder ``cache``."""
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.start_processes(_worker, args=(cfg, variant, _free_port(), cache, out), nprocs=WORLD,
-                           start_method="spawn", join=True)
-        return dict(out)
+    return run_local_world(WORLD, "tools.bench.compile_time:_rank_main", (cfg, variant), timeout=3600,
+                           env={"TORCHINDUCTOR_CACHE_DIR": cache})[0]
 
 
 def table(cfg: Config, rows: dict[tuple[str, str], dict]) -> str:

@@ -28,9 +28,7 @@ same data, so their losses agree to float tolerance.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import socket
 import statistics
 import tempfile
 import time
@@ -39,13 +37,13 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
 import passes
 from paro_fsdp import init_paro_mesh, paro_shard
 from paro_fsdp.models.llama import LlamaArgs
-from paro_fsdp.traced import isolate_compile_cache
+from paro_fsdp._compat import isolate_compile_cache
+from tools.local_world import run_local_world
 
 from .workload import (GROUP, LR, MAX_NORM, WD, WORLD, add_model_args, batch_for, make_model, model_args_from,
                        reduce_max, reduce_mean)
@@ -164,10 +162,9 @@ def report(cfg: Config, variants: list[Variant], warm: tuple[str, float] | None)
         print(f"warm compile ({warm[0]}, after torch._dynamo.reset(), FX-graph cache hits): first step {warm[1]:.1f} s")
 
 
-def worker(cfg: Config) -> None:
+def _rank_main(cfg: Config) -> None:
+    """One rank of ``tools.local_world``'s world."""
     torch.set_num_threads(1)
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
     isolate_compile_cache(dist.get_rank())
     # every variant compiles the same forward code, and each PaRO one twice (the last micro-step's
     # graph differs): past dynamo's default of 8 compilations per code object it would silently
@@ -192,14 +189,6 @@ def worker(cfg: Config) -> None:
         warm = (target.name, max(reduce_max([target.step()])))
         passes.uninstall()
     report(cfg, variants, warm)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def _spawned(rank: int, cfg: Config, port: int, cache: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", TORCHINDUCTOR_CACHE_DIR=cache)
-    worker(cfg)
 
 
 def parse_args() -> Config:
@@ -214,12 +203,10 @@ def parse_args() -> Config:
 
 def main() -> None:
     cfg = parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="paro-inductor-") as cache:
-        mp.start_processes(_spawned, args=(cfg, port, cache), nprocs=WORLD, start_method="spawn", join=True)
+        run_local_world(WORLD, "tools.bench.compiled:_rank_main", cfg, timeout=24 * 3600,
+                        env={"TORCHINDUCTOR_CACHE_DIR": cache})
     print(f"total wall time including process start: {time.perf_counter() - t0:.1f} s")
 
 

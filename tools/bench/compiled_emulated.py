@@ -241,7 +241,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from paro_fsdp import init_paro_mesh
     from paro_fsdp.models.llama import LlamaArgs
-    from paro_fsdp.traced import isolate_compile_cache
+    from paro_fsdp._compat import isolate_compile_cache
     from paro_fsdp.train import timeline as T
 
     torch.set_num_threads(1)

@@ -2,7 +2,7 @@
 counts that do not depend on the machine's load: data-movement ops and the bytes they write,
 allocations (count and bytes, the allocator's own events), collectives, and Python calls into the
 engine's package. For PaRO strategies and Megatron-FSDP (in its own venv), each on 4 local gloo
-ranks under torchrun (rank 0 reported), the bench's Llama of ``tools.bench``'s issue-32 shape:
+ranks under torchrun (rank 0 reported), the bench's Llama in ``tools.bench``'s headline shape:
 
     .venv/bin/python -m tools.bench.hot_path --strategies III,IIG --peers mfsdp-hsdp
 

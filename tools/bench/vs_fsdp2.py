@@ -1,6 +1,6 @@
 """Step time of the PaRO engine against FSDP2 on the equivalent strategy (4 CPU gloo ranks).
 
-Run (one command, also ``make bench``; it spawns the 4 gloo ranks itself)::
+Run (one command, also ``make bench``; it starts the 4 gloo ranks itself, tools.local_world)::
 
     .venv/bin/python -m tools.bench.vs_fsdp2              # the table: ~80 s on 2 shared cores
     .venv/bin/python -m tools.bench.vs_fsdp2 --profile    # + where PaRO's time goes: ~2 min
@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import socket
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -50,11 +49,11 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from paro_fsdp import init_paro_mesh, paro_shard
 from paro_fsdp.models.llama import LlamaArgs
+from tools.local_world import run_local_world
 
 from .engine_profile import profile_runners
 from .workload import (GROUP, LR, MAX_NORM, WD, WORLD, add_model_args, batch_for, make_model, model_args_from,
@@ -201,23 +200,22 @@ def report(pairs: list[Pair], cfg: BenchConfig, wall: float) -> None:
 
 # ---- entry points ------------------------------------------------------------------------------
 def worker(cfg: BenchConfig) -> None:
+    """One rank under torchrun."""
+    dist.init_process_group("gloo")
+    _rank_main(cfg)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _rank_main(cfg: BenchConfig) -> None:
+    """One rank, in a process group already started (torchrun's, or ``tools.local_world``'s)."""
     torch.set_num_threads(1)
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
     t0 = time.perf_counter()
     pairs = build_pairs(cfg)
     run_rounds(pairs, cfg.warmup, cfg.rounds)
     report(pairs, cfg, time.perf_counter() - t0)
     if cfg.profile:
         profile_runners(cfg, pairs, steps=2)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def _spawned(rank: int, cfg: BenchConfig, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-    worker(cfg)
 
 
 def parse_args() -> BenchConfig:
@@ -238,11 +236,8 @@ def main() -> None:
             raise SystemExit(f"this bench needs exactly {WORLD} ranks (2x2 mesh)")
         worker(cfg)
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     t0 = time.perf_counter()
-    mp.start_processes(_spawned, args=(cfg, port), nprocs=WORLD, start_method="spawn", join=True)
+    run_local_world(WORLD, "tools.bench.vs_fsdp2:_rank_main", cfg, timeout=24 * 3600)
     print(f"total wall time including process start: {time.perf_counter() - t0:.1f} s")
 
 

@@ -1,4 +1,4 @@
-"""The peers: the systems users would run instead of PaRO, in their own released code (issue 32),
+"""The peers: the systems users would run instead of PaRO, in their own released code (each pinned to a release),
 as baselines of ``python -m tools.bench`` (``--baselines ds-zero3,mfsdp-hsdp,...``).
 
     python -m tools.bench.peers setup            # one virtual environment per pinned release
