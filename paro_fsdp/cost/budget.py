@@ -12,8 +12,8 @@ Every cost comes from the ledger (``peak_terms``, ``traffic_of``, ``Ledger``) an
 from __future__ import annotations
 
 import os
-from operator import mul
 from dataclasses import dataclass, field
+from operator import mul
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 from ..mesh import as_2d

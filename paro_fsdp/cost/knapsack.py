@@ -48,7 +48,7 @@ class Option:
 class Footprint:
     """footprint(plan) = sum w + max over moments (const + sum_d coefs[d] x max_items peaks[d])
     + sum_j min(caps[j], sum_items queues[j]); the moments: (const, coefs), then each of ``also``
-    (the backward's and the reduction's: ``ledger.peak_of``)."""
+    (the backward's moments: ``ledger.backward_moments``)."""
 
     const: float = 0.0
     coefs: tuple[float, ...] = ()
@@ -180,7 +180,6 @@ def min_footprint(items: Sequence[Sequence[Option]], fp: Footprint = Footprint()
     if best is None:
         raise ValueError("min_footprint: an item has no options")
     return best
-
 
 
 def within(items, fp: Footprint, limit: float, cells: int, peak_of_plan: Callable[[list[int]], float]):
