@@ -85,16 +85,18 @@ def run_moves(group: ParoParamGroup, moves: tuple[Move, ...], flat: torch.Tensor
 def _issue(group: ParoParamGroup, move: Move, flat: torch.Tensor) -> Work:
     """Put one move on the wire. Global moves run on NESTED buffers (PaRO-CC's order), inter
     reductions on the intra shard laid out [g, sum_g]."""
-    layout, dt, kind = group.t_layout, flat.dtype, move.kind
+    layout, dt, kind, wire = group.t_layout, flat.dtype, move.kind, move.wire
     if move.dim == Dim.GLOBAL:
         if kind == Kind.REDUCE_SCATTER:
             empty = torch.empty if layout.nested_uniform else torch.zeros
             nested = layout.full_to_nested(flat, empty(layout.numel_nested(), dtype=dt, device=group.device))
-            return group.cc.reduce_scatter(nested, order="nested")
-        return group.cc.all_gather(flat, order="nested") if kind == Kind.ALL_GATHER else group.cc.all_reduce(flat)
+            return group.cc.reduce_scatter(nested, order="nested", wire=wire)
+        if kind == Kind.ALL_GATHER:
+            return group.cc.all_gather(flat, order="nested", wire=wire)
+        return group.cc.all_reduce(flat, wire=wire)
     if move.dim == Dim.INTER and kind == Kind.REDUCE_SCATTER:
         flat = layout.i_to_inter(flat, torch.empty(group.info.g * layout.sum_g, dtype=dt, device=group.device))
-    return getattr(group.comm, str(kind))(flat, move.dim)
+    return getattr(group.comm, str(kind))(flat, move.dim, wire=wire)
 
 
 def _arrive(group: ParoParamGroup, move: Move, result: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:

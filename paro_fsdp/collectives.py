@@ -1,5 +1,6 @@
 """What one collective is: its kind (``Kind``) and mesh dimension (``Dim``), a global one's
-phases as PaRO-CC runs them (``HIER``), the bytes one rank sends in its ring, its ring steps,
+phases as PaRO-CC runs them (``HIER``), a quantized one's collectives (``QUANTIZED``) and its
+bytes on the wire (``wire_bytes``), the bytes one rank sends in its ring, its ring steps,
 whether a global one runs flat, and ``CommStats``, the one counter of collectives.
 
 Why one module under everything else: the engine (``comm.MeshComm``), the ledger
@@ -12,7 +13,8 @@ from __future__ import annotations
 import enum
 from collections import defaultdict
 
-__all__ = ["DIMS", "HIER", "KINDS", "CommStats", "Dim", "Kind", "hops", "ring_bytes", "runs_flat"]
+__all__ = ["DIMS", "HIER", "KINDS", "QBLOCK", "QUANTIZED", "WIRES", "CommStats", "Dim", "Kind", "hops", "ring_bytes",
+           "runs_flat", "wire_bytes"]
 
 
 class _Name(str, enum.Enum):
@@ -31,6 +33,7 @@ class Kind(_Name):
     ALL_GATHER = "all_gather"
     REDUCE_SCATTER = "reduce_scatter"
     ALL_REDUCE = "all_reduce"
+    ALL_TO_ALL = "all_to_all"  # a quantized reduction's exchange (``QUANTIZED``): never a phase of the plan
 
 
 class Dim(_Name):
@@ -41,7 +44,8 @@ class Dim(_Name):
     GLOBAL = "global"
 
 
-KINDS = tuple(Kind)
+#: the kinds the plan names and a cluster prices one by one (an all-to-all is priced at the link's base rate)
+KINDS = (Kind.ALL_GATHER, Kind.REDUCE_SCATTER, Kind.ALL_REDUCE)
 DIMS = tuple(Dim)
 
 #: a global collective as PaRO-CC runs it, phase by phase (the inter phase on 1/m of the message):
@@ -51,6 +55,26 @@ HIER: dict[Kind, tuple[tuple[Kind, Dim], ...]] = {
     Kind.REDUCE_SCATTER: ((Kind.REDUCE_SCATTER, Dim.INTRA), (Kind.REDUCE_SCATTER, Dim.INTER)),
     Kind.ALL_REDUCE: ((Kind.REDUCE_SCATTER, Dim.INTRA), (Kind.ALL_REDUCE, Dim.INTER), (Kind.ALL_GATHER, Dim.INTRA)),
 }
+
+
+#: how a kind runs where its wire is quantized, the collectives in order (the one copy: ``quantize`` issues
+#: them, ``cost.ledger`` counts them). A reduction cannot sum int8 on the wire, so it is an all-to-all of
+#: quantized pieces, each rank summing what it receives in fp32 (ZeRO++'s qgZ); an all-reduce is that,
+#: then an all-gather of the summed piece, quantized again.
+QUANTIZED: dict[Kind, tuple[Kind, ...]] = {
+    Kind.ALL_GATHER: (Kind.ALL_GATHER,),
+    Kind.REDUCE_SCATTER: (Kind.ALL_TO_ALL,),
+    Kind.ALL_REDUCE: (Kind.ALL_TO_ALL, Kind.ALL_GATHER),
+}
+#: bits per element of each quantized wire dtype; one fp32 scale per ``QBLOCK`` elements
+WIRES = {"int8": 8, "int4": 4}
+QBLOCK = 256
+
+
+def wire_bytes(wire: str, numel: float) -> float:
+    """Bytes of ``numel`` elements quantized to ``wire``: the codes and one fp32 scale per block
+    (int8: 1.016 bytes an element, 3.94x fewer than fp32; int4: 0.516)."""
+    return -(-numel // QBLOCK) * (QBLOCK * WIRES[wire] // 8 + 4)
 
 
 def ring_bytes(kind: str, nbytes: float, k: int) -> float:

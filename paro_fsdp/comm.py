@@ -1,7 +1,8 @@
 """Every collective the engine issues, counted as it runs.
 
 One implementation per collective, on the traceable ``_c10d_functional`` ops so the same calls
-run eagerly and appear in compiled graphs, each counted with ``collectives.ring_bytes``.
+run eagerly and appear in compiled graphs, each counted with ``collectives.ring_bytes``. A move
+the plan sends quantized (``wire``) runs ``quantize.py``'s collectives, built on these.
 """
 from __future__ import annotations
 
@@ -10,12 +11,18 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from . import quantize
 from ._compat import use_safe_gloo_all_gather
 from .collectives import CommStats, Kind, ring_bytes
 from .mesh import MeshGroups
 from .streams import CommStreams, active
 
 _ops = torch.ops._c10d_functional
+
+
+def wait(result: Any) -> torch.Tensor:
+    """A functional collective's result, waited for (a quantized one's, dequantized)."""
+    return result.wait() if isinstance(result, quantize.Deferred) else _ops.wait_tensor(result)
 
 
 @dataclass
@@ -37,7 +44,7 @@ class Pending:
             self.streams.wait(self.event)
             self.event = self.keep = None
             return self.tensor
-        return _ops.wait_tensor(self.tensor) if self.issued else self.tensor
+        return wait(self.tensor) if self.issued else self.tensor
 
 
 class Work(Protocol):
@@ -54,7 +61,7 @@ def on_side_stream(streams: CommStreams, kind: str, keep: Any, issue: Callable[[
     """Issue a collective (``issue()`` returns its functional result) on the ``kind`` side
     stream and wait for it there; the consumer waits on the event (streams.py)."""
     with streams.issue(kind) as side:
-        out = _ops.wait_tensor(issue())
+        out = wait(issue())
         event = side.record_event()
     return Pending(out, False, event, keep, streams)
 
@@ -101,7 +108,9 @@ class MeshComm:
         self.streams = streams  # side streams for collectives on a GPU (None on CPU): streams.py
         self.pool = BufferPool() if streams is None else None
 
-    def _issue(self, kind: str, dim: str, keep: torch.Tensor, issue: Callable[[], torch.Tensor]) -> Pending:
+    wait = staticmethod(wait)
+
+    def _issue(self, kind: str, dim: str, keep: torch.Tensor, issue: Callable[[], Any]) -> Pending:
         if self.info.size(dim) == 1:  # nothing to exchange: the input is the result
             return Pending(keep, False)
         streams = active(self.streams)
@@ -114,35 +123,58 @@ class MeshComm:
             return
         self.stats.record(kind, dim, ring_bytes(kind, numel * t.element_size(), self.info.size(dim)))
 
-    # ---- issued where the caller stands: the functional result ---------------------------------
-    def functional_all_gather(self, shard: torch.Tensor, dim: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    # ---- issued where the caller stands: the functional result (``wait`` it) -------------------
+    # ``wire`` (a quantized dtype, ``collectives.WIRES``): the move runs through ``quantize.py``
+    def functional_all_gather(self, shard: torch.Tensor, dim: str, out: torch.Tensor | None = None,
+                              wire: str | None = None) -> Any:
+        if wire is not None:
+            return quantize.all_gather(self, shard, dim, wire)
         k = self.info.size(dim)
         self._count(Kind.ALL_GATHER, dim, shard.numel() * k, shard)
         if out is not None:  # into a given buffer (eager: a pooled one)
             return _ops.all_gather_into_tensor_out(shard, k, self.info.group_names[dim], out=out)
         return _ops.all_gather_into_tensor(shard, k, self.info.group_names[dim])
 
-    def functional_reduce_scatter(self, full: torch.Tensor, dim: str, *, op: str = "sum") -> torch.Tensor:
+    def functional_reduce_scatter(self, full: torch.Tensor, dim: str, *, op: str = "sum",
+                                  wire: str | None = None) -> Any:
+        if wire is not None:
+            _check_sum(op)
+            return quantize.reduce_scatter(self, full, dim, wire)
         k = self.info.size(dim)
         self._count(Kind.REDUCE_SCATTER, dim, full.numel(), full)
         return _ops.reduce_scatter_tensor(full, op, k, self.info.group_names[dim])
 
-    def functional_all_reduce(self, t: torch.Tensor, dim: str, *, op: str = "sum") -> torch.Tensor:
+    def functional_all_reduce(self, t: torch.Tensor, dim: str, *, op: str = "sum", wire: str | None = None) -> Any:
+        if wire is not None:
+            _check_sum(op)
+            return quantize.all_reduce(self, t, dim, wire)
         self._count(Kind.ALL_REDUCE, dim, t.numel(), t)
         return _ops.all_reduce(t, op, self.info.group_names[dim])
 
+    def functional_all_to_all(self, x: torch.Tensor, dim: str) -> torch.Tensor:
+        """``x``'s k equal pieces, piece j to rank j of ``dim``; piece j of the result is rank j's."""
+        k = self.info.size(dim)
+        self._count(Kind.ALL_TO_ALL, dim, x.numel(), x)
+        split = [x.numel() // k] * k
+        return _ops.all_to_all_single(x, split, split, self.info.group_names[dim])
+
     # ---- on the side stream of its kind on a GPU: a Pending ------------------------------------
     def all_gather(self, shard: torch.Tensor, dim: str, *, params: bool = False,
-                   out: torch.Tensor | None = None) -> Pending:
+                   out: torch.Tensor | None = None, wire: str | None = None) -> Pending:
         """Concatenate every rank's 1-D ``shard`` in rank order along ``dim`` (into ``out`` where
         given). ``params``: a micro-step's parameter gather, which waits only for earlier
         copy-outs (streams.py)."""
         return self._issue("params" if params else "gather", dim, shard,
-                           lambda: self.functional_all_gather(shard, dim, out))
+                           lambda: self.functional_all_gather(shard, dim, out, wire))
 
-    def reduce_scatter(self, full: torch.Tensor, dim: str, *, op: str = "sum") -> Pending:
+    def reduce_scatter(self, full: torch.Tensor, dim: str, *, op: str = "sum", wire: str | None = None) -> Pending:
         """Reduce the 1-D ``full`` over ``dim`` and keep this rank's 1/k piece."""
-        return self._issue("reduce", dim, full, lambda: self.functional_reduce_scatter(full, dim, op=op))
+        return self._issue("reduce", dim, full, lambda: self.functional_reduce_scatter(full, dim, op=op, wire=wire))
 
-    def all_reduce(self, t: torch.Tensor, dim: str, *, op: str = "sum") -> Pending:
-        return self._issue("reduce", dim, t, lambda: self.functional_all_reduce(t, dim, op=op))
+    def all_reduce(self, t: torch.Tensor, dim: str, *, op: str = "sum", wire: str | None = None) -> Pending:
+        return self._issue("reduce", dim, t, lambda: self.functional_all_reduce(t, dim, op=op, wire=wire))
+
+
+def _check_sum(op: str) -> None:
+    if op != "sum":
+        raise ValueError(f"a quantized reduction sums (op='sum'), got op={op!r}: reduce in the working dtype instead")

@@ -40,7 +40,7 @@ def _outside_meta_default(fn: Callable[..., Any]) -> Callable[..., Any]:
 def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[DeviceMesh] = None,
                 strategy: Optional[PolicyLike] = None, reshard_after_forward: Optional[bool] = None,
                 shard_placement_fn: Any = None,
-                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(), inter_dtype: Optional[str] = None,
                 offload_policy: OffloadPolicy = OffloadPolicy(),
                 ignored_params: Any = None, memory_budget: Optional[float] = None, workload: Any = None,
                 cluster: Any = None) -> Union[nn.Module, list[nn.Module]]:
@@ -55,7 +55,9 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
     a callable, as ``paro_shard``'s policy); default, FSDP2's layout on that mesh (GGG on 1D, III
     on 2D).
     ``mp_policy``: torch's ``MixedPrecisionPolicy`` (``param_dtype``, ``reduce_dtype``,
-    ``cast_forward_inputs``); the parameters themselves stay fp32, as FSDP2's.
+    ``cast_forward_inputs``); the parameters themselves stay fp32, as FSDP2's. ``inter_dtype``
+    ("int8", "int4"; PaRO's own, torch's policy has no such field): what crosses between groups
+    travels quantized (``MixedPrecision.inter_dtype``); None, the default, is exact.
 
     ``strategy="auto"`` (with ``memory_budget=`` bytes per rank, ``workload=``, ``cluster=``, as
     ``paro_shard``'s) plans the whole model at once, so it is one call on the root, with no
@@ -68,11 +70,11 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
         if is_auto(strategy):
             raise ValueError("fully_shard(strategy=\"auto\") plans a whole model: call it on the root module, not on "
                              "a list of modules")
-        fully_shard_group(modules, mesh, strategy, reshard_after_forward, mp_policy)
+        fully_shard_group(modules, mesh, strategy, reshard_after_forward, _mixed_precision(mp_policy, inter_dtype))
         return module
     if strategy is None:
         strategy = "GGG" if mesh.ndim == 1 else "III"
-    mp = _mixed_precision(mp_policy)
+    mp = _mixed_precision(mp_policy, inter_dtype)
     adopted = _sharded_inside(module)
     blocks: list[nn.Module] = []
     if is_auto(strategy):
@@ -115,7 +117,7 @@ def _uninitialised(name: str, tensor: torch.Tensor) -> None:
 
 
 def fully_shard_group(modules: list[nn.Module], mesh: DeviceMesh, strategy: Optional[PolicyLike],
-                      reshard_after_forward: Optional[bool], mp_policy: MixedPrecisionPolicy) -> None:
+                      reshard_after_forward: Optional[bool], mp: MixedPrecision) -> None:
     """A list of modules as one group: their parameters (a tied one once) in one block, whose
     hooks are on each module; the root's call adopts it like any block."""
     holder = nn.ModuleList(modules)  # names for the parameters until the root renames them; not kept
@@ -126,7 +128,7 @@ def fully_shard_group(modules: list[nn.Module], mesh: DeviceMesh, strategy: Opti
     strategy = strategy if strategy is not None else ("GGG" if mesh.ndim == 1 else "III")
     _refuse_dtensors(list(holder.named_parameters()))
     strategies = resolve_policy(strategy, list(holder.named_parameters()))
-    build(holder, mesh, strategies, [], _mixed_precision(mp_policy), {}, reshard_after_forward,
+    build(holder, mesh, strategies, [], mp, {}, reshard_after_forward,
           param_init_fn=_uninitialised, root_hooks_on=modules)
     _await_to_empty(modules[0], [], list(holder.named_parameters()))
 
@@ -155,9 +157,9 @@ def _modules_of(module: Any) -> list[nn.Module]:
     raise TypeError(f"fully_shard takes an nn.Module or a non-empty list of them, got {type(module).__name__}")
 
 
-def _mixed_precision(mp_policy: MixedPrecisionPolicy) -> MixedPrecision:
+def _mixed_precision(mp_policy: MixedPrecisionPolicy, inter_dtype: Optional[str]) -> MixedPrecision:
     return MixedPrecision(param_dtype=mp_policy.param_dtype or torch.float32, reduce_dtype=mp_policy.reduce_dtype,
-                          cast_forward_inputs=mp_policy.cast_forward_inputs)
+                          cast_forward_inputs=mp_policy.cast_forward_inputs, inter_dtype=inter_dtype)
 
 
 def _sharded_inside(module: nn.Module) -> list:

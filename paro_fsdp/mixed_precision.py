@@ -6,6 +6,8 @@ from typing import Optional
 
 import torch
 
+from .collectives import WIRES
+
 
 @dataclass(frozen=True)
 class MixedPrecision:
@@ -18,12 +20,16 @@ class MixedPrecision:
     away (docs/api.md). ``None``: the reduce dtype (half the G memory).
     ``cast_forward_inputs``: floating-point model inputs cast to ``param_dtype`` at the model's
     entry only (a block's fp32 inputs, RoPE tables, are deliberate), as FSDP2's.
+    ``inter_dtype``: what crosses between groups, quantized: "int8" (parameters and gradients) or
+    "int4" (gradients; parameters int8), block-wise scaled, gradients summed in fp32 where they
+    arrive (quantize.py); None, the default: the dtypes above, exact. Inside a group nothing changes.
     """
 
     param_dtype: torch.dtype = torch.float32
     reduce_dtype: Optional[torch.dtype] = None
     accumulate_dtype: Optional[torch.dtype] = torch.float32
     cast_forward_inputs: bool = True
+    inter_dtype: Optional[str] = None
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype", "accumulate_dtype"):
@@ -35,6 +41,9 @@ class MixedPrecision:
             raise ValueError(f"MixedPrecision: gradients would be reduced in float16 ({given}), "
                              "a plain sum over all ranks "
                              f"that overflows at scale; set reduce_dtype=torch.bfloat16 (or torch.float32)")
+        if self.inter_dtype is not None and self.inter_dtype not in WIRES:
+            raise ValueError(f"MixedPrecision.inter_dtype must be one of {sorted(WIRES)} or None, "
+                             f"got {self.inter_dtype!r}")
         if self.accumulate_dtype == torch.float16:
             raise ValueError("MixedPrecision: accumulate_dtype=torch.float16 sums undivided gradients "
                              "and overflows at scale; "

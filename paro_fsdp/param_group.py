@@ -87,7 +87,7 @@ class ParoParamGroup:
                  mp: MixedPrecision, reshard_after_forward: bool,
                  param_init_fn: Callable[[str, torch.Tensor], None] | None = None) -> None:
         self.name, self.strategy, self.info, self.mp = name, strategy, info, mp
-        self.plan = plan_of(strategy)  # its collectives, phase by phase (plan.py)
+        self.plan = plan_of(strategy, mp.inter_dtype)  # its collectives, phase by phase (plan.py)
         self.comm, self.cc = comm, cc  # one-dimension collectives; global ones (PaRO-CC), both the model's
         self.refs = sorted(refs, key=lambda r: not r.requires_grad)  # trainable first
         self.trainable = [r for r in self.refs if r.requires_grad]
@@ -226,7 +226,7 @@ class ParoParamGroup:
         its chunks as they arrived, for ``copy_out``)."""
         (move,) = self.plan.gather
         if move.dim == Dim.GLOBAL:
-            return self.cc.all_gather(self.p_send(), order="nested", params=True, parts=parts)
+            return self.cc.all_gather(self.p_send(), order="nested", params=True, parts=parts, wire=move.wire)
         out = self._take(self.info.m * self.p_layout.sum_i, self.mp.param_dtype) if parts else None
         if out is not None:  # (never set while tracing: torch 2.11's dynamo refuses the mutation in a HOP)
             self._gather_buf = out  # handed back to the pool after the copy-out (``unshard``)
@@ -317,9 +317,9 @@ class ParoParamGroup:
         if not self.plan.reduce:
             return None
         (move,) = self.plan.reduce
-        if move.dim == "global":
-            return self.cc.reduce_scatter(buf, order="nested")
-        return self.comm.reduce_scatter(buf, move.dim)
+        if move.dim == Dim.GLOBAL:
+            return self.cc.reduce_scatter(buf, order="nested", wire=move.wire)
+        return self.comm.reduce_scatter(buf, move.dim, wire=move.wire)
 
     # ---- parameters: shard <-> whole (eager) ---------------------------------------------
     def register(self, tensors: list[torch.Tensor]) -> None:

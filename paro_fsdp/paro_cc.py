@@ -21,11 +21,9 @@ from typing import Callable
 
 import torch
 
-from .comm import MeshComm
+from .comm import MeshComm, wait
 from .collectives import HIER, Dim, Kind, runs_flat
 from .streams import active
-
-_ops = torch.ops._c10d_functional
 
 ORDERS = ("flat", "nested")
 #: reductions gloo and NCCL both run in reduce_scatter_tensor / all_reduce
@@ -33,10 +31,6 @@ REDUCE_OPS = ("sum", "avg", "max", "min")
 
 DEFAULT_CHUNK_BYTES = 8 << 20
 DEFAULT_MAX_CHUNKS = 8
-
-
-def _wait(t: torch.Tensor) -> torch.Tensor:
-    return _ops.wait_tensor(t)
 
 
 @dataclass
@@ -109,10 +103,16 @@ class ParoCC:
         self._ar = comm.functional_all_reduce
         self._calls = {Kind.ALL_GATHER: self._ag, Kind.REDUCE_SCATTER: self._rs, Kind.ALL_REDUCE: self._ar}
 
-    def _phases(self, kind: Kind) -> list[Callable[..., torch.Tensor]]:
+    def _phases(self, kind: Kind, wire: str | None) -> list[Callable[..., torch.Tensor]]:
         """The calls of a global ``kind``'s phases, each on its mesh dimension, in the order of
-        ``collectives.HIER`` (the one copy of the split, which the ledger counts)."""
-        return [functools.partial(self._calls[k], dim=d) for k, d in HIER[kind]]
+        ``collectives.HIER`` (the one copy of the split, which the ledger counts); ``wire``
+        quantizes the inter phase only, the one on the slow link."""
+        return [functools.partial(self._calls[k], dim=d, **self._on(d, wire)) for k, d in HIER[kind]]
+
+    @staticmethod
+    def _on(dim: Dim, wire: str | None) -> dict:
+        """The quantized wire of a phase over ``dim`` (inter only): keyword arguments of its call."""
+        return {"wire": wire} if wire is not None and dim == Dim.INTER else {}
 
     def _nchunks(self, nbytes: int, limit: int, chunks: int | None) -> int:
         if chunks is None:
@@ -149,18 +149,20 @@ class ParoCC:
         return HierPending(finish, _keep=keep)
 
     def all_gather(self, shard: torch.Tensor, *, order: str = "flat", chunks: int | None = None,
-                   params: bool = False, parts: bool = False) -> HierPending:
+                   params: bool = False, parts: bool = False, wire: str | None = None) -> HierPending:
         """Concatenate every rank's ``shard`` along dim 0 (rank order per ``order``): inter
         all-gather, then intra all-gather, per chunk. ``params``: see ``MeshComm.all_gather``.
         ``parts`` (order "nested", a 1-D shard): the chunks as they arrived (``layout.NestedPart``),
         not assembled, so the consumer copies each straight to where it goes (one buffer of the
-        whole, not the pieces, a buffer and a copy)."""
+        whole, not the pieces, a buffer and a copy). ``wire``: the inter phase quantized (a message
+        that runs flat does not cross groups in a phase of its own, and stays in its dtype)."""
         if parts and (order != "nested" or shard.dim() != 1):
             raise ValueError("parts=True needs order='nested' and a 1-D shard")
         return self._issue("params" if params else "gather", shard,
-                           lambda: self._all_gather(shard, order, chunks, parts))
+                           lambda: self._all_gather(shard, order, chunks, parts, wire))
 
-    def _all_gather(self, shard: torch.Tensor, order: str, chunks: int | None, parts: bool = False) -> HierPending:
+    def _all_gather(self, shard: torch.Tensor, order: str, chunks: int | None, parts: bool,
+                    wire: str | None) -> HierPending:
         self._check(order)
         g, m = self.info.g, self.info.m
         n = g * m
@@ -174,43 +176,45 @@ class ParoCC:
         if n == 1:
             return _done(whole(x.clone()))
         if g == 1 or m == 1:  # one level only: the global group *is* that level, same rank order
-            res = self._ag(x, Dim.INTRA if g == 1 else Dim.INTER)
-            return HierPending(lambda: whole(_wait(res)))
+            dim = Dim.INTRA if g == 1 else Dim.INTER
+            res = self._ag(x, dim, **self._on(dim, wire))
+            return HierPending(lambda: whole(wait(res)))
         if s == 0:
             return _done(whole(x.new_empty(out_shape)))
         if runs_flat(n * s * x.element_size(), self.flat_below_bytes):
             res = self._ag(x, Dim.GLOBAL)  # flat rank order k * m + l
             if order == "nested":
-                return HierPending(lambda: whole(flat_to_nested(_wait(res), g, m)))
-            return HierPending(lambda: _wait(res).view(out_shape))
+                return HierPending(lambda: whole(flat_to_nested(wait(res), g, m)))
+            return HierPending(lambda: wait(res).view(out_shape))
         bounds = _bounds(s, self._nchunks(n * s * x.element_size(), s, chunks))
-        inter_phase, intra_phase = self._phases(Kind.ALL_GATHER)
+        inter_phase, intra_phase = self._phases(Kind.ALL_GATHER, wire)
         inter = [inter_phase(x[a:b]) for a, b in bounds]  # [k][j] per chunk, all in flight
 
         def finish() -> torch.Tensor | list:
             intra = []
             for part in inter:  # intra phase of chunk c overlaps the inter phase of c + 1 ...
-                intra.append(intra_phase(_wait(part)))
+                intra.append(intra_phase(wait(part)))
             if parts:  # intra output [l][k][b - a]: chunk c's columns of the nested layout
-                return [(a, b, _wait(part).view(m, g, b - a)) for (a, b), part in zip(bounds, intra)]
+                return [(a, b, wait(part).view(m, g, b - a)) for (a, b), part in zip(bounds, intra)]
             if len(bounds) == 1 and order == "nested":
-                return _wait(intra[0]).view(out_shape)  # [l][k][s] is the nested layout itself
+                return wait(intra[0]).view(out_shape)  # [l][k][s] is the nested layout itself
             out = torch.empty(n * s, dtype=x.dtype, device=x.device)
             dst = self._blocks(out, s, order)
             for (a, b), part in zip(bounds, intra):
-                dst[:, :, a:b].copy_(_wait(part).view(m, g, b - a).transpose(0, 1))
+                dst[:, :, a:b].copy_(wait(part).view(m, g, b - a).transpose(0, 1))
             return out.view(out_shape)
 
         return HierPending(finish)
 
     # ---- reduce-scatter ----------------------------------------------------------------------
     def reduce_scatter(self, full: torch.Tensor, *, op: str = "sum", order: str = "flat",
-                       chunks: int | None = None) -> HierPending:
+                       chunks: int | None = None, wire: str | None = None) -> HierPending:
         """Reduce ``full`` (dim 0 = n blocks) over all ranks and keep this rank's block:
-        intra reduce-scatter, then inter reduce-scatter, per chunk."""
-        return self._issue("reduce", full, lambda: self._reduce_scatter(full, op, order, chunks))
+        intra reduce-scatter, then inter reduce-scatter (``wire``: quantized), per chunk."""
+        return self._issue("reduce", full, lambda: self._reduce_scatter(full, op, order, chunks, wire))
 
-    def _reduce_scatter(self, full: torch.Tensor, op: str, order: str, chunks: int | None) -> HierPending:
+    def _reduce_scatter(self, full: torch.Tensor, op: str, order: str, chunks: int | None,
+                        wire: str | None) -> HierPending:
         self._check(order, op)
         g, m = self.info.g, self.info.m
         n = g * m
@@ -222,17 +226,18 @@ class ParoCC:
         if n == 1:
             return _done(x.clone().view(out_shape))
         if g == 1 or m == 1:
-            res = self._rs(x, Dim.INTRA if g == 1 else Dim.INTER, op=op)
-            return HierPending(lambda: _wait(res).view(out_shape))
+            dim = Dim.INTRA if g == 1 else Dim.INTER
+            res = self._rs(x, dim, op=op, **self._on(dim, wire))
+            return HierPending(lambda: wait(res).view(out_shape))
         s = x.numel() // n
         if s == 0:
             return _done(x.new_empty(out_shape))
         if runs_flat(x.numel() * x.element_size(), self.flat_below_bytes):
             res = self._rs(x if order == "flat" else nested_to_flat(x, g, m), Dim.GLOBAL, op=op)
-            return HierPending(lambda: _wait(res).view(out_shape))
+            return HierPending(lambda: wait(res).view(out_shape))
         bounds = _bounds(s, self._nchunks(x.numel() * x.element_size(), s, chunks))
         src = self._blocks(x, s, order)  # [k][l][s]
-        intra_phase, inter_phase = self._phases(Kind.REDUCE_SCATTER)
+        intra_phase, inter_phase = self._phases(Kind.REDUCE_SCATTER, wire)
         if len(bounds) == 1 and order == "nested":
             intra = [intra_phase(x, op=op)]  # the input already is [l][k][s]
         else:  # per chunk a contiguous [l][k][s_c] buffer: intra RS hands rank l its [k][s_c]
@@ -242,26 +247,28 @@ class ParoCC:
 
         def advance() -> None:
             if not inter:
-                inter.extend(inter_phase(_wait(part), op=op) for part in intra)
+                inter.extend(inter_phase(wait(part), op=op) for part in intra)
 
         def finish() -> torch.Tensor:
             advance()
             if len(bounds) == 1:
-                return _wait(inter[0]).view(out_shape)
+                return wait(inter[0]).view(out_shape)
             out = torch.empty(s, dtype=x.dtype, device=x.device)
             for (a, b), part in zip(bounds, inter):
-                out[a:b].copy_(_wait(part))
+                out[a:b].copy_(wait(part))
             return out.view(out_shape)
 
         return HierPending(finish, _advance=advance)
 
     # ---- all-reduce --------------------------------------------------------------------------
-    def all_reduce(self, t: torch.Tensor, *, op: str = "sum", chunks: int | None = None) -> HierPending:
+    def all_reduce(self, t: torch.Tensor, *, op: str = "sum", chunks: int | None = None,
+                   wire: str | None = None) -> HierPending:
         """Reduce ``t`` over all ranks (any shape and size): intra reduce-scatter, inter
-        all-reduce of the 1/m piece, intra all-gather, per chunk, three phases pipelined."""
-        return self._issue("reduce", t, lambda: self._all_reduce(t, op, chunks))
+        all-reduce of the 1/m piece (``wire``: quantized), intra all-gather, per chunk, three
+        phases pipelined."""
+        return self._issue("reduce", t, lambda: self._all_reduce(t, op, chunks, wire))
 
-    def _all_reduce(self, t: torch.Tensor, op: str, chunks: int | None) -> HierPending:
+    def _all_reduce(self, t: torch.Tensor, op: str, chunks: int | None, wire: str | None) -> HierPending:
         self._check("flat", op)
         g, m = self.info.g, self.info.m
         shape = t.shape
@@ -269,14 +276,15 @@ class ParoCC:
         if g * m == 1:
             return _done(x.clone().view(shape))
         if g == 1 or m == 1:
-            res = self._ar(x, Dim.INTRA if g == 1 else Dim.INTER, op=op)
-            return HierPending(lambda: _wait(res).view(shape))
+            dim = Dim.INTRA if g == 1 else Dim.INTER
+            res = self._ar(x, dim, op=op, **self._on(dim, wire))
+            return HierPending(lambda: wait(res).view(shape))
         numel = x.numel()
         if numel == 0:
             return _done(t.clone())
         if runs_flat(numel * x.element_size(), self.flat_below_bytes):
             res = self._ar(x, Dim.GLOBAL, op=op)
-            return HierPending(lambda: _wait(res).view(shape))
+            return HierPending(lambda: wait(res).view(shape))
         # chunks are whole rows of m elements (the intra reduce-scatter splits each into m
         # pieces); only a last partial row is padded, so a tensor whose size m divides moves
         # exactly its own bytes (the ledger stays exact) and is never copied
@@ -291,29 +299,29 @@ class ParoCC:
             padded[: b - a].copy_(x[a:b])
             return padded
 
-        rs_phase, ar_phase, ag_phase = self._phases(Kind.ALL_REDUCE)
+        rs_phase, ar_phase, ag_phase = self._phases(Kind.ALL_REDUCE, wire)
         rs = [rs_phase(piece(a, b), op=op) for a, b in bounds]
         ar: list[torch.Tensor] = []
 
         def advance() -> None:  # every chunk's inter all-reduce in flight
             if not ar:
-                ar.extend(ar_phase(_wait(part), op=op) for part in rs)
+                ar.extend(ar_phase(wait(part), op=op) for part in rs)
 
         def finish() -> torch.Tensor:
             ag: list[torch.Tensor] = []
             if ar:  # advanced: the inter phases are all on the wire
-                ag.extend(ag_phase(_wait(part)) for part in ar)
+                ag.extend(ag_phase(wait(part)) for part in ar)
             else:
                 for c in range(len(bounds)):  # keep both links busy: chunk c's inter AR next to c-1's intra AG
-                    ar.append(ar_phase(_wait(rs[c]), op=op))
+                    ar.append(ar_phase(wait(rs[c]), op=op))
                     if c:
-                        ag.append(ag_phase(_wait(ar[c - 1])))
-                ag.append(ag_phase(_wait(ar[-1])))
+                        ag.append(ag_phase(wait(ar[c - 1])))
+                ag.append(ag_phase(wait(ar[-1])))
             if len(bounds) == 1 and numel % m == 0:
-                return _wait(ag[0]).view(shape)
+                return wait(ag[0]).view(shape)
             out = torch.empty(numel, dtype=x.dtype, device=x.device)
             for (a, b), part in zip(bounds, ag):
-                out[a:b].copy_(_wait(part)[: b - a])
+                out[a:b].copy_(wait(part)[: b - a])
             return out.view(shape)
 
         return HierPending(finish, _advance=advance)

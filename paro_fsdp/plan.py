@@ -19,14 +19,18 @@ ranks (hierarchical phases, or flat below ``flat_below_bytes``). An "inter" move
 buffer (1/m of the tensors). ``I -> I`` is the inter all-reduce of a gradient already reduced
 inside the group. Levels finer than the last move's result are local slices, not collectives
 (push: P = G from OS = I; OS = N to any P).
+
+A quantized inter wire (``plan_of(s, inter_dtype)``) marks every move that crosses groups (inter,
+and a global one's inter phase): the parameters' (gather, push) in int8, the gradients' (reduce,
+boundary) in ``inter_dtype``, as ZeRO++ sends int8 weights and int4 gradients.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Optional
 
-from .collectives import Dim, Kind
+from .collectives import WIRES, Dim, Kind
 from .strategy import Level, Strategy, StrategyLike
 
 __all__ = ["PHASES", "Move", "Plan", "plan_of"]
@@ -141,7 +145,20 @@ class Plan:
         return (self.push[-1].dst if self.push else self.strategy.os) == self.strategy.p
 
 
-def plan_of(strategy: StrategyLike) -> Plan:
-    """The strategy's plan."""
+#: the phases that move parameters (int8 whenever the inter wire is quantized); the rest move gradients
+_PARAM_PHASES = ("gather", "push")
+
+
+def plan_of(strategy: StrategyLike, inter_dtype: Optional[str] = None) -> Plan:
+    """The strategy's plan; ``inter_dtype`` ("int8", "int4"): what crosses groups, quantized."""
     s = Strategy.parse(strategy)
-    return Plan(s, _GATHER[s.p], _REDUCE[s.g], _BOUNDARY[(s.g, s.os)], _PUSH.get((s.os, s.p), ()))
+    phases = {"gather": _GATHER[s.p], "reduce": _REDUCE[s.g], "boundary": _BOUNDARY[(s.g, s.os)],
+              "push": _PUSH.get((s.os, s.p), ())}
+    if inter_dtype is not None:
+        if inter_dtype not in WIRES:
+            raise ValueError(f"inter_dtype must be one of {sorted(WIRES)} (or None: the working dtype), "
+                             f"got {inter_dtype!r}")
+        for name, moves in phases.items():
+            wire = "int8" if name in _PARAM_PHASES else inter_dtype
+            phases[name] = tuple(replace(m, wire=wire) if m.dim != _INTRA else m for m in moves)
+    return Plan(s, **phases)

@@ -267,3 +267,14 @@ def test_lr_schedule():
     assert wsd[2:5] == [1.0, 1.0, 1.0] and wsd[5] < 1.0
     assert lr_factor(9, 2, 0, 8, "linear", 0.25) == pytest.approx(0.25 + 0.75 / 9)  # the last step
     assert lr_factor(100, 2, 0, 8, "linear", 0.25) == pytest.approx(0.25)  # past the end: the floor
+
+
+def test_inter_dtype_is_the_engines_wire():
+    from paro_fsdp.train.parallelize import mixed_precision
+
+    assert mixed_precision(parse_args([], world_size=4)[0]).inter_dtype is None
+    cfg, _ = parse_args(["--parallelism.inter_dtype", "int8"], world_size=4)
+    assert mixed_precision(cfg).inter_dtype == "int8"
+    with pytest.raises(ConfigError, match='inter_dtype = .int2. is not a valid choice; valid: one of "none", "int8", '
+                                          '"int4"'):
+        parse_args(["--parallelism.inter_dtype", "int2"], world_size=4)

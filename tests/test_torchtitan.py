@@ -517,3 +517,30 @@ def test_per_block_compile_keeps_the_engine_hooks_in_the_block_graph(fake_world,
         model(tokens).sum().backward()
     assert runs == {"forward": 1, "backward": 1}
     assert gathers["backward"] == gathers["forward"] == 2  # intra and inter, re-gathered
+
+
+@pytest.mark.parametrize("wire", ["none", "int8", "int4"])
+def test_inter_dtype_reaches_the_engine(fake_world, wire):
+    """``[paro] inter_dtype`` is the engine's quantized inter wire: the plan of every group marks its
+    moves across groups (8 fake ranks, 4 groups of 2), and nothing else."""
+    from types import SimpleNamespace
+
+    import titan_shims  # noqa: F401
+    import torch
+    from titan_shims import sdpa_model_spec
+    from torchtitan.config import CompileConfig
+
+    from paro_fsdp.integrations.torchtitan import ParoConfig, parallelize_paro
+
+    spec = sdpa_model_spec()
+    spec.model.layers = spec.model.layers[:1]
+    with torch.device("meta"):
+        model = spec.model.build()
+    training = SimpleNamespace(mixed_precision_param="float32", mixed_precision_reduce="float32")
+    model = parallelize_paro(model, parallel_dims=SimpleNamespace(tp_enabled=False), training=training,
+                             parallelism=SimpleNamespace(), compile_config=CompileConfig(enable=False),
+                             ac_config=None, dump_folder="",
+                             paro=ParoConfig(strategy="GGG", group_size=2, inter_dtype=wire))
+    moves = [mv for g in model._paro_state.groups for ph in ("gather", "reduce") for mv in g.plan.phase(ph)]
+    want = {"none": {None}, "int8": {"int8"}, "int4": {"int8", "int4"}}[wire]
+    assert moves and {mv.wire for mv in moves} == want

@@ -97,6 +97,7 @@ class _Env:
     ab: int  # the G-level accumulator's bytes
     reshard_after_forward: bool
     flat_below_bytes: int
+    wire: Optional[str] = None  # MixedPrecision.inter_dtype: what crosses groups, quantized
 
 
 def _seconds(env: _Env, moves, psi: float, itemsize: int) -> dict[str, float]:
@@ -140,13 +141,13 @@ def _option(env: _Env, block: Block, position: str, pick: tuple[Strategy, ...]) 
         tr = sum(u.numel for u in units if u.trainable)
         b = Bucket(s, numel, tr, 0 if s.p == _N else once)
         terms.append(peak_terms(b, n, m, pb, gb, ab, kept, block.is_root))
-        plan = plan_of(s)
+        plan = plan_of(s, env.wire)
         if s.p != _N:
             gather_t = _plus(gather_t, _seconds(env, plan.gather, numel, pb))
         if tr:
             if s.g != _N:
                 reduce_t = _plus(reduce_t, _seconds(env, plan.reduce, tr, gb))
-            boundary = traffic_of([b], n, m, 0, pb, gb, flat_below_bytes=env.flat_below_bytes)
+            boundary = traffic_of([b], n, m, 0, pb, gb, flat_below_bytes=env.flat_below_bytes, inter_dtype=env.wire)
             boundary_t += sum(traffic_time(boundary, n, m, env.cluster).values())
             opt_t += optimizer_seconds(tr, s, n, m, gb, env.cluster)
     t = {k: sum(x[k] for x in terms) for k in terms[0]}  # a block's groups: one item, their parts summed
@@ -256,13 +257,13 @@ def _escape(name: str) -> str:
 
 
 def _env(n: int, m: int, cluster: Cluster, work: Workload, spec: Optional[ModelSpec], pb: int, gb: int, ab: int,
-         reshard_after_forward: bool, flat_below_bytes: int) -> _Env:
+         reshard_after_forward: bool, flat_below_bytes: int, wire: Optional[str]) -> _Env:
     for name, v in (("micro_batch", work.micro_batch), ("seq_len", work.seq_len), ("grad_accum", work.grad_accum)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise AdvisorError(f"Workload.{name} must be a positive integer, got {v!r}")
     if n % m:
         raise AdvisorError(f"group size {m} does not divide the world size {n}")
-    return _Env(n, m, cluster, work, spec, pb, gb, ab, reshard_after_forward, flat_below_bytes)
+    return _Env(n, m, cluster, work, spec, pb, gb, ab, reshard_after_forward, flat_below_bytes, wire)
 
 
 def _items(env: _Env, blocks: Sequence[Block], strategies: Sequence[Strategy], uniform: bool) -> list[list[Option]]:
@@ -283,12 +284,13 @@ def plan_blocks(blocks: Sequence[Block], n: int, m: int, budget: Optional[float]
                 workload: Workload = Workload(), spec: Optional[ModelSpec] = None, param_bytes: int = 2,
                 grad_bytes: int = 2, acc_bytes: int = 4, reshard_after_forward: bool = True,
                 flat_below_bytes: int = 0, strategies: Optional[Iterable[StrategyLike]] = None,
-                cells: int = DEFAULT_CELLS) -> BudgetPlan:
+                cells: int = DEFAULT_CELLS, inter_dtype: Optional[str] = None) -> BudgetPlan:
     """The fastest plan within ``budget`` bytes per rank (a strategy per block), or, with
     ``budget=None``, the fastest single strategy within the cluster's usable memory (what "auto"
-    meant before budgets). Raises :class:`BudgetError` when nothing fits."""
+    meant before budgets); ``inter_dtype``: the inter phases priced quantized. Raises
+    :class:`BudgetError` when nothing fits."""
     env = _env(n, m, cluster, workload, spec, param_bytes, grad_bytes, acc_bytes, reshard_after_forward,
-               flat_below_bytes)
+               flat_below_bytes, inter_dtype)
     cands = [Strategy.parse(s) for s in (strategies or ALL_STRATEGIES)]
     acts, inside, after = (workload.activation_bytes, workload.activations_in_backward,
                            workload.activations_after_backward)
@@ -419,7 +421,7 @@ def auto_policy(model: Any, mesh: Any, block_modules: Sequence[Any], memory_budg
         c, source = calibrated.cluster, f"paro auto: {calibrated.source}\n"
     blocks = units_of(model, block_modules)
     plan = plan_blocks(blocks, n, m, memory_budget, c, work, spec, pb, gb, ab, reshard_after_forward,
-                       flat_below_bytes)
+                       flat_below_bytes, inter_dtype=mp.inter_dtype)
     plan.header += seen
     from .workload_probe import watch_first_step
 

@@ -11,7 +11,9 @@ Notation: n ranks, m per group, g = n / m groups; Psi = all parameters, Psi' = t
 for the root, which stays gathered) and ``reduce``; once per step ``boundary`` and ``push``, on
 Psi'. A global collective is counted as PaRO-CC's phases (``collectives.HIER``), or flat below
 ``flat_below_bytes``; the ledger sizes a message by the bucket's Psi, the engine by its padded
-buffer. The clip's scalar all-reduce is DTensor's (``clip=True``: one flat fp32 all-reduce).
+buffer. A quantized inter move (``Move.wire``) is counted as the collectives it runs
+(``collectives.QUANTIZED``) on its bytes on the wire (``wire_bytes``: codes and scales). The
+clip's scalar all-reduce is DTensor's (``clip=True``: one flat fp32 all-reduce).
 
 Memory per rank: M = param_bytes Psi/d(P) + grad_bytes Psi'/d(G) + os_bytes Psi'/d(OS), d(N) = 1,
 d(I) = m, d(G) = n; where fp32 P and OS share a level the parameter is the master (one copy, as
@@ -23,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
-from ..collectives import HIER, CommStats, Dim, Kind, ring_bytes, runs_flat
+from ..collectives import HIER, QUANTIZED, CommStats, Dim, Kind, ring_bytes, runs_flat, wire_bytes
 from ..plan import Move, plan_of
 from ..strategy import Level, Strategy, StrategyLike
 
@@ -44,11 +46,17 @@ class Ledger:
         self.flat_below_bytes = flat_below_bytes
         self.stats = CommStats()
 
-    def add(self, kind: str, dim: str, full_numel: float, itemsize: int, times: float = 1) -> None:
+    def add(self, kind: str, dim: str, full_numel: float, itemsize: int, times: float = 1,
+            wire: Optional[str] = None) -> None:
         """Record ``times`` collectives of ``kind`` over ``dim`` on a buffer of ``full_numel``
-        elements (the gathered size for an all-gather, the input for a reduction)."""
+        elements (the gathered size for an all-gather, the input for a reduction); ``wire``: an
+        inter one quantized, k pieces of codes and scales."""
         k = {Dim.INTRA: self.m, Dim.INTER: self.g, Dim.GLOBAL: self.n}[dim]
         if k == 1 or times == 0:
+            return
+        if wire is not None and dim == Dim.INTER:
+            for q in QUANTIZED[Kind(kind)]:
+                self.stats.record(q, dim, times * ring_bytes(q, k * wire_bytes(wire, full_numel / k), k), times)
             return
         self.stats.record(kind, dim, times * ring_bytes(kind, full_numel * itemsize, k), times)
 
@@ -58,13 +66,13 @@ class Ledger:
         of one dimension)."""
         for move in moves:
             if move.dim != Dim.GLOBAL:
-                self.add(move.kind, move.dim, move.numel(psi, self.m), itemsize, times)
+                self.add(move.kind, move.dim, move.numel(psi, self.m), itemsize, times, move.wire)
             elif self.m == 1 or self.g == 1 or runs_flat(psi * itemsize, self.flat_below_bytes):
                 dim = Dim.GLOBAL if self.m > 1 and self.g > 1 else (Dim.INTER if self.m == 1 else Dim.INTRA)
-                self.add(move.kind, dim, psi, itemsize, times)
+                self.add(move.kind, dim, psi, itemsize, times, move.wire)
             else:
                 for kind, dim in HIER[move.kind]:
-                    self.add(kind, dim, psi / self.m if dim == Dim.INTER else psi, itemsize, times)
+                    self.add(kind, dim, psi / self.m if dim == Dim.INTER else psi, itemsize, times, move.wire)
 
 
 @dataclass(frozen=True)
@@ -81,14 +89,16 @@ class Bucket:
 
 
 def traffic_of(buckets: Iterable[Bucket], n: int, m: int, grad_accum: int = 1, param_bytes: int = 2,
-               grad_bytes: int = 2, clip: bool = False, flat_below_bytes: int = 0) -> CommStats:
+               grad_bytes: int = 2, clip: bool = False, flat_below_bytes: int = 0,
+               inter_dtype: Optional[str] = None) -> CommStats:
     """Collectives per rank for one optimizer step of ``grad_accum`` micro-steps (forward,
     backward; then, if ``clip``, ``clip_grad_norm_``; then ``step``), bucket by bucket, so that
     counts as well as bytes match ``model.comm_stats()`` (use ``buckets_of(model)``, and the
-    model's ``flat_below_bytes``, ``model._paro_state.cc.flat_below_bytes``)."""
+    model's ``flat_below_bytes``, ``model._paro_state.cc.flat_below_bytes``; ``inter_dtype``:
+    its ``MixedPrecision``'s)."""
     t = Ledger(n, m, flat_below_bytes)
     for b in buckets:
-        plan = plan_of(b.strategy)
+        plan = plan_of(b.strategy, inter_dtype)
         t.count(plan.gather, b.numel, param_bytes, times=grad_accum * b.gathers)
         if b.trainable:  # a frozen bucket gets no gradient: nothing to reduce, nothing at the boundary
             t.count(plan.reduce, b.trainable, grad_bytes, times=grad_accum)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Iterable, Optional, Sequence, Union
 
-from ..collectives import CommStats, Dim, Kind, hops
+from ..collectives import WIRES, CommStats, Dim, Kind, hops
 from ..dtypes import dtype_of
 from .ledger import Ledger, memory_of, peak_of, peak_terms, traffic_of
 from ..models.llama import LlamaArgs
@@ -144,12 +144,17 @@ def exposed_seconds(by_dim: dict[str, float], compute: float, cluster: Cluster) 
 def predict(model: Union[str, LlamaArgs, ModelSpec], strategy: StrategyLike, n: int, m: int, micro_batch: int,
             grad_accum: int, seq_len: int, cluster: Cluster, trainable_fraction: float = 1.0, dtype: str = "bf16",
             reduce_dtype: Optional[str] = None, activation_checkpoint: str = "none",
-            reshard_after_forward: bool = True, accumulate_dtype: Optional[str] = "fp32") -> Prediction:
+            reshard_after_forward: bool = True, accumulate_dtype: Optional[str] = "fp32",
+            inter_dtype: Optional[str] = None) -> Prediction:
     """Predicted memory and step time of one strategy (see the module docstring for the model).
 
     ``activation_checkpoint``: "none", "full" or "auto" (full only if needed to fit).
     ``dtype`` / ``reduce_dtype``: parameter / gradient dtype (bf16, fp16, fp32);
-    ``accumulate_dtype``: the G-level accumulator's (None: the reduce dtype)."""
+    ``accumulate_dtype``: the G-level accumulator's (None: the reduce dtype); ``inter_dtype``:
+    what crosses groups, quantized ("int8", "int4": ``MixedPrecision.inter_dtype``), priced on its
+    bytes on the wire (the quantization's own arithmetic is not priced)."""
+    if inter_dtype is not None and inter_dtype not in WIRES:
+        raise AdvisorError(f"inter_dtype must be one of {sorted(WIRES)} or None, got {inter_dtype!r}")
     spec = model_spec(model, trainable_fraction)
     _check_sizes(n, m, micro_batch, grad_accum, seq_len)
     if activation_checkpoint not in ACTIVATION_CHECKPOINT_MODES:
@@ -160,7 +165,7 @@ def predict(model: Union[str, LlamaArgs, ModelSpec], strategy: StrategyLike, n: 
     if activation_checkpoint == "auto":  # full only if needed to fit
         again = partial(predict, spec, strategy, n, m, micro_batch, grad_accum, seq_len, cluster, dtype=dtype,
                         reduce_dtype=reduce_dtype, reshard_after_forward=reshard_after_forward,
-                        accumulate_dtype=accumulate_dtype)
+                        accumulate_dtype=accumulate_dtype, inter_dtype=inter_dtype)
         pred = again(activation_checkpoint="none")
         return pred if pred.fits else again(activation_checkpoint="full")
     ckpt = activation_checkpoint == "full"
@@ -176,8 +181,8 @@ def predict(model: Union[str, LlamaArgs, ModelSpec], strategy: StrategyLike, n: 
     peak = peak_of(terms, acts, ckpt, IN_FLIGHT_BYTES, after_backward=act["held"])
     memory = {**mem, "states": states, "activations": acts, **peak, "total": peak["peak"]}
 
-    traffic = traffic_of(bks, n, m, A, pb, gb)
-    boundary = traffic_of(bks, n, m, 0, pb, gb)  # A = 0: only the once-per-step collectives
+    traffic = traffic_of(bks, n, m, A, pb, gb, inter_dtype=inter_dtype)
+    boundary = traffic_of(bks, n, m, 0, pb, gb, inter_dtype=inter_dtype)  # A = 0: the once-per-step collectives
 
     seconds = partial(moves_seconds, n=n, m=m, cluster=cluster)
     def total(*parts: dict[str, float], times: Sequence[float] = ()) -> dict[str, float]:
@@ -185,7 +190,7 @@ def predict(model: Union[str, LlamaArgs, ModelSpec], strategy: StrategyLike, n: 
         return {str(d): sum(w * p[d] for w, p in zip(k, parts)) for d in Dim}
 
     zero = total()
-    plan = plan_of(s)
+    plan = plan_of(s, inter_dtype)
     gathers = [seconds(plan.gather, b.numel, pb) for b in bks]  # root, then the layers (all alike)
     reductions = [seconds(plan.reduce, b.trainable, gb) if b.trainable else zero for b in bks]
     g_layer = gathers[1] if len(bks) > 1 else zero
@@ -220,13 +225,14 @@ def rank_strategies(model: Union[str, LlamaArgs, ModelSpec], n: int, m: int, mic
                     seq_len: int, cluster: Cluster, trainable_fraction: float = 1.0, dtype: str = "bf16",
                     reduce_dtype: Optional[str] = None, activation_checkpoint: str = "auto",
                     reshard_after_forward: bool = True,
-                    strategies: Optional[Iterable[StrategyLike]] = None) -> list[Prediction]:
+                    strategies: Optional[Iterable[StrategyLike]] = None,
+                    inter_dtype: Optional[str] = None) -> list[Prediction]:
     """Every strategy's prediction, ranked: those that fit by step time, then the OOM ones."""
     spec = model_spec(model, trainable_fraction)
     names = [Strategy.parse(x).name for x in (strategies or ALL_STRATEGIES)]
     preds = [predict(spec, x, n, m, micro_batch, grad_accum, seq_len, cluster, dtype=dtype,
                      reduce_dtype=reduce_dtype, activation_checkpoint=activation_checkpoint,
-                     reshard_after_forward=reshard_after_forward) for x in names]
+                     reshard_after_forward=reshard_after_forward, inter_dtype=inter_dtype) for x in names]
     return sorted(preds, key=lambda p: (not p.fits, p.step_time, p.memory["total"]))
 
 
@@ -262,7 +268,8 @@ def choose_strategy(model_args: Union[str, LlamaArgs, ModelSpec], n: int, m: int
                     seq_len: int, dtype: str, cluster: Union[Cluster, str, os.PathLike],
                     trainable_fraction: float = 1.0, reduce_dtype: Optional[str] = None,
                     activation_checkpoint: str = "none", reshard_after_forward: bool = True,
-                    strategies: Optional[Iterable[StrategyLike]] = None) -> tuple[Strategy, str]:
+                    strategies: Optional[Iterable[StrategyLike]] = None,
+                    inter_dtype: Optional[str] = None) -> tuple[Strategy, str]:
     """The fastest strategy that fits, and the ranked table to log (the trainer's ``auto``).
 
     ``activation_checkpoint``/``reshard_after_forward``: what the run will actually do (the
@@ -271,11 +278,12 @@ def choose_strategy(model_args: Union[str, LlamaArgs, ModelSpec], n: int, m: int
     c = load_cluster(cluster) if not isinstance(cluster, Cluster) else cluster
     spec = model_spec(model_args, trainable_fraction)
     preds = rank_strategies(spec, n, m, micro_batch, grad_accum, seq_len, c, trainable_fraction, dtype,
-                            reduce_dtype, activation_checkpoint, reshard_after_forward, strategies)
+                            reduce_dtype, activation_checkpoint, reshard_after_forward, strategies, inter_dtype)
     size = f"{spec.psi / 1e9:.3f} B" if spec.psi >= 1e8 else f"{spec.psi / 1e6:.3f} M"
     header = (f"advisor: {spec.name} ({size} params, {spec.psi_trainable / spec.psi:.1%} trainable), "
               f"{n} GPUs = {n // m} groups x {m}, micro-batch {micro_batch} x {seq_len} tokens, "
-              f"{grad_accum} micro-steps, {dtype}/{reduce_dtype or dtype}, cluster {c.name}")
+              f"{grad_accum} micro-steps, {dtype}/{reduce_dtype or dtype}"
+              f"{f', {inter_dtype} between groups' if inter_dtype else ''}, cluster {c.name}")
     table = format_table(preds, c, header)
     best = preds[0]
     if not best.fits:

@@ -51,6 +51,8 @@ class ParoConfig:
     """Free gathered blocks after forward (re-gather in backward)."""
     accumulate_dtype: str = "float32"
     """dtype of the gradient accumulator over micro-batches (float32 | bfloat16)."""
+    inter_dtype: str = "none"
+    """What crosses between groups, quantized: int8 | int4 (gradients; parameters int8) | none (exact)."""
     seed: int = 0
     """Parameter init: each tensor's values depend only on (seed, name)."""
 
@@ -126,7 +128,8 @@ def parallelize_paro(model: nn.Module, *, parallel_dims: Any, training: Any, par
     mesh = init_paro_mesh(paro.group_size)
     mp = MixedPrecision(param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
                         reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
-                        accumulate_dtype=TORCH_DTYPE_MAP[paro.accumulate_dtype])
+                        accumulate_dtype=TORCH_DTYPE_MAP[paro.accumulate_dtype],
+                        inter_dtype=None if paro.inter_dtype == "none" else paro.inter_dtype)
     policy = {**paro.policy, "default": paro.strategy} if paro.policy else paro.strategy
     blocks = [_unwrap(b) for b in model.get_submodule("layers").values()]
     model = paro_shard(model, mesh, policy, mp=mp, blocks=blocks, reshard_after_forward=paro.reshard_after_forward,

@@ -145,6 +145,9 @@ class Parallelism:
     paro_flat_below_mb: float = 0
     """Global collectives below this many MiB run flat over all ranks instead of PaRO-CC's intra
     and inter phases (0: never; tools.bench.collectives measures where flat wins)"""
+    inter_dtype: Literal["none", "int8", "int4"] = "none"
+    """What crosses between groups, quantized with block-wise scales: int8 (parameters and gradients), int4
+    (gradients; parameters int8); none: exact. Inside a group nothing changes (docs/api.md)"""
 
 
 @dataclass

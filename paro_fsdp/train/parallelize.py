@@ -135,9 +135,9 @@ def build_model(cfg: JobConfig, args: LlamaArgs, device: torch.device) -> nn.Mod
 
 
 def mixed_precision(cfg: JobConfig) -> MixedPrecision:
-    t = cfg.training
+    t, wire = cfg.training, cfg.parallelism.inter_dtype
     return MixedPrecision(dtype_of(t.mixed_precision_param), dtype_of(t.mixed_precision_reduce),
-                          dtype_of(t.mixed_precision_accumulate))
+                          dtype_of(t.mixed_precision_accumulate), inter_dtype=None if wire == "none" else wire)
 
 
 def parallelize(model: nn.Module, cfg: JobConfig, mesh: Any, device: torch.device) -> nn.Module:
@@ -194,7 +194,8 @@ def advise(cfg: JobConfig, args: LlamaArgs, world: int, group: int, accum: int, 
                            cluster, trainable_fraction=trainable_fraction,
                            reduce_dtype=short_name(t.mixed_precision_reduce),
                            activation_checkpoint=cfg.activation_checkpoint.mode,
-                           reshard_after_forward=cfg.parallelism.paro_reshard_after_forward)
+                           reshard_after_forward=cfg.parallelism.paro_reshard_after_forward,
+                           inter_dtype=mixed_precision(cfg).inter_dtype)
 
 
 def auto_strategy(cfg: JobConfig, args: LlamaArgs, mesh: Any, accum: int, device: torch.device,
@@ -247,7 +248,7 @@ def _budgeted(cfg: JobConfig, args: LlamaArgs, mesh: Any, accum: int, device: to
     plan = plan_blocks(units_of(meta, transformer_blocks(meta)), dist.get_world_size(), mesh.size(1),
                        p.memory_budget_gib * 2**30, cluster, work, model_spec(args), mp.param_dtype.itemsize,
                        mp.grad_dtype.itemsize, mp.acc_dtype.itemsize, p.paro_reshard_after_forward,
-                       int(p.paro_flat_below_mb * 2**20))
+                       int(p.paro_flat_below_mb * 2**20), inter_dtype=mp.inter_dtype)
     box = [plan.policy()]
     dist.broadcast_object_list(box, src=0)
     log(f"paro_strategy = auto, memory_budget_gib = {p.memory_budget_gib:g} ({source}):\n{plan.table()}")
