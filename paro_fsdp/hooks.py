@@ -13,6 +13,11 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (a recomputation inside it too)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class Unshard(torch.autograd.Function):
     """Hands out a group's whole tensors (``full``, already gathered) in place of its sharded
     parameters; in backward, ``on_grads`` receives their gradients as one list.

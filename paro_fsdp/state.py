@@ -3,21 +3,19 @@ micro-step's flow through them: docs/ARCHITECTURE.md, "One optimizer step")."""
 from __future__ import annotations
 
 import enum
-import weakref
 from functools import partial
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd import Variable
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_map
 
 from .comm import MeshComm
-from .hooks import Unshard, register_post_backward, register_pre_backward
+from .hooks import Unshard, in_backward, register_post_backward, register_pre_backward
 from .boundary import drive, finalize_grads, push_params
 from .mesh import MeshInfo
+from .optimizer_hooks import unwatch as unwatch, watch as watch
 from .overlap import InFlight, boundary_bytes, forward_dims, has_boundary_traffic, push_bytes, push_dims
 from .param_group import GradState, ParoParamGroup, ShardState
 from .paro_cc import ParoCC
@@ -85,7 +83,7 @@ class ParoBlock:
     def pre_forward(self, module: nn.Module, args: Any, kwargs: Any):
         if self.cast_inputs is not None:  # at every sharded module's forward, as FSDP2 casts (recomputations too)
             args, kwargs = _cast_floating((args, kwargs), self.cast_inputs)
-        if len(self.modules) > 1 and not _in_backward() and not torch.compiler.is_compiling():
+        if len(self.modules) > 1 and not in_backward() and not torch.compiler.is_compiling():
             if self.to_run:  # a later module of the group: its parameters are in place already
                 return args, kwargs
             self.to_run = {id(m) for m in self.modules}
@@ -98,12 +96,12 @@ class ParoBlock:
                 self._swap(g, traced_unshard(g))
             return args, kwargs
         state = self.model_state
-        if self.is_root and not _in_backward():
+        if self.is_root and not in_backward():
             state.check_params()
             state.refresh_params()
         for g in self.groups:
             state.land_push(g)
-        if _in_backward():
+        if in_backward():
             for g in self.groups:
                 g.unshard()
         else:
@@ -124,7 +122,7 @@ class ParoBlock:
         for i, g in enumerate(self.groups):
             self._swap(g, Unshard.apply(g.full_params, partial(self.post_backward, i), *g.sharded_params)
                        if grad_enabled else g.full_params)
-            if grad_enabled and not _in_backward():
+            if grad_enabled and not in_backward():
                 g.uses_left += 1
         if grad_enabled and any(not g.trainable for g in self.groups):
             args, kwargs = register_post_backward(self.post_backward_frozen, args, kwargs)
@@ -137,16 +135,16 @@ class ParoBlock:
             return output
         if torch.is_grad_enabled():
             output = register_pre_backward(self.pre_backward, output)
-        if len(self.modules) > 1 and not _in_backward():
+        if len(self.modules) > 1 and not in_backward():
             self.to_run.discard(id(module))
             if self.to_run:  # the group's other modules have yet to run
                 return output
-        if self.is_root and not _in_backward():
+        if self.is_root and not in_backward():
             for b in self.model_state.blocks:
                 if b.to_run:  # a group some of whose modules never ran (FSDP2 completes them here)
                     b.to_run = set()
                     b.finish_forward()
-        if not _in_backward():  # a recomputation keeps the whole tensors until the block's backward ends
+        if not in_backward():  # a recomputation keeps the whole tensors until the block's backward ends
             self.finish_forward()
         return output
 
@@ -222,10 +220,6 @@ def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
                     tree)
 
 
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
-
-
 class ParoState:
     """The model-wide view: blocks in execution order, the ledger, the end-of-backward work."""
 
@@ -243,6 +237,10 @@ class ParoState:
     @property
     def groups(self) -> list[ParoParamGroup]:
         return [g for b in self.blocks for g in b.groups]
+
+    @property
+    def running_backward(self) -> bool:
+        return self.training_state is TrainingState.BACKWARD
 
     def begin_backward(self) -> None:
         self.pushes.finish()  # groups the forward did not reach
@@ -398,75 +396,3 @@ class ParoState:
         self.forward_order = []
         if self.training_state is TrainingState.BACKWARD:
             self.training_state = TrainingState.IDLE
-
-
-# Every live model's state, refreshed after any torch optimizer's step: the user's optimizer is a
-# plain torch.optim one over the parameters, so the engine learns of the update from torch's
-# global step hook and starts the pushes to P at once, as the step ends (the root's pre-forward
-# checks again, for writes no optimizer made: loads, in-place edits).
-_watched: "weakref.WeakSet[ParoState]" = weakref.WeakSet()
-_hook_handle = None
-
-
-def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """The parameters the step updated (those with a gradient) count as written: torch's
-    ``foreach`` ops through DTensor (its default on GPUs) and its fused kernels write them in place
-    without moving their version counters. Then the pushes start."""
-    stepped = {id(p): p for group in optimizer.param_groups for p in group["params"] if p.grad is not None}
-    for state in list(_watched):  # only the models this optimizer updated (another may be alive)
-        mine = [stepped[id(p)] for g in state.groups for p in g.sharded_params[: len(g.trainable)] if id(p) in stepped]
-        if mine:
-            torch.autograd.graph.increment_version(mine)
-            state.refresh_params()
-
-
-def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """A step over parameters whose gradients are still at the G level (every backward since the
-    last step ran with ``set_requires_gradient_sync(False)``) would silently skip them: refuse."""
-    if _in_backward() and any(s.training_state is TrainingState.BACKWARD for s in list(_watched)):
-        raise RuntimeError("optimizer.step() inside backward (an optimizer in a gradient hook) is not supported by "
-                           "paro_fsdp: the sharded parameters' .grad are written at the end of backward; step after "
-                           "backward() returns")
-    pending = [g for state in list(_watched) for g in state.groups if g.grads is GradState.AT_G]
-    if not pending:
-        return
-    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    for g in pending:
-        if any(id(p) in stepped and p.grad is None for p in g.sharded_params[: len(g.trainable)]):
-            raise RuntimeError(f"optimizer.step(): the gradients of {g.trainable[0].fqn} (and its block) "
-                               "were never reduced: "
-                               f"every backward since the last step ran with set_requires_gradient_sync(False); call "
-                               f"model.set_requires_gradient_sync(True) before the last micro-step's backward")
-
-
-def _landing_pushes_first(destroy):
-    """``dist.destroy_process_group``, landing the last step's pushes first: they are collectives
-    in flight until the next forward, and a script's last step has none (torch warns of unwaited
-    collectives at exit; NCCL may hang). On gloo, a barrier after: a rank whose last collective
-    ended on its side may still be sending to a peer, and tearing its pairs down then aborts the
-    peer's gloo thread ("terminate called", SIGABRT at exit; README's script, 1 run in 6-8 on two
-    loaded cores)."""
-    def destroy_process_group(*args: Any, **kwargs: Any) -> None:
-        states = list(_watched)
-        for state in states:
-            state.pushes.finish()
-        whole = not args and not kwargs.get("group")  # the default group: every group goes
-        if states and whole and dist.is_initialized() and dist.get_backend() == "gloo":
-            dist.barrier()
-        return destroy(*args, **kwargs)
-
-    destroy_process_group.__wrapped__ = destroy
-    return destroy_process_group
-
-
-def watch(state: ParoState) -> None:
-    global _hook_handle
-    _watched.add(state)
-    if _hook_handle is None:
-        _hook_handle = (register_optimizer_step_pre_hook(_before_optimizer_step),
-                        register_optimizer_step_post_hook(_after_optimizer_step))
-        dist.destroy_process_group = _landing_pushes_first(dist.destroy_process_group)
-
-
-def unwatch(state: ParoState) -> None:
-    _watched.discard(state)
