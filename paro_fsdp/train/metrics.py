@@ -1,10 +1,9 @@
 """What a run reports: a log line per ``log_freq`` steps on rank 0, the same numbers as
 TensorBoard scalars and ``metrics.jsonl`` lines, and torch.profiler traces.
 
-Why these numbers: PaRO trades memory for communication, so beside loss and speed each line
-shows this rank's model-state bytes (P + G + OS) and the bytes the step moved intra and inter
-group, from the engine's ledger. On CUDA nothing here waits for the GPU between log steps:
-loss, grad norm and CUDA timing events are read once per log window.
+Why these numbers: PaRO trades memory for communication, so each line shows this rank's
+model-state bytes (P + G + OS) and the bytes the step moved intra and inter group. On CUDA
+nothing waits for the GPU between log steps: loss, grad norm and timing events are read once per window.
 """
 from __future__ import annotations
 
@@ -105,12 +104,10 @@ def peak_flops(device: torch.device, param_dtype: torch.dtype) -> Optional[float
 def cuda_memory(device: torch.device) -> dict[str, float]:
     """The allocator's window peaks, reserved now and cudaMalloc retries; host-side reads, no sync."""
     stats = torch.cuda.memory_stats(device)
-    return {
-        "cuda_max_allocated": float(torch.cuda.max_memory_allocated(device)),
-        "cuda_reserved": float(torch.cuda.memory_reserved(device)),
-        "cuda_max_reserved": float(torch.cuda.max_memory_reserved(device)),
-        "cuda_alloc_retries": float(stats.get("num_alloc_retries", 0)),
-    }
+    return {"cuda_max_allocated": float(torch.cuda.max_memory_allocated(device)),
+            "cuda_reserved": float(torch.cuda.memory_reserved(device)),
+            "cuda_max_reserved": float(torch.cuda.max_memory_reserved(device)),
+            "cuda_alloc_retries": float(stats.get("num_alloc_retries", 0))}
 
 
 def _fmt_bytes(n: float) -> str:
@@ -182,28 +179,18 @@ class MetricsLogger:
         cuda_text = (f" reserved {_fmt_bytes(cuda['cuda_reserved'])} (max {_fmt_bytes(cuda['cuda_max_reserved'])}) "
                      f"alloc retries {cuda['cuda_alloc_retries']:.0f}") if cuda is not None else ""
         mfu_text = f" | mfu {mfu:.1f}%" if mfu is not None else ""
-        line = (
-            f"step {step:>{len(str(self.total_steps))}}/{self.total_steps} | loss {loss:.4f} | gnorm {grad_norm:.3f} | "
-            f"lr {lr:.2e} | {tps:,.0f} tok/s{mfu_text} | {step_time:.3f} s/step | "
-            f"mem states {_fmt_bytes(memory['total'])} {peak_name.replace('_', ' ')} {_fmt_bytes(peak)}{cuda_text} | "
-            f"{comm_label} intra {_fmt_bytes(comm.intra)} inter {_fmt_bytes(comm.inter)} | eta {_fmt_eta(eta)}"
-        )
-        print(line, flush=True)
-        scalars = {
-            "loss/train": loss,
-            "optim/grad_norm": grad_norm,
-            "optim/lr": lr,
-            "throughput/tokens_per_s": tps,
-            "throughput/tokens_per_s_per_rank": tps / self.world_size,
-            "time/step_s": step_time,
-            "memory/model_states_MiB": memory["total"] / MiB,
-            **{f"memory/{k}_MiB": memory[k] / MiB for k in ("P", "G", "OS")},
-            f"memory/{peak_name}_MiB": peak / MiB,
-            "comm/intra_MiB_per_step": comm.intra / MiB,
-            "comm/inter_MiB_per_step": comm.inter / MiB,
-            "comm/global_MiB_per_step": comm.global_ / MiB,
-            "comm/collectives_per_step": comm.count,
-        }
+        print(f"step {step:>{len(str(self.total_steps))}}/{self.total_steps} | loss {loss:.4f} | "
+              f"gnorm {grad_norm:.3f} | lr {lr:.2e} | {tps:,.0f} tok/s{mfu_text} | {step_time:.3f} s/step | "
+              f"mem states {_fmt_bytes(memory['total'])} {peak_name.replace('_', ' ')} {_fmt_bytes(peak)}{cuda_text} | "
+              f"{comm_label} intra {_fmt_bytes(comm.intra)} inter {_fmt_bytes(comm.inter)} | eta {_fmt_eta(eta)}",
+              flush=True)
+        scalars = {"loss/train": loss, "optim/grad_norm": grad_norm, "optim/lr": lr,
+                   "throughput/tokens_per_s": tps, "throughput/tokens_per_s_per_rank": tps / self.world_size,
+                   "time/step_s": step_time, "memory/model_states_MiB": memory["total"] / MiB,
+                   **{f"memory/{k}_MiB": memory[k] / MiB for k in ("P", "G", "OS")},
+                   f"memory/{peak_name}_MiB": peak / MiB,
+                   "comm/intra_MiB_per_step": comm.intra / MiB, "comm/inter_MiB_per_step": comm.inter / MiB,
+                   "comm/global_MiB_per_step": comm.global_ / MiB, "comm/collectives_per_step": comm.count}
         scalars.update(host_now())
         if mfu is not None:
             scalars["throughput/mfu_pct"] = mfu
