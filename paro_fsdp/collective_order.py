@@ -1,14 +1,10 @@
 """A debug check that every rank issues the same collectives in the same order.
 
-Why: a collective one rank issues and another does not (or with another shape or mesh dimension)
-hangs until the timeout, or on gloo pairs with the wrong call. Compiled graphs can differ per rank
-(compile caches, uneven layouts, recompiles) and nothing else would notice before the hang.
-
-How: a dispatch mode over one step fingerprints every ``_c10d_functional`` collective (eager and
-inside compiled code) by kind, mesh dimension (not the group's name, which differs between
-groups), shape and dtype, and compares it across ranks on a gloo group of their own *before* it
-is issued, and the end of the step too: a mismatch stops every rank with one line. One small
-all-gather per collective: a debug switch (the trainer's ``comm.check_collective_order``).
+Why: a collective one rank issues and another does not hangs until the timeout (or, on gloo, pairs
+with the wrong call), and compiled graphs can differ per rank. How: a dispatch mode fingerprints
+each ``_c10d_functional`` collective (kind, mesh dimension, shape, dtype) and compares it across
+ranks on a gloo group of its own *before* it is issued, and the end of the step too. One small
+all-gather per collective: a debug switch (``comm.check_collective_order``).
 """
 from __future__ import annotations
 

@@ -2,19 +2,15 @@
 last backward, and the pushes of the updated parameters under the next forward.
 
 Why: PaRO's headline strategies (IIG, NIG, NII) move their inter-group bytes once per step, at the
-boundary. Run there, nothing computes under them; FSDP2's HSDP hides its once-per-step all-reduce
-under the last backward. So, as each block's gradient becomes final on the last micro-step
-(``set_is_last_backward(True)``), its reduction to the OS level starts (``boundary.finalize_grads``),
-and ``clip_grad_norm_`` / ``step`` wait only for what is still running; after the update each
-group's push (``boundary.push_params``) starts, and the block's next pre-forward waits for it,
-root first, like a prefetch.
+boundary, where nothing computes under them (FSDP2's HSDP hides its all-reduce under the last
+backward). So each block's reduction to the OS level starts as its gradient becomes final, and
+after the update each push starts and the block's next pre-forward waits for it, like a prefetch.
 
-Bounds: a queue holds at most ``limit_bytes`` of started sequences (at least one); starting one
-past the bound first finishes the oldest (reductions), or waits until an earlier one is finished
-(pushes). Order: every rank starts, advances and finishes entries at the same hooks in the same
-FIFO order, so the collectives on each process group match across ranks. A push is deferred only
-where no forward-time collective of the model shares its process group (``push_dims``), so a read
-of the weights on one rank alone (``state_dict``), which finishes every push, cannot reorder them.
+Bounds: a queue holds at most ``limit_bytes`` of started sequences (at least one). Order: every
+rank starts, advances and finishes entries at the same hooks in FIFO order, so collectives match
+across ranks. A push is deferred only where no forward collective shares its process group
+(``push_dims``), so a read on one rank alone (``state_dict``), which finishes every push, cannot
+reorder them.
 """
 from __future__ import annotations
 

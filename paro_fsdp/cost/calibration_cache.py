@@ -2,18 +2,13 @@
 ``fully_shard``, the trainer's ``paro_strategy = "auto"``) reads what this mesh measured before
 instead of measuring it again at every start.
 
-Why: a calibration takes seconds to tens of seconds and its timings move between runs (shared cores,
-the network), so the same model, cluster and budget picked different plans run after run.
-Measured once and kept, the cluster makes the plan a function of its inputs, and planning takes
-seconds.
+Why: a calibration takes seconds and its timings move between runs, so the same model, cluster
+and budget picked different plans run after run; kept, the plan is a function of its inputs.
 
-The key is what the measurement depends on: the device (type and name), the world, group and
-inter sizes, the process-group backend, the hosts (a hash of each rank's host name), the torch
-version, and the arguments ``calibrate_in_process`` times the compute with (model shape,
-micro-batch, sequence length, dtype). The file is a cluster TOML (``cluster_to_toml``; ``load_cluster``
-reads it as any other) in :func:`cache_dir`, the key's hash in its name and in ``[measured]``.
-Rank 0 decides: it reads the file, or every rank calibrates and rank 0 writes it; every rank then
-plans with rank 0's cluster.
+The key is what the measurement depends on: device, world / group / inter sizes, backend, hosts
+(hashed), torch version and ``calibrate_in_process``'s arguments. The file is a cluster TOML in
+:func:`cache_dir`, the key's hash in its name and in ``[measured]``. Rank 0 reads it, or every rank
+calibrates and rank 0 writes it; every rank plans with rank 0's cluster.
 """
 from __future__ import annotations
 

@@ -2,26 +2,18 @@
 micro-step measured before it is sharded (when the workload gives ``example_inputs``), and the
 first step checked against what the plan assumed.
 
-Why measured: the cost model's activation formula (``cost.model.activation_bytes``) holds for
-Llama-shaped models only; for any other model (a user's own, a Hugging Face model with LoRA,
-activation checkpointing wrapped by hand) a plan whose peak leaves them out picks a layout that
-runs out of memory where activations are most of it (a GPU).
+Why measured: the cost model's activation formula holds for Llama-shaped models only; for any
+other model a plan whose peak leaves them out runs out of memory where activations dominate (a GPU).
 
-How: one forward and backward of ``example_inputs`` under ``FakeTensorMode`` (no memory, no
-FLOPs: shapes only), with the parameters replaced by fake ones in the working dtype
-(``torch.func.functional_call``), inside torch's ``MemTracker``. The activations are its
-``Activation`` + ``Temp`` bytes at the peak: what autograd saves (after any checkpointing the model
-does, recomputation included) and the backward's transients. Each parameter's gradient is dropped
-as it is accumulated, so the peak is the activations' own (the engine's gradients are sharded and
-priced by the ledger, not here). The loss is the output's ``loss`` (this package's Llama, Hugging
-Face models given ``labels``), else ``loss_fn(output)`` (a loss computed outside the model: its
-transients are in the measurement), else the sum of the first floating output.
+How: one forward and backward of ``example_inputs`` under ``FakeTensorMode`` (shapes only), the
+parameters fake ones in the working dtype, inside torch's ``MemTracker``: its ``Activation`` +
+``Temp`` bytes at the peak (checkpointing and recomputation included). Each parameter's gradient
+is dropped as it accumulates (the ledger prices the engine's). The loss is the output's ``loss``,
+else ``loss_fn(output)`` (its transients measured too), else the sum of the first floating output.
 
-Three numbers, because the engine's backward has three moments (``cost.ledger.backward_moments``):
-the activations' own peak (at the loss, or inside the first block's backward), the most held while
-a block's backward runs (its parameters gathered, the next block's prefetched) and when it has
-finished (its whole gradients reduced), each the most over the blocks: the first whose backward
-runs. A model whose parameters are about its activations' size peaks at the last.
+Three numbers, one per moment of the engine's backward (``cost.ledger.backward_moments``): the
+activations' own peak, the most held while a block's backward runs and when it has finished, each
+the most over the blocks. A model whose parameters are about its activations' size peaks at the last.
 """
 from __future__ import annotations
 

@@ -8,18 +8,14 @@ Everything else is accelerate's FSDP2 as configured (``fsdp_version=2``; ``Train
 keeps FSDP2's contract, so ``accumulate`` (``set_requires_gradient_sync``), ``clip_grad_norm_``
 over DTensors, ``save_state`` / ``load_state`` (DCP) and ``get_state_dict`` run as they are.
 
-Why the hook is where it is: accelerate shards in ``accelerate.utils.fsdp_utils.fsdp2_prepare_model``,
-which imports ``fully_shard`` from ``torch.distributed.fsdp`` each time it runs and offers no way
-to pass another. So the switch wraps that one function (where ``Accelerator`` finds it) and, only
-while it runs, puts PaRO's ``fully_shard`` in ``torch.distributed.fsdp``: accelerate's own calls
-(each decoder layer, the embedding, the [norm, lm_head] tail, the root) shard with PaRO, and a
-script's own ``torch.distributed.fsdp.fully_shard`` elsewhere in the process stays torch's.
-``FSDPModule`` is not touched: PaRO's modules are ``FSDPModule``s, so accelerate's and the
-Trainer's ``isinstance`` checks hold.
+Why the hook is where it is: accelerate's ``fsdp2_prepare_model`` imports ``fully_shard`` from
+``torch.distributed.fsdp`` each time it runs and offers no way to pass another. So the switch wraps
+that one function and, only while it runs, puts PaRO's ``fully_shard`` there: a script's own
+``fully_shard`` elsewhere stays torch's. PaRO's modules are ``FSDPModule``s, so accelerate's and
+the Trainer's ``isinstance`` checks hold.
 
-The mesh: accelerate passes one only with a ``ParallelismConfig``; its (dp_replicate, dp_shard)
-mesh is PaRO's (across groups, inside a group). Otherwise ``init_paro_mesh(group_size)``, by
-default one group per node (``LOCAL_WORLD_SIZE``).
+The mesh: a ``ParallelismConfig``'s (dp_replicate, dp_shard) mesh is PaRO's (across groups, inside
+a group); otherwise ``init_paro_mesh(group_size)``, by default one group per node.
 """
 from __future__ import annotations
 

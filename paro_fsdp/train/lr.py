@@ -8,8 +8,6 @@ of optimizer step ``s + 1``:
                                   progress = (s + 1 - W - S) / (D + 1)
 with shape linear 1 - p, sqrt 1 - sqrt(p), cosine (1 + cos(pi p)) / 2, or constant 1.
 D = total - W when ``decay_ratio`` is unset, else round(total * decay_ratio); S fills the rest.
-The scheduler's state (its step counter) goes into checkpoints, so a resumed run continues the
-same curve.
 """
 from __future__ import annotations
 

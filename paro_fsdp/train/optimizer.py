@@ -1,14 +1,8 @@
 """The trainer's optimizer: torch's, built over the sharded model's parameters (FSDP2's contract).
 
-Why over ``model.parameters()``: after ``paro_shard`` each trainable parameter *is* its fp32
-master, a DTensor at its strategy's OS level, and a syncing backward leaves its gradient (reduced
-there) in ``.grad``. So any torch optimizer, torch's ``clip_grad_norm_`` and torch's lr
-schedulers work on them unchanged, and the engine refreshes its P-level working copies by itself
-after ``optimizer.step()`` (docs/fsdp2.md).
-
-Why two param groups: as Hugging Face's Trainer and nanoGPT, weight decay applies to the weight
-matrices and embeddings only (``ndim >= 2``); norms' gains and biases (``ndim < 2``) are not
-decayed. With ``weight_decay = 0`` (or no such parameter) there is one group.
+Why over ``model.parameters()``: each trainable parameter *is* its fp32 master with its reduced
+``.grad``, so torch's optimizers, ``clip_grad_norm_`` and schedulers work unchanged (docs/fsdp2.md).
+Why two param groups: as HF's Trainer, only ``ndim >= 2`` tensors decay (not norms or biases).
 """
 from __future__ import annotations
 

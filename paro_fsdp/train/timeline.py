@@ -2,15 +2,9 @@
 inter-group and global collectives ran, from that step's torch.profiler trace (docs/trainer.md).
 
 Why: PaRO's schedules exist to run collectives under compute and keep the slow inter link busy,
-and the TensorBoard profiler plugin no longer renders, so the trainer draws that one picture.
-
-How the trace names a collective's group: on NCCL, kernels carry "Process Group Name" /
-"Description" args (``group_dims`` maps names to mesh dims). On gloo nothing names it, but each
-group's collectives run on fixed worker threads, which ``gloo_threads`` learns once per process.
-
-The rows, the fractions and how a step traced in part (``paro::pause#<micro-steps skipped>`` to
-``paro::resume``) has its untraced time cut out are described in docs/trainer.md; ``other`` is a
-collective of no known group.
+and the TensorBoard profiler plugin no longer renders. A collective's group: on NCCL, the kernels'
+"Process Group Name" args (``group_dims``); on gloo, its fixed worker threads (``gloo_threads``).
+Rows, fractions and the cut of untraced time (``paro::pause#<n>`` to ``paro::resume``): docs/trainer.md.
 """
 from __future__ import annotations
 
