@@ -1,8 +1,7 @@
 """Every workaround for a torch bug or gap, in one place.
 
-Each one names the bug, the torch versions it was seen on and the test that fails without it.
-When torch fixes one, the workaround (and its guard) goes, nothing else changes: callers only
-call the functions here.
+Each names the bug, the torch versions and the test that fails without it; callers only call the
+functions here, so a fixed one goes without other changes.
 """
 from __future__ import annotations
 

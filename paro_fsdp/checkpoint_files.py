@@ -4,9 +4,8 @@ shapes, and nothing in it that executes code.
 Why: DCP stores no checksums (a damaged shard loads as wrong weights), loads a larger model's
 checkpoint silently into the matching subset of a smaller one, and unpickles ``.metadata`` and
 every non-tensor value with a full unpickler, so a crafted folder would run code on every rank.
-``safe_load`` is the one way this project reads a checkpoint: ``.metadata`` through an unpickler
-that resolves only the classes DCP's metadata is made of (from a table, never imported), every
-non-tensor value through ``torch.load(weights_only=True)``.
+``safe_load`` is the one way this project reads one: ``.metadata`` through an unpickler resolving
+only DCP's metadata classes, every non-tensor value through ``torch.load(weights_only=True)``.
 """
 from __future__ import annotations
 

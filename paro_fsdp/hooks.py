@@ -1,8 +1,7 @@
 """The autograd Functions through which the engine sees forward and backward.
 
-Why autograd Functions: ``Unshard``'s backward receives a block's gradients in one call, the
-natural place to reduce them as one bucket, and dynamo / AOTAutograd can trace both. They know
-nothing of blocks: the engine (state.py) hands them the tensors and the callbacks.
+Why autograd Functions: ``Unshard``'s backward receives a block's gradients in one call, one
+bucket to reduce, and dynamo / AOTAutograd can trace them. They know nothing of blocks.
 """
 from __future__ import annotations
 

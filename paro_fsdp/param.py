@@ -1,9 +1,7 @@
 """``ParoParam``: one sharded tensor, as FSDP2's ``FSDPParam``.
 
-Why one object per tensor: a tensor's name and owners, its layout at every level, the module's
-parameter (the optimizer's, at the OS level), the engine's P-level working copy and the whole
-tensor the block computes with belong together; the group (param_group.py) keeps the flat
-buffers they view, so each collective still moves a whole bucket at once.
+Why one object per tensor: its name, owners, layouts, parameter, working copy and whole tensor
+belong together; the group keeps the flat buffers they view, so a collective moves a whole bucket.
 """
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """Where collectives are issued on a GPU: two side streams, as FSDP2 does.
 
 Why: a collective issued from the compute stream starts only after every kernel queued before it,
-and PaRO-CC's later phases, issued at the consumer's ``wait()``, would queue behind all of them. So
-on CUDA every phase is issued at once on a side stream and the consumer waits on an event. What
-each issue waits for, and why no ``record_stream`` is needed: docs/ARCHITECTURE.md, "On a GPU".
-On CPU (gloo) ``wait_tensor`` blocks the thread, so ``streams_for`` returns None.
+and PaRO-CC's later phases would queue behind all of them. The rules: docs/ARCHITECTURE.md, "On a
+GPU". On CPU (gloo) ``wait_tensor`` blocks the thread, so ``streams_for`` returns None.
 """
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """What a block does while torch.compile traces it: every collective becomes a graph node.
 
 Why a second path: the eager engine keeps collectives in flight across hooks, frees storage with
-``resize_`` and calls back into Python from backward, none of which a graph captures. The traced
-path is built from the eager path's own moves, so eager and compiled runs move the same bytes
-(docs/ARCHITECTURE.md, ``traced.py``).
+``resize_`` and calls back into Python from backward, none of which a graph captures; built from
+the eager path's own moves, eager and compiled runs move the same bytes.
 """
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""Calibration: measure the mesh this process belongs to and return the :class:`Cluster` the
-cost model reads.
+"""Calibration: measure this process's mesh and return the :class:`Cluster` the cost model reads.
 
-Why in the package: the trainer's ``paro_strategy = "auto"`` without a cluster file calibrates
-at start-up, as the tools do. Collectives are fitted with the alpha-beta ring model the time model
-prices (``cluster.link_seconds``), so what is measured is what is predicted.
+In the package: ``strategy="auto"`` without a cluster file calibrates at start-up. Collectives are
+fitted with the alpha-beta ring model the time model prices, so what is measured is what is predicted.
 """
 from __future__ import annotations
 

@@ -3,11 +3,8 @@
 (the order of the calls: docs/huggingface.md).
 
 Why built on the meta device and loaded in place: ``from_pretrained`` on every rank holds the
-model n times; ``paro_shard`` materialises one tensor at a time and ``load_weights`` reads each
-rank's safetensors slices (through ``checkpoint_files.safe_load``: nothing that runs code)
-straight into the parameters (FSDP2's contract: each trainable one is its fp32 master at the OS
-level, each frozen one its P-level copy), so no rank holds the whole model and the masters are
-exact. The export writes the same DTensors back, rank 0 joining them into files and the index.
+model n times; here each rank reads its safetensors slices straight into the parameters (through
+``checkpoint_files.safe_load``), so no rank holds the whole model and the fp32 masters are exact.
 """
 from __future__ import annotations
 

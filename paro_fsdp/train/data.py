@@ -1,13 +1,10 @@
 """Offline data: documents from local files (or the embedded corpus), tokenized, packed into
 windows of ``seq_len + 1`` tokens, and dealt out to data-parallel ranks.
 
-Order: the windows of the token stream are shuffled once per epoch with a generator seeded from
-``(seed, epoch)``, giving one global sequence of samples that does not depend on the number of
-ranks. Optimizer step ``s`` consumes samples ``[base + s*B, base + (s+1)*B)`` (B = global batch
-size); inside a step, micro-step ``a`` of rank ``r`` takes the ``local_batch_size`` samples at
-offset ``(a * ranks + r) * local_batch_size``. So ranks never share a sample, the order is fixed
-by the seed, and the whole position is one integer (``samples_consumed``) that a checkpoint
-stores and that stays meaningful when the job resumes on a different number of ranks.
+Order: windows are shuffled once per epoch by ``(seed, epoch)``, one global sequence whatever the
+number of ranks. Step ``s`` consumes samples ``[base + s*B, base + (s+1)*B)``; micro-step ``a`` of
+rank ``r`` takes ``local_batch_size`` of them at ``(a * ranks + r) * local_batch_size``. So the whole
+position is one integer (``samples_consumed``), still meaningful on a different number of ranks.
 """
 from __future__ import annotations
 

@@ -1,13 +1,10 @@
 """The engine's own count of every PaRO strategy's per-rank memory and per-step communication,
 on a fake world: ``estimate(...)`` (``train.py --estimate``, ``python -m tools.estimate``).
 
-Why: ``cost.ledger`` says what each strategy *should* cost; this measures what the engine
-*does*, at any world size, without hardware: one real optimizer step per strategy through
-``paro_shard`` + torch's AdamW over the parameters (FSDP2's contract) on torch's fake process group
-under ``FakeTensorMode`` (shapes only), beside the ledger's formulas. The gradient norm is torch's
-``clip_grad_norm_`` on the DTensor parameters: its all-reduces are DTensor's, not the engine's, so
-neither the measured bytes nor the formulas (``clip=False``) count them. Needs a process without a
-real process group.
+Why: ``cost.ledger`` says what each strategy *should* cost; this measures what the engine *does*,
+at any world size, without hardware: one optimizer step per strategy on torch's fake process group
+under ``FakeTensorMode``. ``clip_grad_norm_``'s all-reduces are DTensor's, so neither the measured
+bytes nor the formulas (``clip=False``) count them. Needs a process without a real process group.
 """
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The trainer's Hugging Face path: ``--model.name hf --model.hf_path DIR`` (and ``[peft]``).
 
-The pieces are ``integrations.hf``'s; this module picks them from the config. Every problem
-of the folder is an ``HFModelError``: one line naming the fix, and exit status 2.
+The pieces are ``integrations.hf``'s. A folder's problem is an ``HFModelError``: one line, status 2.
 """
 from __future__ import annotations
 
