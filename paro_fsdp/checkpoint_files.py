@@ -162,10 +162,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 def safe_load(state: dict[str, Any], path: Optional[str] = None, *, storage_reader: Any = None) -> None:
-    """Load the checkpoint folder ``path`` (or what ``storage_reader`` reads) into ``state`` in
-    place, as ``dcp.load`` does, so that no load can run code. ``storage_reader``: a ``SafeReader``
-    or torch's ``HuggingFaceStorageReader`` (no pickle); any other is refused. Collective. Raises
-    ``CheckpointError`` (hostile or malformed ``.metadata``) or DCP's ``CheckpointException``."""
+    """``dcp.load`` that cannot run code. ``storage_reader``: a ``SafeReader`` or torch's
+    ``HuggingFaceStorageReader``; any other is refused. Collective. Raises ``CheckpointError``
+    (hostile or malformed ``.metadata``) or DCP's ``CheckpointException``."""
     if storage_reader is None:
         if path is None:
             raise TypeError("safe_load needs a path or a storage_reader")

@@ -57,10 +57,8 @@ class OnBackward(torch.autograd.Function):
     """Identity whose backward calls ``callback`` once all the tensors' gradients are ready: on a
     block's inputs, just after its backward (frozen groups get no ``Unshard`` backward of their own).
 
-    Gradients are not materialised: a tensor that reaches no loss (the aux output beside the
-    logits) passes None on, instead of a zeros tensor of its shape that its producer's backward
-    would then run on. Only the eager hooks use it (state.py returns before it while compiling),
-    so dynamo need not trace ``set_materialize_grads``. An identity forward-mode too (``jvp``)."""
+    Gradients are not materialised: a tensor that reaches no loss passes None on, not zeros its
+    producer's backward would run on. Eager only, so dynamo need not trace ``set_materialize_grads``."""
 
     @staticmethod
     def forward(callback: Callable[[], None], *tensors: torch.Tensor):  # type: ignore[override]
@@ -99,12 +97,10 @@ def register_post_backward(callback: Callable[[], None], args: Any, kwargs: Any)
 
 
 def register_pre_backward(callback: Callable[[], None], output: Any) -> Any:
-    """``callback`` just before a block's backward: at the first gradient reaching one of its
-    outputs, once. A pre-hook on the node that made each output, rather than an ``OnBackward``
-    node around them: the outputs stay the block's own tensors, so the caller may modify them in
-    place (``h = block(x); h += 1``), which a custom Function's view outputs forbid. For an
-    output that is a view (a Linear on 3D input returns one), the node is its base's: an in-place
-    op on the view rebases its history past the view's own node, whose hooks then never run."""
+    """``callback`` once, at the first gradient reaching one of a block's outputs. A pre-hook on
+    each output's node, not an ``OnBackward`` around them, so the caller may modify the outputs in
+    place (``h += 1``). For a view, its base's node: an in-place op on the view rebases its
+    history past the view's own node, whose hooks then never run."""
     fired = [False]
 
     def hook(*_: Any) -> None:

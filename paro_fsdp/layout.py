@@ -57,10 +57,8 @@ def _dtensor_rows(d0: int, g: int, m: int, level: Level, k: int, l: int) -> tupl
 
 @functools.lru_cache(maxsize=None)
 def _dtensor_g_rows(d0: int, g: int, m: int) -> list[list[tuple[int, int]]]:
-    """[l][k]: (first row, number of rows) of rank (k, l)'s global shard, for every rank at once.
-
-    The same answer as ``_dtensor_rows(..., Level.G, k, l)``, from DTensor's own split of the rows
-    mesh dim by mesh dim: asking rank by rank is quadratic in the world size."""
+    """[l][k]: ``_dtensor_rows(..., Level.G, k, l)`` for every rank at once (rank by rank is
+    quadratic in the world size)."""
     strided, intra = placements(Level.G, m)
     out: list[list[tuple[int, int]]] = [[(0, 0)] * g for _ in range(m)]
     with unset_fake_temporarily(), torch.inference_mode(False):
@@ -364,11 +362,9 @@ class FlatLayout:
         return part[mg, r]
 
     def copy_out_nested(self, nested: torch.Tensor | list[NestedPart], t: TensorLayout, dst: torch.Tensor) -> None:
-        """Write tensor ``t`` from a NESTED buffer, or from its column chunks as a chunked
-        PaRO-CC all-gather delivers them (``NestedPart``), into ``dst`` (at least m * c rows,
-        padded). Uniform: each chunk's share lands in place, one copy; uneven: the tensor's
-        columns are put together first (a tensor-sized buffer, a view when one chunk holds them
-        all), then its rows gathered into ``dst``."""
+        """Tensor ``t`` from a NESTED buffer, or its column chunks (``NestedPart``), into ``dst``
+        (at least m * c rows). Uneven: the columns are put together first (a view when one chunk
+        holds them all), then its rows gathered."""
         m, g = self.info.m, self.info.g
         if isinstance(nested, torch.Tensor):
             nested = [(0, self.sum_g, nested.view(m, g, self.sum_g))]

@@ -52,12 +52,9 @@ def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: 
 
 
 def _landing_pushes_first(destroy):
-    """``dist.destroy_process_group``, landing the last step's pushes first: they are collectives
-    in flight until the next forward, and a script's last step has none (torch warns of unwaited
-    collectives at exit; NCCL may hang). On gloo, a barrier after: a rank whose last collective
-    ended on its side may still be sending to a peer, and tearing its pairs down then aborts the
-    peer's gloo thread ("terminate called", SIGABRT at exit; README's script, 1 run in 6-8 on two
-    loaded cores)."""
+    """``dist.destroy_process_group``, landing the last step's pushes first (collectives a script's
+    last step never waits; NCCL may hang). On gloo, a barrier after: a rank may still be sending to
+    a peer, whose gloo thread aborts when the pairs go (SIGABRT at exit, 1 run in 6-8)."""
     def destroy_process_group(*args: Any, **kwargs: Any) -> None:
         states = list(_watched)
         for state in states:

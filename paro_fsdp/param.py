@@ -83,10 +83,8 @@ class ParoParam:
 
     @torch.no_grad()
     def adopt_replaced(self) -> bool:
-        """A whole tensor the user assigned over the sharded parameter after sharding
-        (``model.w = nn.Parameter(...)``, as FSDP2's lazy init allows; a DTensor computed from other
-        sharded parameters is gathered first, on every rank alike): each rank's rows of it copied into
-        ``param``, ``param`` registered again. False if none."""
+        """A whole tensor assigned over the parameter after sharding (``model.w = nn.Parameter(...)``,
+        as FSDP2's lazy init allows): its rows copied into ``param``, re-registered. False if none."""
         from torch.distributed.tensor import DTensor, distribute_tensor
 
         module, attr = self.ref.owners[0]

@@ -263,10 +263,8 @@ class ParoState:
         return None
 
     def progress_grad_reductions(self, block: ParoBlock) -> None:
-        """At ``block``'s post-backward: the reductions of the block before it advance a phase
-        (a PaRO-CC reduction's inter phase goes on the wire), older ones finish. Two blocks of
-        slack, as FSDP2's (one on the last micro-step ahead of boundary traffic), and a block's
-        own groups never wait for each other."""
+        """The previous block's reductions advance a phase, older ones finish: two blocks of slack,
+        as FSDP2's (one ahead of boundary traffic); a block's own groups never wait for each other."""
         earlier = [b for b, _ in self.in_flight if b is not block]
         prev = earlier[-1] if earlier else None
         keep = []
@@ -333,10 +331,8 @@ class ParoState:
 
     @torch.no_grad()
     def refresh_params(self) -> None:
-        """Bring the working copies (P level) to the parameters after they changed in place (an
-        optimizer step, a load), found by their version counters: called after every optimizer
-        step (a torch.optim hook) and at the root's pre-forward. Pushes that move bytes wait for
-        the forward that needs them (overlap.py) where that is safe."""
+        """Push the groups whose parameters' versions changed (a step, a load) to P; called after
+        every optimizer step and at the root's pre-forward. Deferred to the next forward where safe."""
         changed = [g for g in self.groups if g.trainable and g.params_version() != g.pushed_version]
         if not changed:
             return
@@ -355,10 +351,9 @@ class ParoState:
         self.pushes.fill()
 
     def _can_defer_push(self) -> bool:
-        """Whether the pushes may wait for the next forward (overlap.py): eager blocks only (a
-        traced block reads P inside its graph), after a forward has shown the order, not while
-        torch.profiler records (a collective it saw issued must not be waited after it stopped:
-        gloo's wait crashed there), and no forward all-gather sharing a process group with a push."""
+        """Eager blocks only (a traced one reads P in its graph), once a forward showed the order,
+        not under torch.profiler (gloo's wait crashed after it stopped), and no forward all-gather
+        sharing a process group with a push."""
         if (self.training_state is TrainingState.NEW or any(b.traced for b in self.blocks)
                 or torch.autograd._profiler_enabled()):
             return False

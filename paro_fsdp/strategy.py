@@ -76,12 +76,8 @@ ALL_STRATEGIES: tuple[str, ...] = tuple("".join(s) for s in itertools.product("N
 
 
 def resolve_policy(policy: PolicyLike, named_params: list[tuple[str, torch.nn.Parameter]]) -> dict[str, Strategy]:
-    """Map every parameter name to its strategy.
-
-    A dict is read in insertion order: the first fnmatch pattern that matches a name wins,
-    ``"default"`` covers the rest. A pattern that matches no parameter is an error, since it
-    is almost always a typo that would silently leave tensors at the default level.
-    """
+    """Every parameter name's strategy. A dict: the first fnmatch pattern that matches wins,
+    ``"default"`` the rest; a pattern matching nothing is an error (almost always a typo)."""
     if isinstance(policy, (str, Strategy)):
         strategy = Strategy.parse(policy)
         return {name: strategy for name, _ in named_params}

@@ -78,10 +78,8 @@ def _gather(group: "ParoParamGroup", sink: torch.Tensor | None, acc: torch.Tenso
 
 
 def unshard(group: "ParoParamGroup") -> list[torch.Tensor]:
-    """The whole tensors the block computes with, differentiable into ``group.sink``. With
-    ``reshard_after_forward`` (P = I or G), the gather runs under a selective-checkpoint policy
-    that makes the compiler recompute it in backward rather than keep whole tensors alive (as
-    the eager engine frees and re-gathers them)."""
+    """The whole tensors, differentiable into ``group.sink``. With ``reshard_after_forward`` the
+    gather is MUST_RECOMPUTE, so backward re-gathers instead of keeping whole tensors alive."""
     p = group.p_locals if group.plan.params_whole else [group.master_flat if group.casts_p else group.p_flat]
     if not group.trainable or not torch.is_grad_enabled():
         with torch.no_grad():
@@ -107,11 +105,9 @@ def _checkpointed_call_with_hooks(block: nn.Module, *args, **kwargs):
 
 
 def _compile_block(block: nn.Module, checkpointed: bool = False, **compile_kwargs) -> None:
-    """``block.compile(**compile_kwargs)`` with the block's hooks in its graph (why:
-    ``ParoModule.compile``): the compiled frame is this module's, which dynamo traces, and it
-    inlines ``_call_impl`` with the hooks. ``checkpointed``: the whole call, hooks included, under
-    activation checkpointing inside that graph, so backward gathers once for the recomputation (an
-    eager checkpoint around the compiled call would re-run the forward graph, then backward's gather)."""
+    """``block.compile(**compile_kwargs)`` with the block's hooks in its graph (``ParoModule.compile``).
+    ``checkpointed``: the whole call under activation checkpointing inside that graph, so backward
+    gathers once for the recomputation (an eager checkpoint around it would gather twice)."""
     call = _checkpointed_call_with_hooks if checkpointed else _call_with_hooks
     block._compiled_call_impl = torch.compile(partial(call, block), **compile_kwargs)
 

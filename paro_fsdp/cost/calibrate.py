@@ -56,10 +56,8 @@ def fit_alpha_beta(points: Sequence[tuple[float, float]]) -> tuple[float, float]
 def calibrate_in_process(mesh: Any, model_args: Optional[Union[str, LlamaArgs]] = None, micro_batch: int = 1,
                          seq_len: int = 128, dtype: str = "bf16", sizes_mib: Optional[Sequence[float]] = None,
                          reps: int = 3, name: str = "calibrated") -> Cluster:
-    """Measure the mesh this process belongs to (what is measured: ``tools/calibrate.py``'s
-    docstring); collective: every rank of the PaRO ``mesh`` calls it. Each timing is the fastest
-    call of the slowest rank. ``gpus_per_node`` is the intra size, so the intra dimension maps to
-    the ``intra`` link."""
+    """Measure this mesh (what: ``tools/calibrate.py``). Collective. Each timing is the fastest call
+    of the slowest rank; ``gpus_per_node`` is the intra size, so intra maps to the ``intra`` link."""
     groups = {d: mesh.get_group(d) for d in ("intra", "inter")}
     sizes = {d: dist.get_world_size(grp) for d, grp in groups.items()}
     m, g = sizes["intra"], sizes["inter"]

@@ -149,11 +149,9 @@ def _from_rank0(value: Any) -> Any:
 
 def cached_calibration(mesh: Any, model_args: Optional[Union[str, LlamaArgs]] = None, micro_batch: int = 1,
                        seq_len: int = 128, dtype: str = "bf16", recalibrate: Optional[bool] = None) -> Calibration:
-    """``calibrate_in_process``'s cluster, kept per key (module docstring): read from
-    :func:`cache_dir` when this mesh was measured with these arguments before (no collective is
-    timed), else measured now and kept. Collective: every rank of the PaRO ``mesh`` calls it, and
-    every rank gets rank 0's cluster. ``recalibrate=True`` (or ``PARO_FSDP_RECALIBRATE=1`` when it is
-    None) measures again and overwrites the file."""
+    """``calibrate_in_process``'s cluster, read from :func:`cache_dir` when kept, else measured and
+    kept. Collective; every rank gets rank 0's. ``recalibrate=True`` (or ``PARO_FSDP_RECALIBRATE=1``
+    when None) measures again and overwrites the file."""
     key = calibration_key(mesh, model_args, micro_batch, seq_len, dtype)
     path, digest = _path(key), _digest(key)
     fresh = _recalibrate_from_env() if recalibrate is None else recalibrate

@@ -42,10 +42,8 @@ class Workload:
 
 def seen_workload(model: Any, workload: Optional[Workload], spec: Optional[ModelSpec], param_dtype: Any,
                   budgeted: bool, block_modules: Sequence[Any] = ()) -> tuple[Workload, str]:
-    """The workload ``auto`` plans for and the header's words on where its activations come from:
-    measured from ``example_inputs``, given, the Llama formula (for an assumed micro-batch when no
-    ``workload=``), or, under a budget, a one-line refusal: a plan that leaves the activations out is
-    never offered as fitting one."""
+    """The workload ``auto`` plans for and where its activations come from: measured, given, the Llama
+    formula, or under a budget a one-line refusal (a plan without activations never fits one)."""
     work = workload or Workload()
     if not isinstance(work, Workload):
         raise TypeError(f"workload= takes a paro_fsdp.cost.budget.Workload, got {type(work).__name__}")

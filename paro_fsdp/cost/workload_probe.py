@@ -91,10 +91,8 @@ def _loss(out: Any, loss_fn: Optional[Callable[[Any], torch.Tensor]] = None) -> 
 def measure_activations(model: nn.Module, example_inputs: Any, param_dtype: torch.dtype,
                         blocks: Sequence[nn.Module] = (),
                         loss_fn: Optional[Callable[[Any], torch.Tensor]] = None) -> MeasuredActivations:
-    """One micro-step's activations of ``model`` on ``example_inputs``, its parameters in
-    ``param_dtype`` (module docstring); ``blocks``: the modules sharded apart (their backwards'
-    ends are the reduction moments); ``loss_fn``: the loss of the output when the model returns
-    none. Allocates nothing: the model's own tensors are read for their shapes only."""
+    """One micro-step's activations (module docstring); ``blocks``: the modules sharded apart (their
+    backwards' ends are the moments). Allocates nothing: the model's tensors give shapes only."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker, _ModState
     from torch.func import functional_call
@@ -142,10 +140,8 @@ def _activations(snapshot: dict) -> float:
 
 
 def watch_first_step(model: nn.Module, micro_batch: int, seq_len: int, grad_accum: int, announce: bool) -> None:
-    """Compare the first optimizer step the sharded ``model`` runs with the workload its plan was made
-    for, and warn once, naming the workload to pass, where they differ: the micro-batch's shape (read
-    at the first forward) and the micro-steps per step (the forwards up to the first whose backward
-    reduces: ``set_requires_gradient_sync``). ``announce``: this rank warns (rank 0)."""
+    """Warn once, naming the workload to pass, where the first step differs from the plan's workload:
+    the micro-batch's shape and the micro-steps per step. ``announce``: this rank warns (rank 0)."""
     seen: dict[str, Any] = {"forwards": 0}
 
     def pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> None:

@@ -52,8 +52,7 @@ _original: Optional[Callable[..., nn.Module]] = None  # accelerate's own fsdp2_p
 
 def use_paro(strategy: Optional[PolicyLike] = None, group_size: Optional[int] = None, *,
              memory_budget: Optional[float] = None, cluster: Any = None) -> ParoSettings:
-    """Make accelerate's FSDP2 plugin shard with PaRO from now on; call again to change, or
-    ``disable_paro()`` to give it back to torch.
+    """Make accelerate's FSDP2 plugin shard with PaRO from now on; call again to change.
 
     ``strategy``: "IIG" (default, or ``$PARO_FSDP_STRATEGY``), any of the 27, a ``Strategy``, a
     policy over each call's parameter names, or "auto" (planned on the whole model at its root
@@ -107,9 +106,7 @@ def _install() -> None:
     global _original
     if _original is not None:
         return
-    import accelerate.utils.fsdp_utils as fsdp_utils
-
-    _original = fsdp_utils.fsdp2_prepare_model
+    _original = _accelerate_modules()[0].fsdp2_prepare_model
     for module in _accelerate_modules():
         if getattr(module, "fsdp2_prepare_model", None) is _original:
             module.fsdp2_prepare_model = _prepare_with_paro
@@ -119,16 +116,10 @@ def _prepare_with_paro(accelerator: Any, model: nn.Module) -> nn.Module:
     """accelerate's ``fsdp2_prepare_model``, its ``fully_shard`` calls going to PaRO's."""
     settings, original = _settings, _original
     if settings is None or original is None:  # disabled after a reference to this wrapper was taken
-        return (original or _accelerate_prepare())(accelerator, model)
+        return (original or _accelerate_modules()[0].fsdp2_prepare_model)(accelerator, model)
     _refuse_unsupported(accelerator)
     with _paro_fully_shard(_shard_with(settings, model)):
         return original(accelerator, model)
-
-
-def _accelerate_prepare() -> Callable[..., nn.Module]:
-    import accelerate.utils.fsdp_utils as fsdp_utils
-
-    return fsdp_utils.fsdp2_prepare_model
 
 
 @contextlib.contextmanager
@@ -145,9 +136,8 @@ def _paro_fully_shard(shard: Callable[..., Any]) -> Iterator[None]:
 
 
 def _shard_with(settings: ParoSettings, root: nn.Module) -> Callable[..., Any]:
-    """The ``fully_shard`` accelerate calls: its mesh (or the PaRO mesh), its options, our strategy.
-    Under "auto" only the call on ``root`` shards (the plan covers the whole model at once); the
-    per-layer calls before it are left to it."""
+    """The ``fully_shard`` accelerate calls. Under "auto" only the call on ``root`` shards (the plan
+    covers the whole model at once)."""
     auto = is_auto(settings.strategy)
 
     def shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Any = None, **kwargs: Any) -> Any:

@@ -290,12 +290,10 @@ def stopped_line(signal_name: str, step: int, steps: int, saved: Optional[str], 
 
 
 def exit_status(body: Callable[[Any], int], as_script: bool) -> int:
-    """Run ``body(run)`` and turn what it raises into train.py's exit status and one line. ``body`` sets
-    ``run.trainer`` once the trainer is built (closed here) and hands it ``run.stop``: with ``as_script``, the
-    ``GracefulStop`` that makes SIGTERM / SIGINT stop at a step every rank agrees on. A configuration error: 2
-    (under torchrun as ``config_error_exit`` reports it); a decision every rank made alike (a stop, a checkpoint
-    problem, a collective order mismatch): rank 0's line, 1; a lost or hung peer: each rank's line, 1; a bug:
-    its traceback."""
+    """``body(run)``'s exit status; it sets ``run.trainer`` (closed here) and gets ``run.stop`` (with
+    ``as_script``, a ``GracefulStop``). A config error: 2; a decision every rank made alike (a stop, a
+    checkpoint problem, a collective order mismatch): rank 0's line, 1; a lost or hung peer: each
+    rank's line, 1; a bug: its traceback."""
     rank = int(os.environ.get("RANK", "0"))
     had_process_group = dist.is_initialized()
     run = SimpleNamespace(trainer=None, stop=None)
@@ -344,10 +342,8 @@ def _timeout_of(trainer: Any) -> float:
 
 
 def run_as_script(main: Callable[[], int]) -> None:
-    """``main()`` as the process: its exit status, or a bug's traceback and status 1. A process group still
-    initialised here belongs to a failed run (its peer may be gone): tearing it down in the interpreter's exit can
-    block on that peer or abort from a backend thread (SIGABRT instead of the status), so such a process leaves with
-    ``os._exit`` once its output is flushed."""
+    """``main()`` as the process. A process group still initialised here belongs to a failed run: tearing it
+    down at exit can block on a gone peer or abort (SIGABRT), so such a process leaves with ``os._exit``."""
     try:
         code = main()
     except SystemExit as exc:  # an explicit exit keeps its status
