@@ -149,9 +149,8 @@ class ParoBlock:
         return output
 
     def finish_forward(self) -> None:
-        """After the block's forward: the sharded parameters back on the modules unless they stay
-        registered whole (``keeps_registered``); the gathered tensors freed as resharding asks (the
-        root's stay for its backward, as do those of a block that does not reshard)."""
+        """The sharded parameters back unless ``keeps_registered``; the gathered tensors freed as
+        resharding asks (the root's stay for its backward)."""
         keep = self.keeps_registered
         for g in self.groups:
             if not keep:
@@ -165,19 +164,15 @@ class ParoBlock:
         if not self.unshard_in_backward:  # the user's word that backward reads none of its parameters
             return
         self.gather(backward=True)
-        # the whole tensors go back on the modules, differentiable, as FSDP2 keeps its unsharded
-        # parameters registered through backward: a recomputation the hooks do not see (transformers'
-        # gradient checkpointing checkpoints ``forward``, not ``__call__``) reads them from the
-        # modules. Non-reentrant, its gradients reach the forward's Unshard and this one stays
-        # unused; reentrant, its inner backward reaches this one.
+        # registered through backward, as FSDP2's: a recomputation the hooks do not see (transformers'
+        # checkpointing wraps ``forward``) reads them from the modules; reentrant, it reaches this Unshard
         with torch.enable_grad():
             for i, g in enumerate(self.groups):
                 self._swap(g, Unshard.apply(g.full_params, partial(self.post_backward, i), *g.sharded_params))
 
     def release(self, group: ParoParamGroup) -> None:
-        """After the group's backward: the parameters back, the whole tensors freed (kept under
-        ``set_reshard_after_backward(False)``, for the next forward, and registered, as FSDP2's).
-        A group of modules some of which had not run starts over at the next one's forward."""
+        """After the group's backward: the whole tensors freed, or kept registered under
+        ``set_reshard_after_backward(False)``, as FSDP2's."""
         self.to_run = set()
         if group.reshard_after_backward:
             group.reshard()
@@ -205,9 +200,8 @@ class ParoBlock:
 
 
 def _inside_checkpoint(module: nn.Module) -> nn.Module:
-    """Where a block's hooks go: inside torch's ``checkpoint_wrapper`` (applied before sharding,
-    FSDP2's and torchtitan's order), so the recomputation in backward runs them again and meets
-    gathered parameters; on the wrapper they would run once, outside the checkpoint."""
+    """Inside torch's ``checkpoint_wrapper`` (applied before sharding), so the recomputation in
+    backward runs the hooks again and meets gathered parameters."""
     while hasattr(module, "_checkpoint_wrapped_module"):
         module = module._checkpoint_wrapped_module
     return module
@@ -313,9 +307,8 @@ class ParoState:
             streams.release()  # the kept gather results, once the gather stream has waited for their reads
 
     def check_params(self) -> None:
-        """A tensor frozen when sharded has no gradient buffers: training it later would silently
-        do nothing, so it stops here (freezing a trainable one later is fine: it gets no ``.grad``).
-        Nor does a forward run on meta-device tensors never given memory (``to_empty``)."""
+        """Refuse a tensor frozen when sharded and trained later (it has no gradient buffers), and
+        meta-device tensors never given memory (``to_empty``)."""
         unset = [p.fqn for g in self.groups for p in g.params if not p.adopt_replaced() and p.unset]
         if unset:  # FSDP2 names the first group's (its lazy init stops there): the same names here
             first = next(g for g in self.groups if any(p.fqn in unset for p in g.params))
@@ -374,9 +367,8 @@ class ParoState:
             g.register_sharded()
 
     def reset_iter_state(self) -> None:
-        """FSDP2's recovery after an exception inside forward or backward: the collectives in
-        flight land, every group reshards, and the gradients of the aborted iteration (and any
-        accumulated unsynced ones) are dropped; the parameters and ``.grad`` already reduced stay."""
+        """FSDP2's recovery after an exception in forward or backward: collectives land, groups
+        reshard, the aborted (and unsynced) gradients are dropped; reduced ``.grad`` stays."""
         for _, g in self.in_flight:
             g.finish_grad_reduction()
         self.in_flight.clear()
