@@ -16,8 +16,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from .boundary import Steps, drive
 from .param_group import ParoParamGroup
 
@@ -55,8 +53,8 @@ class InFlight:
         self.entries.append(_Entry(group, steps, nbytes))
 
     def fill(self, finish_oldest: bool = False) -> None:
-        """Start queued sequences in order while under the bound. ``finish_oldest``: make room by
-        finishing the oldest started ones instead of leaving the rest queued."""
+        """Start queued sequences in order while under the bound (``finish_oldest``: make room by
+        finishing the oldest started ones)."""
         for e in list(self.entries):
             if e.started:
                 continue
@@ -78,8 +76,7 @@ class InFlight:
                 e.pending.advance()
 
     def finish(self, group: ParoParamGroup | None = None) -> bool:
-        """Run to their end the sequences up to ``group``'s (FIFO; None: all), then start more;
-        whether any ran."""
+        """Run the sequences up to ``group``'s (None: all) to their end, then start more; whether any ran."""
         if not self.entries or (group is not None and group not in self):
             return False
         self._drain(len(self.entries) if group is None else
@@ -98,14 +95,13 @@ def has_boundary_traffic(group: ParoParamGroup) -> bool:
 
 
 def boundary_bytes(group: ParoParamGroup) -> int:
-    """What a group's boundary reduction holds while in flight: its input at the G level in the
-    reduce dtype (the result, at the OS level, is the master gradient itself)."""
-    return group.t_layout.numel(group.strategy.g) * _size(group.mp.grad_dtype)
+    """Its input at the G level (the result, at the OS level, is the master gradient itself)."""
+    return group.t_layout.numel(group.strategy.g) * group.mp.grad_dtype.itemsize
 
 
 def push_bytes(group: ParoParamGroup) -> int:
-    """What a group's push holds while in flight: its gathered result at the P level."""
-    return group.t_layout.numel(group.strategy.p) * _size(group.mp.param_dtype)
+    """Its gathered result at the P level."""
+    return group.t_layout.numel(group.strategy.p) * group.mp.param_dtype.itemsize
 
 
 def push_dims(group: ParoParamGroup) -> frozenset[str]:
@@ -116,7 +112,3 @@ def push_dims(group: ParoParamGroup) -> frozenset[str]:
 def forward_dims(group: ParoParamGroup) -> frozenset[str]:
     """The process groups a group's forward all-gather runs on."""
     return group.plan.dims("gather")
-
-
-def _size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()

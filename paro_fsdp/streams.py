@@ -48,14 +48,12 @@ class CommStreams:
             yield side
 
     def params_written(self) -> None:
-        """The P-level storage may have been written on the current stream up to here: later
-        parameter gathers start after this point (and after every copy-out before it)."""
+        """P may have been written on the current stream up to here: later parameter gathers follow."""
         self._wait_current(self.gather)
         self._written = True
 
     def copied_out(self, gathered: object) -> None:
-        """The consumer has queued its reads of a parameter gather's result on the current
-        stream: keep ``gathered`` until the gather stream has waited for them."""
+        """Keep ``gathered`` until the gather stream has waited for the reads queued on the current stream."""
         self._copied.append((torch.cuda.current_stream(self.device).record_event(), gathered))
 
     def release(self) -> None:
@@ -82,6 +80,4 @@ def streams_for(device: torch.device) -> CommStreams | None:
 
 def active(streams: CommStreams | None) -> CommStreams | None:
     """The streams to issue on now: none while torch.compile traces (the graph decides)."""
-    if streams is None or torch.compiler.is_compiling():
-        return None
-    return streams
+    return None if streams is None or torch.compiler.is_compiling() else streams
