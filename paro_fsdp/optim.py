@@ -33,8 +33,7 @@ class ParoOptimizer:
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def __getattr__(self, name: str) -> Any:
-        """The rest (``step``, ``zero_grad``, ``param_groups``, ``state``, ``state_dict``, ...) is the
-        inner optimizer's."""
+        """The rest (``step``, ``zero_grad``, ``state_dict``, ...) is the inner optimizer's."""
         if name == "inner":  # __init__ failed before setting it
             raise AttributeError(name)
         return getattr(self.inner, name)

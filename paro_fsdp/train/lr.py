@@ -51,7 +51,7 @@ def schedule_phases(cfg: LRConfig, total_steps: int) -> tuple[int, int, int]:
 
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRConfig, total_steps: int) -> LambdaLR:
-    """A ``LambdaLR`` over the (inner, torch) optimizer; call ``step()`` after each optimizer step."""
+    """A ``LambdaLR``; call ``step()`` after each optimizer step."""
     warmup, stable, decay = schedule_phases(cfg, total_steps)
     fn = functools.partial(lr_factor, warmup_steps=warmup, stable_steps=stable, decay_steps=decay,
                            decay_type=cfg.decay_type, min_lr_factor=cfg.min_lr_factor)
