@@ -23,17 +23,15 @@ from .model import flops_per_token, model_spec
 
 __all__ = ["calibrate_in_process", "fit_alpha_beta"]
 
-# Up to this size the whole model's forward + backward is timed for the compute rate, else one
-# block's. A small model's step is dominated by what a block's FLOPs do not see (the loss over the
-# vocabulary, each op's fixed cost: 70 ms against 58 predicted from a block for the bench's 1.0M
-# Llama); a large one's by its blocks' matmuls, and it may not fit unsharded.
+# Up to this size the whole model's forward + backward is timed for the compute rate, else one block's:
+# a small model's step is dominated by what a block's FLOPs do not see (the loss over the vocabulary,
+# each op's fixed cost); a large one's by its blocks' matmuls, and it may not fit unsharded.
 WHOLE_MODEL_PARAMS = 50_000_000
 
 
 def fit_alpha_beta(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """Fit time = a + bytes / bw to (bytes, seconds) points, least squares in *relative* error
-    (so the small messages set the latency and the large ones the bandwidth); returns
-    (bw in bytes/s, a in s) with a >= 0 and bw > 0."""
+    """Fit time = a + bytes / bw, least squares in *relative* error (the small messages set the
+    latency, the large ones the bandwidth); returns (bw in bytes/s, a in s), a >= 0, bw > 0."""
     pts = [(x, y) for x, y in points if y > 0]
     if not pts:
         raise ValueError("no positive timings to fit")
@@ -67,14 +65,11 @@ def calibrate_in_process(mesh: Any, model_args: Optional[Union[str, LlamaArgs]] 
     if sizes_mib is None:
         sizes_mib = (0.0625, 1, 8, 64) if device == "cuda" else (0.0625, 0.5, 2, 8)
 
-    def sync() -> None:
-        if device == "cuda":
-            torch.cuda.synchronize()
-
     def seconds(fn) -> float:
         t0 = time.perf_counter()
         fn()
-        sync()
+        if device == "cuda":
+            torch.cuda.synchronize()
         return time.perf_counter() - t0
 
     def timed(fn, r: int) -> float:
@@ -202,12 +197,10 @@ def calibrate_in_process(mesh: Any, model_args: Optional[Union[str, LlamaArgs]] 
     measured.update(matmul_n=nmm, block_dim=args.dim, block_seq=seq_len, block_micro_batch=micro_batch,
                     block_seconds=round(t_block, 6), overlap_dim=d_ov or "-",
                     **({"model_seconds": round(t_model, 6)} if model_flops else {}))
-    return Cluster(
-        name=name, gpus_per_node=m, memory_gib=round(mem_gib, 3), achieved_tflops=tflops,
-        memory_bandwidth_gbs=3 * nbw * 4 / t_bw / GB, intra=links["intra"], inter=links["inter"],
-        overlap=round(overlap, 3), intra_overlap=None if intra_overlap is None else round(intra_overlap, 3),
-        usable_memory_fraction=0.9,
-        description=f"measured by tools.calibrate on {m * g} ranks ({g} groups x {m}), "
-                    f"{dist.get_backend()} on {device}",
-        source="tools.calibrate", measured={**measured, "matmul_tflops": 2 * nmm**3 / t_mm / 1e12},
-    )
+    return Cluster(name=name, gpus_per_node=m, memory_gib=round(mem_gib, 3), achieved_tflops=tflops,
+                   memory_bandwidth_gbs=3 * nbw * 4 / t_bw / GB, intra=links["intra"], inter=links["inter"],
+                   overlap=round(overlap, 3), intra_overlap=None if intra_overlap is None else round(intra_overlap, 3),
+                   usable_memory_fraction=0.9, source="tools.calibrate",
+                   description=f"measured by tools.calibrate on {m * g} ranks ({g} groups x {m}), "
+                               f"{dist.get_backend()} on {device}",
+                   measured={**measured, "matmul_tflops": 2 * nmm**3 / t_mm / 1e12})
