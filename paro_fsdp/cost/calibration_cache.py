@@ -44,8 +44,7 @@ FORMAT = 1
 
 
 class Calibration(NamedTuple):
-    """The cluster every rank plans with, where it is kept, and whether it was read (``cached``) or
-    measured now; ``source`` says which in one line, for the plan's log."""
+    """The cluster every rank plans with, where it is kept, whether it was read; ``source``: for the log."""
 
     cluster: Cluster
     path: Path
@@ -54,9 +53,8 @@ class Calibration(NamedTuple):
 
 
 def cache_dir() -> Path:
-    """Where calibrated clusters are kept: ``$PARO_FSDP_CACHE_DIR/clusters``, else
-    ``$XDG_CACHE_HOME/paro_fsdp/clusters``, else ``~/.cache/paro_fsdp/clusters`` (torch's own caches
-    sit beside it)."""
+    """``$PARO_FSDP_CACHE_DIR/clusters``, else ``$XDG_CACHE_HOME/paro_fsdp/clusters``, else
+    ``~/.cache/paro_fsdp/clusters``."""
     root = os.environ.get(CACHE_DIR_ENV)
     if not root:
         xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -70,9 +68,8 @@ def _recalibrate_from_env() -> bool:
 
 def calibration_key(mesh: Any, model_args: Optional[Union[str, LlamaArgs]], micro_batch: int, seq_len: int,
                     dtype: str) -> dict[str, Any]:
-    """What a calibration of ``mesh`` with these arguments depends on (module docstring). Collective:
-    the ranks' host names are gathered, so a job moved to other nodes, or laid out over them
-    differently, measures again."""
+    """What a calibration depends on (module docstring). Collective: the host names are gathered, so a
+    job moved to other nodes, or laid out over them differently, measures again."""
     sizes = {d: dist.get_world_size(mesh.get_group(d)) for d in ("inter", "intra")}
     device = mesh.device_type
     name = torch.cuda.get_device_name(torch.cuda.current_device()) if device == "cuda" else device
@@ -104,8 +101,7 @@ def _parse(text: str, where: str, digest: str) -> Cluster:
 
 
 def _read(path: Path, digest: str) -> Optional[Cluster]:
-    """The kept cluster, or None: none kept, or one that does not read (warned, in one line, and
-    measured over: a cache never stops a start)."""
+    """The kept cluster, or None (one that does not read is warned of: a cache never stops a start)."""
     try:
         return _parse(path.read_text(), str(path), digest)
     except FileNotFoundError:
@@ -118,8 +114,7 @@ def _read(path: Path, digest: str) -> Optional[Cluster]:
 
 
 def _keep(cluster: Cluster, key: dict[str, Any], path: Path) -> tuple[Cluster, bool]:
-    """The measured cluster as the file holds it (so this run and the next plan from the same numbers,
-    not ones rounded apart by the TOML), written atomically: (cluster, written)."""
+    """(the cluster as the file holds it, so this run and the next plan from the same numbers; written)."""
     measured = {**cluster.measured, "cache_key": _digest(key)}
     comments = ["calibrated by paro_fsdp (strategy=\"auto\" without cluster=), kept by paro_fsdp.cost."
                 "calibration_cache", f"at {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}; delete this "
