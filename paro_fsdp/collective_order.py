@@ -38,9 +38,8 @@ def fingerprint(func: Any, args: tuple, dims: dict[str, str]) -> Optional[str]:
 
 
 class CollectiveOrderCheck(TorchDispatchMode):
-    """Compare every collective of the enclosed code across ranks before it is issued (module
-    docstring). ``dims`` maps c10d group names to mesh dimension names (the trainer's
-    ``timeline.group_dims``); ``label`` says where in the message (e.g. "step 1")."""
+    """``dims``: c10d group name -> mesh dimension (``timeline.group_dims``); ``label``: where, in the
+    message (e.g. "step 1")."""
 
     def __init__(self, dims: dict[str, str], label: str = "the checked step",
                  group: Optional[dist.ProcessGroup] = None) -> None:

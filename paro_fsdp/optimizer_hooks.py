@@ -21,9 +21,8 @@ _hook_handle = None
 
 
 def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """The parameters the step updated (those with a gradient) count as written: torch's
-    ``foreach`` ops through DTensor (its default on GPUs) and its fused kernels write them in place
-    without moving their version counters. Then the pushes start."""
+    """The parameters with a gradient count as written (torch's foreach ops through DTensor and its
+    fused kernels write in place without moving version counters); then the pushes start."""
     stepped = {id(p): p for group in optimizer.param_groups for p in group["params"] if p.grad is not None}
     for state in list(_watched):  # only the models this optimizer updated (another may be alive)
         mine = [stepped[id(p)] for g in state.groups for p in g.sharded_params[: len(g.trainable)] if id(p) in stepped]

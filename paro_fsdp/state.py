@@ -55,9 +55,8 @@ class ParoBlock:
 
     @property
     def keeps_registered(self) -> bool:
-        """Whether the whole tensors stay the modules' parameters after forward (FSDP2's
-        ``reshard_after_forward=False``, and the root's default): calls into inner modules between
-        forward and backward, or after a ``no_grad`` forward (``generate``), then meet them."""
+        """The whole tensors stay registered after forward (FSDP2's ``reshard_after_forward=False``, the
+        root's default): calls into inner modules after it (``generate``) then meet them."""
         return self.reshard_after_forward is False or (self.reshard_after_forward is None and self.is_root)
 
     def gather(self, prefetch_next: bool = True, backward: bool = False) -> None:

@@ -67,8 +67,7 @@ class GatherForCompute(torch.autograd.Function):
 
 
 def _recompute_gathers(ctx, func, *args, **kwargs) -> CheckpointPolicy:
-    """Free gathered parameters after forward: every op of the gather (the all-gather and the
-    copies into whole tensors) is recomputed in backward rather than saved."""
+    """Every op of the gather is recomputed in backward rather than saved."""
     return CheckpointPolicy.MUST_RECOMPUTE
 
 
@@ -159,14 +158,12 @@ def make_sinks_on_compile(groups: Iterable["ParoParamGroup"]) -> None:
 
 
 def _push_each(groups: list["ParoParamGroup"]) -> None:
-    """What ``_compile_push`` compiles: each group's push in turn, every collective waited as
-    issued (in the graph, the passes decide what overlaps)."""
+    """Each group's push in turn, every collective waited as issued (the passes decide what overlaps)."""
     for g in groups:
         run(push_params(g))
 
 
 def _compile_push(model: nn.Module, **compile_kwargs) -> None:
-    """Refresh the working copies after each optimizer step with one compiled graph
-    (``compile_kwargs`` go to ``torch.compile``), whose collectives the passes merge and
-    schedule, instead of the eager pushes (which then no longer wait for the next forward)."""
+    """The pushes after each optimizer step as one compiled graph, whose collectives the passes merge
+    and schedule (they then no longer wait for the next forward)."""
     model._paro_state.compiled_push = torch.compile(_push_each, **compile_kwargs)

@@ -30,9 +30,8 @@ __all__ = ["MeasuredActivations", "measure_activations", "tokens_shape", "watch_
 
 @dataclass(frozen=True)
 class MeasuredActivations:
-    """``activation_bytes``: the peak of saved and transient activation bytes of one micro-step;
-    ``in_backward`` / ``after_backward``: the most of them while a block's backward runs / when it
-    has finished; ``micro_batch`` / ``seq_len``: read from the inputs (``tokens_shape``)."""
+    """``activation_bytes``: one micro-step's peak; ``in_backward`` / ``after_backward``: the most while a
+    block's backward runs / when it has finished; ``micro_batch`` / ``seq_len``: from the inputs."""
 
     activation_bytes: float
     in_backward: float

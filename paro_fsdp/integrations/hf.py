@@ -190,8 +190,7 @@ def base_name(fqn: str) -> Optional[str]:
 
 def check_weights(names: dict[str, tuple[int, ...]], path: str,
                   key: Callable[[str], Optional[str]] = base_name) -> None:
-    """Raise ``HFModelError`` unless the folder holds every tensor of ``names`` with its shape: no
-    partial load. Reads the safetensors' JSON headers only."""
+    """``HFModelError`` unless the folder holds every tensor of ``names`` with its shape (headers only)."""
     weight_files(path)
     stored = {k: tuple(m.size) for k, m in HuggingFaceStorageReader(path).read_metadata().state_dict_metadata.items()}
     wanted = {key(n): tuple(s) for n, s in names.items() if key(n) is not None}
@@ -207,14 +206,12 @@ def check_weights(names: dict[str, tuple[int, ...]], path: str,
 
 
 def parameters_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The parameters by name (a tied tensor once), detached DTensors sharing their storage, so DCP
-    writes each rank's shards and loads in place."""
+    """The parameters by name (a tied tensor once), detached: DCP writes and loads each rank's shards in place."""
     return {name: p.detach() for name, p in model.named_parameters()}
 
 
 def load_weights(model: nn.Module, path: str, key: Callable[[str], Optional[str]] = base_name) -> int:
-    """Each rank's slices of the safetensors into the parameters, in place; the engine refreshes
-    its working copies from them at the next forward. Returns how many tensors loaded. Collective."""
+    """Each rank's slices of the safetensors into the parameters, in place; how many. Collective."""
     params = {fqn: p for fqn, p in model.named_parameters() if key(fqn) is not None}
     targets = {key(fqn): p.detach() for fqn, p in params.items()}
     check_weights({k: tuple(v.shape) for k, v in targets.items()}, path, key=lambda n: n)
@@ -228,9 +225,8 @@ def load_weights(model: nn.Module, path: str, key: Callable[[str], Optional[str]
 # ---- the export -------------------------------------------------------------------------------
 def _export(values: dict[str, DTensor], out_dir: str, dtype: torch.dtype, max_bytes: int,
             finish: Callable[[str], None]) -> str:
-    """Every rank writes its shards into ``out_dir.tmp``; rank 0 joins them, one tensor at a time,
-    into the files and index, calls ``finish`` on the folder and renames it into place, so a crash
-    mid-export leaves only ``.tmp``. Collective; returns ``out_dir``."""
+    """Every rank writes its shards into ``out_dir.tmp``; rank 0 joins them into the files and index,
+    calls ``finish`` and renames it into place (a crash leaves only ``.tmp``). Collective."""
     tmp = out_dir.rstrip("/") + ".tmp"
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     barrier = dist.barrier if dist.is_initialized() else lambda: None
@@ -260,9 +256,8 @@ def _export(values: dict[str, DTensor], out_dir: str, dtype: torch.dtype, max_by
 
 
 def architecture(model: nn.Module) -> Optional[str]:
-    """The transformers class of a (sharded, maybe peft-wrapped) model, as ``save_pretrained``
-    writes it into ``architectures`` (e.g. "LlamaForCausalLM"); None for a model that is not a
-    transformers ``PreTrainedModel`` (the trainer's own Llama: its config names it)."""
+    """The model's transformers class, as ``save_pretrained`` writes it into ``architectures``; None
+    for a model that is not a ``PreTrainedModel`` (the trainer's own Llama)."""
     from transformers import PreTrainedModel
 
     from torch.distributed.fsdp import FSDPModule
@@ -276,9 +271,8 @@ def architecture(model: nn.Module) -> Optional[str]:
 def save_model(model: nn.Module, out_dir: str, config: Any, *, dtype: torch.dtype = torch.float32,
                values: Optional[dict[str, DTensor]] = None, extra_files: Iterable[str] = (),
                max_shard_bytes: int = SHARD_BYTES) -> str:
-    """Write a folder ``from_pretrained`` loads: ``config`` (its ``architectures`` naming the
-    model's own class) and ``values`` (default: the parameters, the fp32 masters under bf16 too)
-    in ``dtype``, ``extra_files`` copied in. Collective; returns ``out_dir``."""
+    """A folder ``from_pretrained`` loads: ``config`` and ``values`` (default: the parameters, the fp32
+    masters under bf16 too) in ``dtype``, ``extra_files`` copied in. Collective; returns ``out_dir``."""
     values = parameters_state(model) if values is None else values
     arch = architecture(model)
 

@@ -54,9 +54,8 @@ def rope_to_halves(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def hf_values(model: torch.nn.Module, args: LlamaArgs) -> dict[str, DTensor]:
-    """The ``paro_shard``-ed Llama's parameters (the fp32 masters, under bf16 mixed precision
-    too) under Hugging Face names and layouts, for ``integrations.hf.save_model``. Collective
-    (``wq`` and ``wk`` are gathered)."""
+    """The sharded Llama's fp32 parameters under Hugging Face names and layouts, for
+    ``integrations.hf.save_model``. Collective (``wq`` and ``wk`` are gathered)."""
     from paro_fsdp.integrations.hf import parameters_state
 
     out: dict[str, DTensor] = {}

@@ -288,9 +288,8 @@ def where_to_look(cfg: JobConfig, tb_dir: Optional[str], timeline: bool) -> list
 
 
 def timeline_writer(cfg: JobConfig, model: Any, rank: int, device: torch.device, run_name: str) -> TimelineWriter:
-    """``profiling.timeline``'s sink, which draws each trace into this rank's TensorBoard run
-    ``<run>/timeline_rank<r>``. On gloo it first learns which worker threads serve which mesh dimension
-    (``gloo_threads``: collectives, so every rank calls it)."""
+    """``profiling.timeline``'s sink into ``<run>/timeline_rank<r>``. On gloo it first learns the worker
+    threads of each mesh dimension (``gloo_threads``: collectives, so every rank calls it)."""
     dims = group_dims(model.paro_mesh_groups(), dist.group.WORLD.group_name)
     threads = gloo_threads(dims) if device.type == "cpu" else {}
     log_dir = os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder, run_name, f"timeline_rank{rank}")
