@@ -51,14 +51,12 @@ class CollectiveOrderCheck(TorchDispatchMode):
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
-        """Off while torch.compile traces (dynamo would otherwise run every frame eagerly), on while
-        the compiled code runs: its collectives are checked as they are issued."""
+        """Off while torch.compile traces (else dynamo runs every frame eagerly), on while compiled code runs."""
         return True
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         if any(is_traceable_wrapper_subclass(a) for a in tree_leaves((args, kwargs))):
-            # a DTensor op (torch's clip_grad_norm_ over the parameters): DTensor dispatches it,
-            # with this mode still on, so the collectives it runs are checked too
+            # a DTensor op (clip_grad_norm_): DTensor dispatches it with this mode on, its collectives checked too
             return NotImplemented
         fp = fingerprint(func, args, self.dims)
         if fp is not None:

@@ -33,11 +33,9 @@ class Unshard(torch.autograd.Function):
     def setup_context(ctx, inputs: tuple, output: tuple) -> None:
         full, on_grads, *sharded = inputs
         ctx.on_grads = on_grads
-        # A frozen tensor's whole copy needs no gradient (LoRA's base beside its adapters in one
-        # group): differentiable, it made autograd keep the inputs of every frozen layer and compute
-        # its weight gradient, a full fine-tune's activations (measured: 5.75 MiB for 4.32 on a
-        # LoRA Llama) and backward FLOPs. Its gradient arrives as None; a trainable one that got
-        # none (unused in this forward) as zeros, as before.
+        # a frozen tensor's whole copy (LoRA's base) needs no gradient: differentiable, it made autograd
+        # keep every frozen layer's inputs and compute its weight gradient (5.75 MiB for 4.32 on a LoRA
+        # Llama). A trainable one that got none (unused in this forward) gets zeros.
         ctx.mark_non_differentiable(*[o for o, s in zip(output, sharded) if not s.requires_grad])
         ctx.set_materialize_grads(False)
         ctx.like = [(p.shape, p.dtype, p.device) if s.requires_grad else None for p, s in zip(full, sharded)]
@@ -54,8 +52,8 @@ class Unshard(torch.autograd.Function):
 
 
 class OnBackward(torch.autograd.Function):
-    """Identity whose backward calls ``callback`` once all the tensors' gradients are ready: on a
-    block's inputs, just after its backward (frozen groups get no ``Unshard`` backward of their own).
+    """Identity whose backward calls ``callback`` once the tensors' gradients are ready: on a block's
+    inputs, after its backward (frozen groups get no ``Unshard`` backward of their own).
 
     Gradients are not materialised: a tensor that reaches no loss passes None on, not zeros its
     producer's backward would run on. Eager only, so dynamo need not trace ``set_materialize_grads``."""
@@ -119,8 +117,7 @@ def register_pre_backward(callback: Callable[[], None], output: Any) -> Any:
 
 
 def _tensors_in(tree: Any) -> list[torch.Tensor]:
-    """The tensors of ``tree``: pytree containers, and the fields of dataclasses torch's pytree
-    does not open (a block returning a ``@dataclass`` of activations, as FSDP2 handles)."""
+    """The tensors of ``tree``, inside dataclasses too (torch's pytree does not open them; FSDP2 does)."""
     out: list[torch.Tensor] = []
     for x in tree_flatten(tree)[0]:
         if torch.is_tensor(x):
