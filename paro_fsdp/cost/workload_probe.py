@@ -51,8 +51,7 @@ def tokens_shape(args: tuple, kwargs: dict) -> Optional[tuple[int, int]]:
 
 
 def as_call(example_inputs: Any) -> tuple[tuple, dict]:
-    """``example_inputs`` as (args, kwargs): a tensor, a tuple / list of positional arguments, or a
-    dict of keyword arguments (a Hugging Face batch)."""
+    """``example_inputs`` (a tensor, positional arguments, or a dict of keyword arguments) as (args, kwargs)."""
     if isinstance(example_inputs, torch.Tensor):
         return (example_inputs,), {}
     if isinstance(example_inputs, (tuple, list)):
@@ -113,8 +112,7 @@ def measure_activations(model: nn.Module, example_inputs: Any, param_dtype: torc
         inputs = [fake.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in args]
         kw = {k: fake.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
         tracker = MemTracker()
-        # MemTracker hooks every parameter's gradient, and a frozen one (LoRA's base) cannot take a
-        # hook: its slot is filled with a no-op handle so the tracker leaves it alone.
+        # MemTracker hooks every parameter's gradient; a frozen one (LoRA's base) cannot take a hook: no-op handles
         handles = getattr(tracker, "_param_to_grad_hook_handles", None)
         if handles is not None:
             for q in params.values():
