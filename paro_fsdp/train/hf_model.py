@@ -17,8 +17,7 @@ from paro_fsdp.models.llama import LlamaArgs
 
 from .config import JobConfig, tokenizer_spec
 
-__all__ = ["HFModelError", "shape_args", "build_meta_model", "load", "loss", "export",
-           "TOKENIZER_FILES"]
+__all__ = ["HFModelError", "shape_args", "build_meta_model", "load", "loss", "export", "TOKENIZER_FILES"]
 
 # what a model folder carries besides the weights, copied into the export so it loads as a whole
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",

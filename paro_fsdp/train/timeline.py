@@ -135,9 +135,8 @@ def parse(trace: Mapping[str, Any], thread_dims: Mapping[int, str] = {},
 
 
 def _paused(events: list[dict], main: Any, t0: float, t1: float) -> list[tuple[float, float, int]]:
-    """(start, end, micro-steps skipped) of each pause in the step (us): from the pause mark, or the end of the
-    last event that began before it and ended before the resume (a kernel or collective still running), to the
-    resume mark. Ranges that span the pause (the step's own, a collective over it) are cut, not counted."""
+    """(start, end, micro-steps skipped) of each pause (us): from the pause mark, or the end of the last event
+    that began before it and ended before the resume (a kernel still running), to the resume mark."""
     marks = sorted((float(e["ts"]), e) for e in events if e["tid"] == main and t0 <= float(e["ts"]) <= t1
                    and str(e.get("name", "")).startswith((PAUSE_MARK, RESUME_MARK)))
     gaps, pause = [], None
@@ -185,8 +184,8 @@ def render(tl: Timeline, title: str, width_px: int = 1200):
     for x, skipped in tl.cuts:  # where untraced micro-steps were cut out
         ax.axvline(x, color="black", linestyle="--", linewidth=1.5)
         ax.annotate(f"{skipped} micro-steps not traced", (x, len(rows) - 0.6), xytext=(4, 0),
-                    textcoords="offset points",
-                    fontsize=11, va="top", bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8})
+                    textcoords="offset points", fontsize=11, va="top",
+                    bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8})
     ax.set_xlim(0, tl.duration)
     ax.set_ylim(-0.6, len(rows) - 0.4)
     ax.set_xlabel("ms since the step started" + (" (untraced micro-steps cut out)" if tl.cuts else ""), fontsize=12)
@@ -252,9 +251,8 @@ def gloo_threads(dims: Mapping[str, str], delay_s: float = 0.03) -> dict[int, st
 
 def draw(trace_path: str, log_dir: str, rank: int, mode: str, thread_dims: Mapping[int, str],
          group_dims: Mapping[str, str], step_offset: int = 1) -> Optional[int]:
-    """A trace's image ``timeline/rank{r}`` and fraction scalars written at step N + step_offset, in a
-    new event file of ``log_dir`` (TensorBoard reads them all); the step, or None for the closing trace.
-    Written with tensorboard's own writer: the drawing process never imports torch (seconds per trace)."""
+    """A trace's image ``timeline/rank{r}`` and fraction scalars at step N + step_offset, in a new event file
+    of ``log_dir``; the step, or None for the closing trace. tensorboard's own writer: no torch import."""
     import io
 
     from PIL import Image
