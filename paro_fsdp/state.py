@@ -75,10 +75,6 @@ class ParoBlock:
                         self.model_state.land_push(g)
                     g.issue_unshard()
 
-    @staticmethod
-    def _swap(group: ParoParamGroup, tensors: list[torch.Tensor]) -> None:
-        group.register(tensors)
-
     def pre_forward(self, module: nn.Module, args: Any, kwargs: Any):
         if self.cast_inputs is not None:  # at every sharded module's forward, as FSDP2 casts (recomputations too)
             args, kwargs = _cast_floating((args, kwargs), self.cast_inputs)
@@ -92,7 +88,7 @@ class ParoBlock:
         if torch.compiler.is_compiling():  # the traced path: see traced.py
             self.traced = True
             for g in self.groups:
-                self._swap(g, traced_unshard(g))
+                g.register(traced_unshard(g))
             return args, kwargs
         state = self.model_state
         if self.is_root and not in_backward():
@@ -119,7 +115,7 @@ class ParoBlock:
             self.gather()
         grad_enabled = torch.is_grad_enabled()
         for i, g in enumerate(self.groups):
-            self._swap(g, Unshard.apply(g.full_params, partial(self.post_backward, i), *g.sharded_params)
+            g.register(Unshard.apply(g.full_params, partial(self.post_backward, i), *g.sharded_params)
                        if grad_enabled else g.full_params)
             if grad_enabled and not in_backward():
                 g.uses_left += 1
@@ -130,7 +126,7 @@ class ParoBlock:
     def post_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any):
         if torch.compiler.is_compiling():
             for g in self.groups:
-                self._swap(g, g.sharded_params)
+                g.register(g.sharded_params)
             return output
         if torch.is_grad_enabled():
             output = register_pre_backward(self.pre_backward, output)
@@ -167,7 +163,7 @@ class ParoBlock:
         # checkpointing wraps ``forward``) reads them from the modules; reentrant, it reaches this Unshard
         with torch.enable_grad():
             for i, g in enumerate(self.groups):
-                self._swap(g, Unshard.apply(g.full_params, partial(self.post_backward, i), *g.sharded_params))
+                g.register(Unshard.apply(g.full_params, partial(self.post_backward, i), *g.sharded_params))
 
     def release(self, group: ParoParamGroup) -> None:
         """After the group's backward: the whole tensors freed, or kept registered under
