@@ -43,8 +43,7 @@ class ParoBlock:
         self.unshard_in_backward = True  # FSDP2's set_unshard_in_backward
         self.cast_inputs: torch.dtype | None = None  # floating inputs cast at its forward (paro_shard: root only)
         self.traced = False  # set once torch.compile has traced this block: no eager prefetch into it
-        # FSDP2's set_modules_to_forward_prefetch / _backward_prefetch: the blocks gathered ahead of
-        # this one's compute (None: the next one in the recorded order)
+        # FSDP2's set_modules_to_forward/backward_prefetch (None: the next block in the recorded order)
         self.forward_prefetch: list[ParoBlock] | None = None
         self.backward_prefetch: list[ParoBlock] | None = None
         self.to_run: set[int] = set()  # a group of modules: those whose forward has not run yet in this pass
@@ -82,9 +81,8 @@ class ParoBlock:
             if self.to_run:  # a later module of the group: its parameters are in place already
                 return args, kwargs
             self.to_run = {id(m) for m in self.modules}
-        # Inside backward, activation checkpointing is recomputing the block (hooks included):
-        # run the same autograd Functions, so the recomputation saves what the forward saved,
-        # but neither record the order nor prefetch.
+        # inside backward, activation checkpointing recomputes the block: the same autograd Functions,
+        # so it saves what the forward saved, but neither the order recorded nor a prefetch
         if torch.compiler.is_compiling():  # the traced path: see traced.py
             self.traced = True
             for g in self.groups:

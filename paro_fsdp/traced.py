@@ -136,9 +136,8 @@ def make_sinks(group: "ParoParamGroup") -> None:
     group.os_sink.register_post_accumulate_grad_hook(hand_to_masters)
 
 
-# Groups whose sinks are made when torch.compile next starts. Why not at paro_shard: eager-only
-# runs would hold leaves they never use; why not while tracing: a leaf made inside a traced frame
-# breaks the graph. Dynamo's compile-start callback runs before each frame is traced.
+# Groups whose sinks are made when torch.compile next starts: at paro_shard, eager-only runs would
+# hold unused leaves; while tracing, a leaf made inside a traced frame breaks the graph.
 _awaiting_sinks: "weakref.WeakSet[ParoParamGroup]" = weakref.WeakSet()
 
 

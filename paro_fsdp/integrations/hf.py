@@ -216,8 +216,7 @@ def load_weights(model: nn.Module, path: str, key: Callable[[str], Optional[str]
     targets = {key(fqn): p.detach() for fqn, p in params.items()}
     check_weights({k: tuple(v.shape) for k, v in targets.items()}, path, key=lambda n: n)
     safe_load(targets, storage_reader=HuggingFaceStorageReader(path))
-    # DCP writes each DTensor's local shard (``to_local()`` of a detached DTensor), which moves
-    # no version counter of the parameter, and the engine finds writes by those counters
+    # DCP writes each local shard without moving the parameter's version counter, which the engine reads
     torch.autograd.graph.increment_version(list(params.values()))
     return len(targets)
 

@@ -46,9 +46,8 @@ def set_collective_timeout(timeout: datetime.timedelta) -> int:
 # ---- a failed collective, in one line -----------------------------------------------------------
 _PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused",
               "Socket closed", "NCCL communicator was aborted", "ncclRemoteError")
-# matched in lower case: gloo says "Timed out waiting ... for recv", and, for the other operations
-# pending on a pair that timed out, "Application timeout caused pair closure"; NCCL's watchdog
-# "Watchdog caught collective operation timeout"
+# lower case: gloo's "Timed out waiting ... for recv" and "Application timeout caused pair closure",
+# NCCL's "Watchdog caught collective operation timeout"
 _TIMED_OUT = ("timed out", "timeout")
 
 

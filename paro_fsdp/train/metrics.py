@@ -173,8 +173,7 @@ class MetricsLogger:
         peak = cuda["cuda_max_allocated"] if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB
         mfu = 100.0 * self.flops_per_token * tps / (self.peak_flops * self.world_size) if self.peak_flops else None
         eta = avg * (self.total_steps - step)
-        # under torch.compile the ledger sees only collectives run eagerly (the graphs' own are in
-        # the compile schedule dump), so say so rather than print a misleading 0
+        # under torch.compile the ledger sees only eager collectives: say so rather than print a misleading 0
         comm_label = "comm outside graphs" if self.cfg.compile.enable else "comm"
         cuda_text = (f" reserved {_fmt_bytes(cuda['cuda_reserved'])} (max {_fmt_bytes(cuda['cuda_max_reserved'])}) "
                      f"alloc retries {cuda['cuda_alloc_retries']:.0f}") if cuda is not None else ""
