@@ -96,10 +96,9 @@ class ParoModule(FSDPModule):
             state.land_push(g)
             g.issue_unshard()
         handle = _UnshardHandle(groups)
-        if async_op:
-            return handle
-        handle.wait()
-        return None
+        if not async_op:
+            handle.wait()
+        return handle if async_op else None
 
     def reshard(self) -> None:
         """Free this module's gathered parameters; its sharded parameters are registered again."""

@@ -192,9 +192,8 @@ class NonFiniteGuard:
 
     def allows_step(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, model,
                     stop_votes: Optional[torch.Tensor] = None) -> bool:
-        """True when the step is finite, else False (line in ``self.last``) or TrainingStopped. Every rank calls it;
-        ``stop_votes`` lands in ``self.stop_votes``, read with the same device-to-host copy. ``model``: whose
-        parameters' ``.grad`` a non-finite step names the first bad one of (or the torch optimizer over them)."""
+        """True when the step is finite, else False (line in ``self.last``) or TrainingStopped. ``stop_votes`` lands
+        in ``self.stop_votes`` by the same device-to-host copy; ``model``: whose first bad ``.grad`` is named."""
         finite = torch.isfinite(torch.stack([loss.float(), grad_norm.float()])).all()
         self.stop_votes = (0, 0)
         if stop_votes is None:
@@ -226,14 +225,12 @@ class NonFiniteGuard:
 
 
 def nonfinite_masters(model) -> Optional[str]:
-    """First trainable parameter (an fp32 master) with a NaN/inf on any rank (None: none); checked
-    before every save, so none is saved. ``model``: as ``_trainable``'s ``source``."""
+    """First trainable parameter with a NaN/inf on any rank, or None; checked before every save."""
     return _first_flagged(model, lambda p: p)
 
 
 def _trainable(source) -> list[tuple[str, torch.Tensor]]:
-    """(name, parameter) of every trainable parameter, in model order. ``source``: the model (FQNs) or a torch
-    optimizer (named by place: it holds no names)."""
+    """(name, parameter) of every trainable one, in order: of the model (FQNs) or of an optimizer (by place)."""
     if isinstance(source, torch.nn.Module):
         return [(n, p) for n, p in source.named_parameters() if p.requires_grad]
     return [(f"param_groups[{i}]['params'][{j}]", p) for i, g in enumerate(source.param_groups)
@@ -246,8 +243,7 @@ def _local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 @torch.no_grad()
 def _first_flagged(source, tensor_of) -> Optional[str]:
-    """One all-reduce (max) of a non-finite flag per trainable parameter (``tensor_of``: the
-    parameter or its ``.grad``, each rank checking its shard), in model order."""
+    """One all-reduce (max) of a non-finite flag per trainable parameter (``tensor_of``: it or its ``.grad``)."""
     params = _trainable(source)
     if not params:
         return None
@@ -264,9 +260,8 @@ def _first_flagged(source, tensor_of) -> Optional[str]:
 
 # ---- train.py's exit status ------------------------------------------------------------------------
 def error_line(message: str) -> None:
-    """``train.py: error: <message>`` on stderr in one ``write``: survivors of a lost peer all report at once, and
-    ``print`` (two writes, unbuffered under torchrun) let two ranks' lines run together. One write to a pipe of at
-    most PIPE_BUF (4096) bytes is never interleaved; the message is cut below that."""
+    """``train.py: error: <message>`` on stderr in one ``write`` of under PIPE_BUF (4096) bytes, never interleaved:
+    survivors of a lost peer all report at once, and ``print``'s two writes let ranks' lines run together."""
     sys.stdout.flush()
     sys.stderr.flush()
     line = " ".join(f"train.py: error: {message}".split("\n"))[:3000] + "\n"
