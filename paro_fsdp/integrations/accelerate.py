@@ -54,11 +54,10 @@ def use_paro(strategy: Optional[PolicyLike] = None, group_size: Optional[int] = 
              memory_budget: Optional[float] = None, cluster: Any = None) -> ParoSettings:
     """Make accelerate's FSDP2 plugin shard with PaRO from now on; call again to change.
 
-    ``strategy``: "IIG" (default, or ``$PARO_FSDP_STRATEGY``), any of the 27, a ``Strategy``, a
-    policy over each call's parameter names, or "auto" (planned on the whole model at its root
-    call, within ``memory_budget`` bytes per rank; ``cluster``: a preset, file or ``Cluster``,
-    None to measure this mesh). ``group_size``: ranks per group when accelerate has no
-    ``ParallelismConfig`` (default ``$PARO_FSDP_GROUP_SIZE``, else ``LOCAL_WORLD_SIZE``)."""
+    ``strategy``: "IIG" (default, or ``$PARO_FSDP_STRATEGY``), any of the 27, a ``Strategy``, a policy,
+    or "auto" (within ``memory_budget`` bytes per rank; ``cluster``: a preset, file or ``Cluster``, None
+    to measure). ``group_size``: without a ``ParallelismConfig`` (default ``$PARO_FSDP_GROUP_SIZE``,
+    else ``LOCAL_WORLD_SIZE``)."""
     global _settings
     strategy = strategy if strategy is not None else os.environ.get(ENV_STRATEGY, "IIG")
     if isinstance(strategy, str) and not is_auto(strategy):
@@ -92,8 +91,7 @@ def paro_settings() -> Optional[ParoSettings]:
 
 
 def _accelerate_modules() -> list[Any]:
-    """Where accelerate looks ``fsdp2_prepare_model`` up: its definition, the ``accelerate.utils``
-    re-export, and ``accelerate.accelerator``'s own import of it (the one ``prepare`` calls)."""
+    """Where accelerate looks ``fsdp2_prepare_model`` up: its definition first, then its re-exports."""
     import accelerate.accelerator
     import accelerate.utils
     import accelerate.utils.fsdp_utils
@@ -150,8 +148,7 @@ def _shard_with(settings: ParoSettings, root: nn.Module) -> Callable[..., Any]:
 
 
 def _mesh(given: Any, settings: ParoSettings) -> Any:
-    """accelerate's (dp_replicate, dp_shard) mesh as it is; without one (or with a 1D one over
-    the world: plain FSDP), the PaRO mesh of ``group_size``."""
+    """accelerate's (dp_replicate, dp_shard) mesh as it is; else the PaRO mesh of ``group_size``."""
     if given is not None and given.ndim == 2:
         if settings.group_size is not None and settings.group_size != given.size(1):
             raise ValueError(f"use_paro(group_size={settings.group_size}) but the ParallelismConfig's dp_shard_size "

@@ -75,11 +75,11 @@ def collective_failure(exc: BaseException, rank: int, step: int, timeout_s: floa
 # ---- SIGTERM / SIGINT: finish the step, save it, exit 0 -------------------------------------------
 class GracefulStop:
     """SIGTERM / SIGINT noted, not acted on: ``votes()`` ride the loss all-reduce. A daemon thread watches the
-    wakeup fd (a main thread in a collective's C++ wait runs no Python handler) and enforces, from the first
-    signal, reaching the agreed step (5 s + 3 longest steps, so a dead peer does not hold up torchrun's restart)
-    and finishing the save (``hard_s``: torchrun's grace less 5 s). A missed deadline, or the signal again after
-    2 s, writes ``describe(signum)`` once and ``os._exit(1)``s (a group with a failed peer cannot be torn down).
-    ``said()``: True: write your own last line (a later signal adds none); False: a signal's line is being written."""
+    wakeup fd (a main thread in a C++ wait runs no Python handler) and enforces reaching the agreed step (5 s + 3
+    longest steps: a dead peer must not hold up torchrun's restart) and the save (``hard_s``: torchrun's grace less
+    5 s); a missed deadline, or the signal again after 2 s, writes ``describe(signum)`` once and ``os._exit(1)``s (a
+    group with a failed peer cannot be torn down). ``said()``: True: write your own last line; False: a signal's
+    line is being written."""
 
     def __init__(self, describe: Callable[[int], str], write_line: Callable[[str], None],
                  hard_s: Optional[float] = None) -> None:
