@@ -91,7 +91,8 @@ def paro_settings() -> Optional[ParoSettings]:
 
 
 def _accelerate_modules() -> list[Any]:
-    """Where accelerate looks ``fsdp2_prepare_model`` up: its definition first, then its re-exports."""
+    """Where accelerate looks ``fsdp2_prepare_model`` up: its definition (first), the ``accelerate.utils``
+    re-export, and ``accelerate.accelerator``'s own import of it (the one ``prepare`` calls)."""
     import accelerate.accelerator
     import accelerate.utils
     import accelerate.utils.fsdp_utils
