@@ -164,7 +164,7 @@ def safe_load(state: dict[str, Any], path: Optional[str] = None, *, storage_read
         storage_reader = SafeReader(path)
     elif not isinstance(storage_reader, (SafeReader, HuggingFaceStorageReader)):
         raise TypeError(f"safe_load reads with SafeReader or HuggingFaceStorageReader, not "
-                        f"{type(storage_reader).__name__}: another may unpickle .metadata with a full unpickler")
+                        f"{type(storage_reader).__name__}: another reader may unpickle .metadata with a full unpickler")
     if isinstance(storage_reader, SafeReader) and os.path.isfile(storage_reader._get_metadata_path()):  # noqa: SLF001
         # a refusal surfaces here as one CheckpointError; inside dcp.load it would become a
         # fallback to rank-local metadata and a multi-line CheckpointException
