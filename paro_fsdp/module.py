@@ -274,6 +274,7 @@ class ParoModule(FSDPModule):
 
 
 class _UnshardHandle(UnshardHandle):
+    """``unshard(async_op=True)``'s handle: ``wait()`` lands the gathers and registers the whole tensors."""
 
     def __init__(self, groups: list[ParoParamGroup]) -> None:
         self._groups: list[ParoParamGroup] | None = groups
@@ -286,6 +287,7 @@ class _UnshardHandle(UnshardHandle):
 
 
 class _ForwardHooks:
+    """The ``_pre_forward`` / ``_post_forward`` pair ``register_fsdp_forward_method`` wraps a method in."""
 
     def __init__(self, block: ParoBlock) -> None:
         self._block = block
