@@ -215,8 +215,7 @@ class MetricsLogger:
 
 def build_metrics(cfg: JobConfig, rank: int, device: torch.device, model: torch.nn.Module, args: Any,
                   tokens_per_step: int, world_size: int, shared_run: bool) -> MetricsLogger:
-    """The run's logger: its TensorBoard run is named by the start time (``shared_run``: rank 0's, so every rank
-    writes its timeline beside it), its MFU from the model's FLOPs per token."""
+    """The run's logger, its TensorBoard run named by the start time (``shared_run``: rank 0's, for every rank)."""
     names = [time.strftime("%Y%m%d-%H%M%S")]
     if shared_run:
         dist.broadcast_object_list(names, src=0)
@@ -298,8 +297,8 @@ def timeline_writer(cfg: JobConfig, model: Any, rank: int, device: torch.device,
 
 def build_profiler(cfg: JobConfig, rank: int, device: torch.device, start_step: int,
                    on_trace: Optional[Callable[[str], None]] = None):
-    """A ``StepProfiler`` tracing one step every ``profile_freq`` steps (each rank's newest ``keep_latest_k`` kept),
-    or a null context; ``on_trace(path)`` gets each trace written."""
+    """A ``StepProfiler`` tracing one step every ``profile_freq`` (each rank's newest ``keep_latest_k`` kept), or
+    a null context; ``on_trace(path)`` gets each trace."""
     p = cfg.profiling
     if not p.enable_profiling:
         return contextlib.nullcontext(NO_PROFILER)
@@ -344,9 +343,8 @@ _RECORDING = (torch.profiler.ProfilerAction.RECORD, torch.profiler.ProfilerActio
 
 class StepProfiler(torch.profiler.profile):
     """torch's profiler recording, in a traced step, only the first ``traced - 1`` micro-steps and the last (the
-    step's boundary). Why: torch's stop and export of a trace hold the training thread for time that grows with
-    its events (docs/trainer.md). The marks ``paro::pause#<skipped>`` / ``paro::resume`` let the timeline cut the
-    untraced time out (``timeline.parse``)."""
+    boundary): its stop and export hold the training thread for time that grows with its events. The marks
+    ``paro::pause#<skipped>`` / ``paro::resume`` let the timeline cut the untraced time out."""
 
     def __init__(self, traced: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -354,8 +352,7 @@ class StepProfiler(torch.profiler.profile):
         self.paused = False
 
     def micro_step(self, micro: int, grad_accum: int) -> None:
-        """Call at the start of each micro-step ``micro`` (0-based) of ``grad_accum``: pauses or resumes collection
-        in a traced step; a no-op in the others."""
+        """At the start of micro-step ``micro`` (0-based): pauses or resumes collection in a traced step."""
         if not self.traced or grad_accum <= self.traced or self.current_action not in _RECORDING:
             return
         if micro == self.traced - 1:
@@ -390,8 +387,8 @@ NO_PROFILER = _NoProfiler()
 
 
 class StepTimer:
-    """The time of each step, read once per log window: host wall time on CPU; on CUDA a pair of
-    timing events per step, synced once in ``collect`` (the GPU's time, while the host queued ahead)."""
+    """Each step's time, read once per log window: host wall time on CPU; on CUDA timing events, synced once
+    in ``collect``."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

@@ -36,8 +36,7 @@ class Timeline:
 
 
 def merge(iv: Intervals, gap: float = 0.0) -> Intervals:
-    """Sorted, overlaps joined; ``gap`` > 0 (a pixel) also closes shorter gaps: at most a bar per
-    pixel, where a 7B step has a million ops."""
+    """Sorted, overlaps joined; ``gap`` (a pixel) also closes shorter gaps: a 7B step has a million ops."""
     out: Intervals = []
     for a, b in sorted(iv):
         if out and a - out[-1][1] <= gap:
@@ -282,9 +281,8 @@ _RUN_FILE = "import runpy, sys; runpy.run_path(sys.argv.pop(1), run_name='__main
 
 
 class TimelineWriter:
-    """The profiler's trace sink. The training thread only starts a process that draws the trace:
-    a 64-micro-step 7B trace is 0.75 GB of JSON, whose ``json.load`` and parse take tens of seconds
-    and, in a thread, would hold the GIL the training loop needs. ``close`` waits for the drawings."""
+    """The profiler's trace sink, which starts a process per drawing: a 7B trace's 0.75 GB of JSON takes tens of
+    seconds to parse, holding the GIL if in a thread. ``close`` waits for the drawings."""
 
     def __init__(self, log_dir: str, rank: int, mode: str, thread_dims: Mapping[int, str],
                  group_dims: Mapping[str, str], step_offset: int = 1) -> None:
