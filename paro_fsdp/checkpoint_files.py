@@ -54,11 +54,9 @@ class CheckpointError(RuntimeError):
 
 # ---- .metadata without arbitrary code --------------------------------------------------------
 def _metadata_globals() -> dict[tuple[str, str], Any]:
-    """(module, name) -> object for every global a DCP ``.metadata`` pickle names, and nothing else.
-
-    Why a table: ``find_class`` imports the module and follows dotted names, so allowing "a
-    module" allows everything it imports (``os.system`` is an attribute of DCP's metadata module).
-    Each object here only stores its arguments or state; anything more needs a global of its own."""
+    """(module, name) -> object for every global a DCP ``.metadata`` pickle names, and nothing else. Why a
+    table: allowing "a module" allows everything it imports (``os.system`` is an attribute of DCP's
+    metadata module). Each object here only stores its arguments or state."""
     from torch.distributed.checkpoint import metadata as md
 
     table: dict[tuple[str, str], Any] = {}

@@ -78,9 +78,8 @@ def calibrate_in_process(mesh: Any, model_args: Optional[Union[str, LlamaArgs]] 
         return min(seconds(fn) for _ in range(r))
 
     def together(fn, r: int) -> float:
-        """The median of ``r`` calls, every rank starting each at once, as in training: on a shared
-        host the fastest call of ranks left to drift apart is one run while others wait (the block's
-        time moved 2x between calibrations; this way, 15%)."""
+        """The median of ``r`` calls, every rank starting each at once, as in training: on a shared host
+        the fastest call of drifting ranks is one run while others wait (2x apart between calibrations)."""
         seconds(fn)
         samples = []
         for _ in range(r):

@@ -311,8 +311,7 @@ def load_model_weights(model: torch.nn.Module, path: str, verify_files: bool = T
 
 
 def _is_own(metadata: Any) -> bool:
-    """A checkpoint this trainer wrote (its train state beside the model), not a model-only folder
-    whose own names start with ``model.`` (a Hugging Face model's do)."""
+    """This trainer's (its train state beside the model), not a model-only folder whose names start ``model.``."""
     keys = metadata.state_dict_metadata
     return "train_state.step" in keys and any(k.startswith(MODEL_SCOPE) for k in keys)
 
@@ -325,8 +324,7 @@ def _is_legacy(metadata: Any) -> bool:
 def _checked_load(path: str, target: Callable[[Any], tuple[Any, str]], verify_files: bool, what: str, *,
                   damage_fix: str, misfit_fix: str, unverified_fix: Optional[str],
                   warn: Optional[Callable[[str], None]]) -> None:
-    """Verify, shape-check against ``target(metadata)``, then ``safe_load``: each failure is one CheckpointError
-    starting with ``what`` and ending with the fix for its cause. Collective."""
+    """Verify, shape-check against ``target(metadata)``, ``safe_load``: each failure one line with its fix."""
     if verify_files and not os.path.isfile(os.path.join(path, MANIFEST)):
         if warn is None:
             raise CheckpointError(f"{what} has no {MANIFEST}, so its files cannot be verified (this trainer writes one "

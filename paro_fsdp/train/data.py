@@ -36,8 +36,7 @@ def _files(path: str, suffixes: tuple[str, ...]) -> list[Path]:
 
 
 def load_documents(dataset: str, path: Optional[str] = None) -> list[str]:
-    """The documents in a fixed order; ``text``: form-feed (``\\f``) separates a file's documents; ``jsonl``: a
-    ``"text"`` field per line."""
+    """The documents in a fixed order (``text``: form-feed separates a file's; ``jsonl``: a ``"text"`` per line)."""
     if dataset == "embedded":
         files, kind = sorted(CORPUS_DIR.glob("*.txt")), "text"
         if not files:
@@ -87,8 +86,7 @@ def pack_windows(tokens: np.ndarray, seq_len: int) -> np.ndarray:
 
 
 class DataLoader:
-    """This rank's micro-batches ([local_batch_size, seq_len + 1] int64), forever; the position is saved and
-    restored at an optimizer-step boundary."""
+    """This rank's [local_batch_size, seq_len + 1] int64 micro-batches, forever; saved at a step boundary."""
 
     def __init__(self, windows: np.ndarray, local_batch_size: int, dp_rank: int, dp_world: int, grad_accum: int,
                  seed: int) -> None:
