@@ -1,8 +1,7 @@
 """Every workaround for a torch bug or gap, in one place.
 
-Each one names the bug, the torch versions it was seen on and the test that fails without it.
-When torch fixes one, the workaround (and its guard) goes, nothing else changes: callers only
-call the functions here.
+Each names the bug, the torch versions and the test that fails without it; callers only call the
+functions here, so a fixed one goes without other changes.
 """
 from __future__ import annotations
 
@@ -58,11 +57,9 @@ def use_safe_gloo_all_gather() -> None:
 
     Bug (torch 2.11 to 2.14, gloo): ``_c10d_functional.all_gather_into_tensor`` (c10d routes it
     to ``allgather_into_tensor_coalesced``) corrupts the heap or hangs while another process group
-    has work in flight: exactly PaRO-CC's overlapped phases, and prefetching ("malloc(): unaligned
-    tcache chunk detected"). ``dist.all_gather_single(async_op=True)`` survives it, so the op's CPU
-    kernel is that call, its work registered for ``wait_tensor`` as the C++ kernel does (same op,
-    same graphs); other devices keep torch's kernel. Idempotent; every ``MeshComm`` installs it.
-    Test: tests/test_gloo_concurrency.py (concurrent gathers on both mesh dimensions, 4 ranks)."""
+    has work in flight (PaRO-CC's overlapped phases, prefetching). The op's CPU kernel becomes
+    ``dist.all_gather_single(async_op=True)``, its work registered for ``wait_tensor`` (same op, same
+    graphs). Idempotent; every ``MeshComm`` installs it. Test: tests/test_gloo_concurrency.py."""
     global _GLOO_LIB
     if _GLOO_LIB is not None:
         return
@@ -82,12 +79,10 @@ def isolate_compile_cache(rank: int) -> None:
     Bug (torch 2.13, inductor FX-graph / AOTAutograd cache): a rank's graphs name its own process
     groups, and with the selective-checkpoint region around the traced gathers (traced.py) torch
     replayed one rank's cache entry on another ("Could not resolve the process group registered
-    under the name 1"). Only those two caches hold whole graphs; a kernel's source names no group,
-    so every rank builds each kernel once between them, as under FSDP2 (a folder per rank for
-    everything made the ranks of a machine build every kernel once each: the cold first step
-    of a per-block compile 2.9x FSDP2's instead of ...). Where this torch's caches lack
-    the folder hooks, the whole cache folder is the rank's own, as before. Call it before
-    compiling; idempotent. Test: tests/test_compat.py."""
+    under the name 1"). A kernel's source names no group, so the ranks share its build, as under
+    FSDP2 (a folder per rank for everything made each rank build every kernel). Where the caches
+    lack the folder hooks, the whole cache folder is the rank's own. Call it before compiling;
+    idempotent. Test: tests/test_compat.py."""
     from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
     from torch._inductor.codecache import FxGraphCache
 

@@ -4,9 +4,8 @@ shapes, and nothing in it that executes code.
 Why: DCP stores no checksums (a damaged shard loads as wrong weights), loads a larger model's
 checkpoint silently into the matching subset of a smaller one, and unpickles ``.metadata`` and
 every non-tensor value with a full unpickler, so a crafted folder would run code on every rank.
-``safe_load`` is the one way this project reads a checkpoint: ``.metadata`` through an unpickler
-that resolves only the classes DCP's metadata is made of (from a table, never imported), every
-non-tensor value through ``torch.load(weights_only=True)``.
+``safe_load`` is the one way this project reads one: ``.metadata`` through an unpickler resolving
+only DCP's metadata classes, every non-tensor value through ``torch.load(weights_only=True)``.
 """
 from __future__ import annotations
 
@@ -30,22 +29,19 @@ MANIFEST = "paro_manifest.json"
 
 
 def short_write(exc: BaseException) -> bool:
-    """Whether ``exc`` is torch's zip writer finding fewer bytes on disk than it wrote: how a full
-    disk shows when it fills inside ``torch.save`` rather than at an ``open`` or ``write`` call
+    """torch's zip writer found fewer bytes on disk than it wrote: a disk filling inside ``torch.save``
     (then no rank's error is an ``OSError``)."""
     return isinstance(exc, RuntimeError) and "unexpected pos" in str(exc) and "inline_container" in str(exc)
 
 
 def disk_failure(exc: BaseException) -> bool:
-    """Whether a failed save is the file system's doing (full disk, permissions, I/O), as opposed
-    to a lost peer, which the trainer reports as such."""
+    """Whether a failed save is the file system's doing, not a lost peer's."""
     causes = [exc] + [c for _, c in dcp_causes(exc)]
     return any(isinstance(c, OSError) or short_write(c) for c in causes)
 
 
 def dcp_causes(exc: BaseException) -> list[tuple[int, BaseException]]:
-    """(rank, error) of each rank DCP's CheckpointException reports, lowest rank first; [] for
-    any other exception."""
+    """(rank, error) of each rank DCP's CheckpointException reports, lowest first; [] for others."""
     failures = getattr(exc, "failures", None)
     if not isinstance(failures, dict):
         return []
@@ -53,17 +49,14 @@ def dcp_causes(exc: BaseException) -> list[tuple[int, BaseException]]:
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be written or must not be read; the message is one line naming
-    the folder, the file or tensor, and the fix."""
+    """A checkpoint that cannot be written or must not be read: one line naming it and the fix."""
 
 
 # ---- .metadata without arbitrary code --------------------------------------------------------
 def _metadata_globals() -> dict[tuple[str, str], Any]:
-    """(module, name) -> object for every global a DCP ``.metadata`` pickle names, and nothing else.
-
-    Why a table: ``find_class`` imports the module and follows dotted names, so allowing "a
-    module" allows everything it imports (``os.system`` is an attribute of DCP's metadata module).
-    Each object here only stores its arguments or state; anything more needs a global of its own."""
+    """(module, name) -> object for every global a DCP ``.metadata`` pickle names, and nothing else. Why a
+    table: allowing "a module" allows everything it imports (``os.system`` is an attribute of DCP's
+    metadata module). Each object here only stores its arguments or state."""
     from torch.distributed.checkpoint import metadata as md
 
     table: dict[tuple[str, str], Any] = {}
@@ -86,8 +79,7 @@ _METADATA_GLOBALS = _metadata_globals()
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Resolves a global only through ``_METADATA_GLOBALS``, whatever the opcode or protocol:
-    nothing is imported, no attribute followed; persistent ids stay refused."""
+    """Resolves a global only through ``_METADATA_GLOBALS``: nothing imported, no attribute followed."""
 
     def find_class(self, module: str, name: str) -> Any:
         if "." in name:
@@ -100,8 +92,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_metadata_file(path: str | os.PathLike) -> Metadata:
-    """The ``Metadata`` in the DCP ``.metadata`` file ``path``, read with ``_MetadataUnpickler``;
-    every storage entry must name a file inside the folder (else any file on the machine could
+    """Every storage entry must name a file inside the folder (else any file on the machine could
     feed the weights). Raises ``CheckpointError`` (one line)."""
     try:
         with open(path, "rb") as f:
@@ -119,8 +110,7 @@ def read_metadata_file(path: str | os.PathLike) -> Metadata:
 
 
 def _metadata_problem(metadata: Metadata) -> Optional[str]:
-    """Why DCP must not act on ``metadata`` (None: its containers have DCP's types and every
-    storage entry is a file inside the checkpoint folder)."""
+    """Why DCP must not act on ``metadata``, or None."""
     if not isinstance(metadata.state_dict_metadata, dict):
         return "state_dict_metadata is not a dict"
     if not isinstance(metadata.storage_data, dict):
@@ -163,18 +153,16 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 def safe_load(state: dict[str, Any], path: Optional[str] = None, *, storage_reader: Any = None) -> None:
-    """Load the checkpoint folder ``path`` (or what ``storage_reader`` reads) into ``state`` in
-    place, as ``dcp.load`` does, so that no load can run code. ``storage_reader``: a ``SafeReader``
-    or torch's ``HuggingFaceStorageReader`` (no pickle); any other is refused. Collective. Raises
-    ``CheckpointError`` (hostile or malformed ``.metadata``) or DCP's ``CheckpointException``."""
+    """``dcp.load`` that cannot run code. ``storage_reader``: a ``SafeReader`` or torch's
+    ``HuggingFaceStorageReader``; any other is refused. Collective. Raises ``CheckpointError``
+    (hostile or malformed ``.metadata``) or DCP's ``CheckpointException``."""
     if storage_reader is None:
         if path is None:
             raise TypeError("safe_load needs a path or a storage_reader")
         storage_reader = SafeReader(path)
     elif not isinstance(storage_reader, (SafeReader, HuggingFaceStorageReader)):
-        raise TypeError(f"safe_load reads with SafeReader or HuggingFaceStorageReader, "
-                        f"not {type(storage_reader).__name__}: "
-                        f"another reader may unpickle .metadata with a full unpickler")
+        raise TypeError(f"safe_load reads with SafeReader or HuggingFaceStorageReader, not "
+                        f"{type(storage_reader).__name__}: another reader may unpickle .metadata with a full unpickler")
     if isinstance(storage_reader, SafeReader) and os.path.isfile(storage_reader._get_metadata_path()):  # noqa: SLF001
         # a refusal surfaces here as one CheckpointError; inside dcp.load it would become a
         # fallback to rank-local metadata and a multi-line CheckpointException
@@ -184,8 +172,7 @@ def safe_load(state: dict[str, Any], path: Optional[str] = None, *, storage_read
 
 def first_line(exc: BaseException, prefer: type[BaseException] = BaseException) -> str:
     """The cause of ``exc`` in one line: of a DCP CheckpointException, the lowest failing rank whose
-    error is a ``prefer`` (a full disk is an ``OSError`` on one rank, ``unexpected pos`` on
-    another), else the lowest failing rank."""
+    error is a ``prefer`` (a full disk is an ``OSError`` on one rank, not on another), else the lowest."""
     causes = dcp_causes(exc)
     if causes:
         rank, cause = next(((r, c) for r, c in causes if isinstance(c, prefer)), causes[0])
@@ -229,8 +216,8 @@ def write_manifest(folder: str, step: int) -> None:
 
 
 def verify(folder: str) -> Optional[str]:
-    """The first problem of ``folder`` against its manifest, on any rank (None: intact, or no
-    manifest to check against). Each rank checksums a share of the files. Collective."""
+    """The first problem against the manifest on any rank (None: intact, or no manifest); each rank
+    checksums a share. Collective."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     problem = None
     path = os.path.join(folder, MANIFEST)
@@ -273,8 +260,7 @@ def _tensors(state: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]
 
 
 def shape_problem(metadata: Metadata, states: dict[str, Any], scope: str = "optimizer.master.") -> Optional[str]:
-    """Why ``states`` cannot take this checkpoint's tensors (None: every tensor under ``scope``
-    exists on both sides with the same global shape). A partial load is never silent."""
+    """Why ``states`` cannot take the tensors under ``scope``, or None: a partial load is never silent."""
     ours = {k: tuple(t.shape) for name, s in states.items()
             for k, t in _tensors(s.state_dict() if hasattr(s, "state_dict") else s, f"{name}.")}
     theirs = {k: tuple(m.size) for k, m in metadata.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}

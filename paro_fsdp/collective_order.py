@@ -1,14 +1,10 @@
 """A debug check that every rank issues the same collectives in the same order.
 
-Why: a collective one rank issues and another does not (or with another shape or mesh dimension)
-hangs until the timeout, or on gloo pairs with the wrong call. Compiled graphs can differ per rank
-(compile caches, uneven layouts, recompiles) and nothing else would notice before the hang.
-
-How: a dispatch mode over one step fingerprints every ``_c10d_functional`` collective (eager and
-inside compiled code) by kind, mesh dimension (not the group's name, which differs between
-groups), shape and dtype, and compares it across ranks on a gloo group of their own *before* it
-is issued, and the end of the step too: a mismatch stops every rank with one line. One small
-all-gather per collective: a debug switch (the trainer's ``comm.check_collective_order``).
+Why: a collective one rank issues and another does not hangs until the timeout (or, on gloo, pairs
+with the wrong call), and compiled graphs can differ per rank. How: a dispatch mode fingerprints
+each ``_c10d_functional`` collective (kind, mesh dimension, shape, dtype) and compares it across
+ranks on a gloo group of its own *before* it is issued, and the end of the step too. One small
+all-gather per collective: a debug switch (``comm.check_collective_order``).
 """
 from __future__ import annotations
 
@@ -42,9 +38,8 @@ def fingerprint(func: Any, args: tuple, dims: dict[str, str]) -> Optional[str]:
 
 
 class CollectiveOrderCheck(TorchDispatchMode):
-    """Compare every collective of the enclosed code across ranks before it is issued (module
-    docstring). ``dims`` maps c10d group names to mesh dimension names (the trainer's
-    ``timeline.group_dims``); ``label`` says where in the message (e.g. "step 1")."""
+    """``dims``: c10d group name -> mesh dimension (``timeline.group_dims``); ``label``: where, in the
+    message (e.g. "step 1")."""
 
     def __init__(self, dims: dict[str, str], label: str = "the checked step",
                  group: Optional[dist.ProcessGroup] = None) -> None:
@@ -56,14 +51,12 @@ class CollectiveOrderCheck(TorchDispatchMode):
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
-        """Off while torch.compile traces (dynamo would otherwise run every frame eagerly), on while
-        the compiled code runs: its collectives are checked as they are issued."""
+        """Off while torch.compile traces (else dynamo runs every frame eagerly), on while compiled code runs."""
         return True
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         if any(is_traceable_wrapper_subclass(a) for a in tree_leaves((args, kwargs))):
-            # a DTensor op (torch's clip_grad_norm_ over the parameters): DTensor dispatches it,
-            # with this mode still on, so the collectives it runs are checked too
+            # a DTensor op (clip_grad_norm_): DTensor dispatches it with this mode on, its collectives checked too
             return NotImplemented
         fp = fingerprint(func, args, self.dims)
         if fp is not None:

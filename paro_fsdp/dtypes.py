@@ -6,11 +6,8 @@ import torch
 
 __all__ = ["DTYPES", "dtype_of", "short_name"]
 
-DTYPES: dict[str, torch.dtype] = {
-    "fp32": torch.float32, "float32": torch.float32,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16,
-}
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+                                  "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 _SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 

@@ -1,8 +1,7 @@
 """The autograd Functions through which the engine sees forward and backward.
 
-Why autograd Functions: ``Unshard``'s backward receives a block's gradients in one call, the
-natural place to reduce them as one bucket, and dynamo / AOTAutograd can trace both. They know
-nothing of blocks: the engine (state.py) hands them the tensors and the callbacks.
+Why autograd Functions: ``Unshard``'s backward receives a block's gradients in one call, one
+bucket to reduce, and dynamo / AOTAutograd can trace them. They know nothing of blocks.
 """
 from __future__ import annotations
 
@@ -11,6 +10,11 @@ from typing import Any, Callable
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (a recomputation inside it too)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class Unshard(torch.autograd.Function):
@@ -29,11 +33,9 @@ class Unshard(torch.autograd.Function):
     def setup_context(ctx, inputs: tuple, output: tuple) -> None:
         full, on_grads, *sharded = inputs
         ctx.on_grads = on_grads
-        # A frozen tensor's whole copy needs no gradient (LoRA's base beside its adapters in one
-        # group): differentiable, it made autograd keep the inputs of every frozen layer and compute
-        # its weight gradient, a full fine-tune's activations (measured: 5.75 MiB for 4.32 on a
-        # LoRA Llama) and backward FLOPs. Its gradient arrives as None; a trainable one that got
-        # none (unused in this forward) as zeros, as before.
+        # a frozen tensor's whole copy (LoRA's base) needs no gradient: differentiable, it made autograd
+        # keep every frozen layer's inputs and compute its weight gradient (5.75 MiB for 4.32 on a LoRA
+        # Llama). A trainable one that got none (unused in this forward) gets zeros.
         ctx.mark_non_differentiable(*[o for o, s in zip(output, sharded) if not s.requires_grad])
         ctx.set_materialize_grads(False)
         ctx.like = [(p.shape, p.dtype, p.device) if s.requires_grad else None for p, s in zip(full, sharded)]
@@ -50,13 +52,11 @@ class Unshard(torch.autograd.Function):
 
 
 class OnBackward(torch.autograd.Function):
-    """Identity whose backward calls ``callback`` once all the tensors' gradients are ready: on a
-    block's inputs, just after its backward (frozen groups get no ``Unshard`` backward of their own).
+    """Identity whose backward calls ``callback`` once the tensors' gradients are ready: on a block's
+    inputs, after its backward (frozen groups get no ``Unshard`` backward of their own).
 
-    Gradients are not materialised: a tensor that reaches no loss (the aux output beside the
-    logits) passes None on, instead of a zeros tensor of its shape that its producer's backward
-    would then run on. Only the eager hooks use it (state.py returns before it while compiling),
-    so dynamo need not trace ``set_materialize_grads``. An identity forward-mode too (``jvp``)."""
+    Gradients are not materialised: a tensor that reaches no loss passes None on, not zeros its
+    producer's backward would run on. Eager only, so dynamo need not trace ``set_materialize_grads``."""
 
     @staticmethod
     def forward(callback: Callable[[], None], *tensors: torch.Tensor):  # type: ignore[override]
@@ -95,12 +95,10 @@ def register_post_backward(callback: Callable[[], None], args: Any, kwargs: Any)
 
 
 def register_pre_backward(callback: Callable[[], None], output: Any) -> Any:
-    """``callback`` just before a block's backward: at the first gradient reaching one of its
-    outputs, once. A pre-hook on the node that made each output, rather than an ``OnBackward``
-    node around them: the outputs stay the block's own tensors, so the caller may modify them in
-    place (``h = block(x); h += 1``), which a custom Function's view outputs forbid. For an
-    output that is a view (a Linear on 3D input returns one), the node is its base's: an in-place
-    op on the view rebases its history past the view's own node, whose hooks then never run."""
+    """``callback`` once, at the first gradient reaching one of a block's outputs. A pre-hook on
+    each output's node, not an ``OnBackward`` around them, so the caller may modify the outputs in
+    place (``h += 1``). For a view, its base's node: an in-place op on the view rebases its
+    history past the view's own node, whose hooks then never run."""
     fired = [False]
 
     def hook(*_: Any) -> None:
@@ -119,8 +117,7 @@ def register_pre_backward(callback: Callable[[], None], output: Any) -> Any:
 
 
 def _tensors_in(tree: Any) -> list[torch.Tensor]:
-    """The tensors of ``tree``: pytree containers, and the fields of dataclasses torch's pytree
-    does not open (a block returning a ``@dataclass`` of activations, as FSDP2 handles)."""
+    """The tensors of ``tree``, inside dataclasses too (torch's pytree does not open them; FSDP2 does)."""
     out: list[torch.Tensor] = []
     for x in tree_flatten(tree)[0]:
         if torch.is_tensor(x):

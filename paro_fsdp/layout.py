@@ -15,6 +15,7 @@ A group of tensors moves as one flat buffer per level:
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -57,10 +58,8 @@ def _dtensor_rows(d0: int, g: int, m: int, level: Level, k: int, l: int) -> tupl
 
 @functools.lru_cache(maxsize=None)
 def _dtensor_g_rows(d0: int, g: int, m: int) -> list[list[tuple[int, int]]]:
-    """[l][k]: (first row, number of rows) of rank (k, l)'s global shard, for every rank at once.
-
-    The same answer as ``_dtensor_rows(..., Level.G, k, l)``, from DTensor's own split of the rows
-    mesh dim by mesh dim: asking rank by rank is quadratic in the world size."""
+    """[l][k]: ``_dtensor_rows(..., Level.G, k, l)`` for every rank at once (rank by rank is
+    quadratic in the world size)."""
     strided, intra = placements(Level.G, m)
     out: list[list[tuple[int, int]]] = [[(0, 0)] * g for _ in range(m)]
     with unset_fake_temporarily(), torch.inference_mode(False):
@@ -71,12 +70,10 @@ def _dtensor_g_rows(d0: int, g: int, m: int) -> list[list[tuple[int, int]]]:
 
 
 class _Nesting:
-    """Every intra index's G layout of a tensor of ``d0`` rows on a (g, m) mesh (one per shape,
-    ``_nesting``), and, where the world size does not divide d0, the row indices of its NESTED <->
-    whole-tensor moves: NESTED rows as [m * g, g_pad] (``mg`` = l * g + k, ``r``: row of the global
-    shard), the padded whole tensor's as [m, c] (``bl``, ``bj``). Entry q of each index is row q of
-    the whole tensor. CPU int64 tensors made outside any FakeTensorMode; ``to_device`` copies them
-    to a device once, before any trace, and ``on`` hands out those copies."""
+    """Every intra index's G layout of a tensor of ``d0`` rows on a (g, m) mesh (one per shape), and,
+    where the world size does not divide d0, the row indices of its NESTED <-> whole moves: NESTED
+    rows as [m * g, g_pad] (``mg`` = l * g + k, ``r``), the padded whole tensor's as [m, c] (``bl``,
+    ``bj``); entry q of each is row q of the whole tensor. CPU int64, made outside any FakeTensorMode."""
 
     def __init__(self, d0: int, g: int, m: int) -> None:
         self.d0, self.g, self.m = d0, g, m
@@ -138,8 +135,7 @@ class _Nesting:
         return self.inter(l)[("k", "r").index(name)] if l >= 0 else getattr(self, name)
 
     def to_device(self, device: torch.device, *names: str, l: int = -1) -> None:  # noqa: E741
-        """Copy the index tensors ``names`` to ``device`` now, outside any trace: a compiled graph
-        then reads them as inputs instead of copying them from the host on every call."""
+        """Copied now, outside any trace: a graph reads them as inputs instead of copying each call."""
         with unset_fake_temporarily(), torch.inference_mode(False):
             for n in names:
                 if (n, l, device) not in self._dev:
@@ -147,8 +143,7 @@ class _Nesting:
 
     def on(self, like: torch.Tensor, *names: str, l: int = -1) -> list[torch.Tensor]:  # noqa: E741
         """The index tensors ``names`` (attributes, or "k" / "r" of ``inter(l)``) on ``like``'s
-        device: the copies ``to_device`` made (moved in the graph only for a device it was not
-        given), fake for fake buffers, cached per device eagerly."""
+        device: ``to_device``'s copies, fake for fake buffers."""
         if torch.compiler.is_compiling():
             made = [self._dev.get((n, l, like.device)) for n in names]
             return made if all(x is not None for x in made) else [self._cpu(n, l).to(like.device) for n in names]
@@ -208,8 +203,7 @@ class TensorLayout:
 
     @property
     def uniform(self) -> bool:
-        """Every rank's global shard has g_pad rows at k * g_pad of its intra shard (so
-        d0 = m * c = n * g_pad): NESTED <-> FULL is one strided copy and has no padding."""
+        """d0 = m * c = n * g_pad: NESTED <-> FULL is one strided copy without padding."""
         return self.nest.uniform
 
     @property
@@ -220,18 +214,13 @@ class TensorLayout:
 
 def tensor_layout(name: str, shape: torch.Size, info: Coords) -> TensorLayout:
     d0 = shape[0] if len(shape) else 1
-    numel = 1
-    for s in shape:
-        numel *= s
-    row = numel // d0 if d0 else 0
+    row = math.prod(shape) // d0 if d0 else 0
     nest = _nesting(d0, info.g, info.m)  # every intra index's, so all ranks agree on whether it nests
     if nest.error == "strided":
-        raise ValueError(
-            f"parameter {name!r} (dim 0 = {d0}) cannot be sharded globally on a "
-            f"{info.g}x{info.m} mesh: DTensor's strided layout of it is not nested in the intra "
-            f"shard. Give it a strategy without level G (policy={{'{name}': 'III', ...}}) or "
-            f"make dim 0 divisible by the world size {info.n}."
-        )
+        raise ValueError(f"parameter {name!r} (dim 0 = {d0}) cannot be sharded globally on a {info.g}x{info.m} "
+                         f"mesh: DTensor's strided layout of it is not nested in the intra shard. Give it a strategy "
+                         f"without level G (policy={{'{name}': 'III', ...}}) or make dim 0 divisible by the world "
+                         f"size {info.n}.")
     if nest.error == "tiles":
         raise ValueError(f"parameter {name!r}: global shards do not tile its intra shard on this mesh")
     i_start, i_rows = _dtensor_rows(d0, info.g, info.m, Level.I, 0, info.l)
@@ -241,9 +230,8 @@ def tensor_layout(name: str, shape: torch.Size, info: Coords) -> TensorLayout:
 
 
 class FlatLayout:
-    """The flat FULL / I / G buffers of a list of tensors, and the copies between them.
-    ``device``: where the buffers live (default: the mesh's device, CPU for bare coordinates),
-    which the row indices of uneven tensors are copied to once, here."""
+    """The flat FULL / I / G buffers of a list of tensors, and the copies between them. ``device``
+    (default: the mesh's, CPU for bare coordinates) gets the uneven tensors' row indices once, here."""
 
     def __init__(self, tensors: list[TensorLayout], info: Coords, device: torch.device | str | None = None) -> None:
         self.tensors = tensors
@@ -284,8 +272,7 @@ class FlatLayout:
 
     # FULL <-> whole tensors ---------------------------------------------------------------
     def full_rows(self, full: torch.Tensor, t: TensorLayout) -> torch.Tensor:
-        """Tensor ``t``'s padded rows in the FULL buffer, a [m, size_i] view: read row-major, its
-        first numel elements are the whole tensor."""
+        """Tensor ``t``'s padded rows in the FULL buffer, a [m, size_i] view (row-major: the whole tensor)."""
         return full.view(self.info.m, self.sum_i)[:, t.off_i : t.off_i + t.size_i]
 
     def copy_out(self, full: torch.Tensor, t: TensorLayout, dst: torch.Tensor) -> None:
@@ -295,7 +282,7 @@ class FlatLayout:
     def copy_in(self, full: torch.Tensor, t: TensorLayout, src: torch.Tensor, add: bool = False) -> None:
         """Write (or add) the whole tensor ``src`` into the FULL buffer, zero in the padding rows."""
         m, c, row = self.info.m, t.c, t.row
-        dst = full.view(m, self.sum_i)[:, t.off_i : t.off_i + t.size_i].view(m, c, row)
+        dst = self.full_rows(full, t).view(m, c, row)
         src = src.reshape(t.d0, row)
         if t.d0 != m * c:
             src = torch.cat([src, src.new_zeros(m * c - t.d0, row)])
@@ -354,9 +341,8 @@ class FlatLayout:
         return nested.view(m * g, self.sum_g)[:, t.off_g : t.off_g + t.size_g].view(m * g, t.g_pad, t.row)
 
     def nested_rows(self, nested: torch.Tensor, t: TensorLayout) -> torch.Tensor:
-        """Tensor ``t``'s rows from a NESTED buffer: read row-major, the first numel elements
-        are the whole tensor. Uniform: a [m, g, size_g] view (no padding); otherwise the d0 real
-        rows, one gather."""
+        """Tensor ``t``'s rows from a NESTED buffer (row-major: the whole tensor): a view if uniform,
+        else one gather."""
         part = self._nested_cols(nested, t)
         if t.uniform:
             return part
@@ -364,11 +350,9 @@ class FlatLayout:
         return part[mg, r]
 
     def copy_out_nested(self, nested: torch.Tensor | list[NestedPart], t: TensorLayout, dst: torch.Tensor) -> None:
-        """Write tensor ``t`` from a NESTED buffer, or from its column chunks as a chunked
-        PaRO-CC all-gather delivers them (``NestedPart``), into ``dst`` (at least m * c rows,
-        padded). Uniform: each chunk's share lands in place, one copy; uneven: the tensor's
-        columns are put together first (a tensor-sized buffer, a view when one chunk holds them
-        all), then its rows gathered into ``dst``."""
+        """Tensor ``t`` from a NESTED buffer, or its column chunks (``NestedPart``), into ``dst``
+        (at least m * c rows). Uneven: the columns are put together first (a view when one chunk
+        holds them all), then its rows gathered."""
         m, g = self.info.m, self.info.g
         if isinstance(nested, torch.Tensor):
             nested = [(0, self.sum_g, nested.view(m, g, self.sum_g))]

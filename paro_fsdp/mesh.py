@@ -16,12 +16,8 @@ MESH_DIMS = ("inter", "intra")
 def device_type_for_backend(backend: str) -> str:
     """The device a process group's collectives run on: "cuda" when NCCL serves CUDA tensors
     ("nccl", "cuda:nccl", "cpu:gloo,cuda:nccl"), else "cpu" ("gloo", "fake", "cpu:gloo")."""
-    parts = [p.strip().lower() for p in str(backend).split(",") if p.strip()]
-    for part in parts:
-        device, _, name = part.rpartition(":")
-        if name == "nccl" or device == "cuda":
-            return "cuda"
-    return "cpu"
+    parts = [p.strip().lower().rpartition(":") for p in str(backend).split(",")]
+    return "cuda" if any(name == "nccl" or device == "cuda" for device, _, name in parts) else "cpu"
 
 
 def local_cuda_index(local_rank: int | None = None) -> int:
@@ -37,9 +33,8 @@ def local_cuda_index(local_rank: int | None = None) -> int:
 
 
 def init_paro_mesh(group_size: int, backend: str | None = None) -> DeviceMesh:
-    """Initialise the process group if needed and return the (n // m, m) mesh. A backend that
-    serves CUDA puts the mesh on this process's GPU, passed as ``device_id`` so NCCL binds its
-    communicators to it at once."""
+    """Initialise the process group if needed and return the (n // m, m) mesh. On CUDA this GPU is
+    passed as ``device_id``, so NCCL binds its communicators to it at once."""
     if not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"group_size must be a positive integer, got {group_size!r}")
     if not dist.is_initialized():
@@ -53,11 +48,9 @@ def init_paro_mesh(group_size: int, backend: str | None = None) -> DeviceMesh:
             dist.init_process_group(backend)
     world = dist.get_world_size()
     if world % group_size != 0:
-        raise ValueError(
-            f"world size {world} is not divisible by group_size {group_size}: pick a group size "
-            f"that divides it (e.g. the GPUs per node; divisors of {world}: "
-            f"{[d for d in range(1, world + 1) if world % d == 0]})"
-        )
+        raise ValueError(f"world size {world} is not divisible by group_size {group_size}: pick a group size that "
+                         f"divides it (e.g. the GPUs per node; divisors of {world}: "
+                         f"{[d for d in range(1, world + 1) if world % d == 0]})")
     device_type = device_type_for_backend(dist.get_backend())
     if device_type == "cuda":
         torch.cuda.set_device(local_cuda_index())
@@ -71,8 +64,7 @@ def init_paro_mesh(group_size: int, backend: str | None = None) -> DeviceMesh:
 
 
 def mesh_device(info_or_mesh: "MeshInfo | DeviceMesh") -> torch.device:
-    """The device every buffer of a model sharded on this mesh lives on (this process's GPU for
-    a CUDA mesh)."""
+    """Where every buffer of a model sharded on this mesh lives (this process's GPU on CUDA)."""
     mesh = info_or_mesh.mesh if isinstance(info_or_mesh, MeshInfo) else info_or_mesh
     if mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
@@ -83,8 +75,7 @@ _MESHES: dict[tuple[int, int], tuple[object, DeviceMesh]] = {}
 
 
 class Coords(Protocol):
-    """What layout arithmetic reads: the mesh's sizes and one rank's coordinates (``MeshInfo``, or
-    the tests' ``MeshCoords`` for any rank of any mesh)."""
+    """The mesh's sizes and one rank's coordinates (``MeshInfo``, or the tests' ``MeshCoords``)."""
 
     g: int
     m: int
@@ -114,8 +105,7 @@ class MeshGroups:
 
 @dataclass
 class MeshInfo(MeshGroups):
-    """Sizes, this rank's coordinates, process-group names and the mesh, read once from the
-    mesh (``from_mesh``)."""
+    """Plus this rank's coordinates and the mesh, read once (``from_mesh``)."""
 
     k: int  # this rank's group index
     l: int  # this rank's index inside its group  # noqa: E741

@@ -1,9 +1,7 @@
 """``ParoModule``: FSDP2's module methods, with PaRO's meaning, mixed into each sharded module.
 
-Why a mix-in, as FSDP2's ``FSDPModule``: a user's script calls these on the model and on its
-blocks (``model.set_requires_gradient_sync(False)``, ``block.unshard()``), so they must be
-methods of the modules themselves. The root holds the model-wide state (``_paro_state``); a block
-module also holds its own ``ParoBlock`` (``_paro_block``), so a call on it reaches its groups and,
+A mix-in, as FSDP2's: scripts call these on the model and its blocks. The root holds the
+model-wide ``_paro_state``; a block also its ``_paro_block``, so a call reaches its groups and,
 with ``recurse``, those of the blocks inside it.
 """
 from __future__ import annotations
@@ -27,13 +25,9 @@ from .traced import _compile_block
 
 
 class ParoModule(FSDPModule):
-    """Mixed into the sharded model's class and each ``fully_shard``-ed block's class (as FSDP2
-    mixes ``FSDPModule``); the class keeps its name, so exports name the model's own class.
-
-    Why a subclass of torch's ``FSDPModule``: FSDP2's clients (accelerate, transformers' Trainer,
-    TRL, torch's ``register_fsdp_forward_method``) test ``isinstance(m, FSDPModule)`` to pick
-    their FSDP2 paths. Every public method of it is overridden here with PaRO's meaning, or refused
-    in one line (``_refuse_the_rest``): none reaches FSDP2's state, which these modules do not have."""
+    """Why a subclass of torch's ``FSDPModule``: FSDP2's clients (accelerate, transformers' Trainer,
+    TRL, ``register_fsdp_forward_method``) test ``isinstance(m, FSDPModule)``. Every public method
+    is overridden with PaRO's meaning or refused (``_refuse_the_rest``): none reaches FSDP2's state."""
 
     _paro_state: ParoState
 
@@ -60,30 +54,25 @@ class ParoModule(FSDPModule):
 
     # ---- FSDP2's methods --------------------------------------------------------------------
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """``False``: the next backwards keep their gradients at the G level (summed over
-        micro-steps, no traffic to the OS level); ``True`` (the default, as FSDP2 reduces every
-        backward): the next backward also reduces them to the OS level, starting as each block's
-        gradient is final, under the rest of backward, into the parameters' ``.grad``. Mark the
-        last micro-step with it: that is where PaRO's once-per-step traffic hides."""
+        """``False``: the next backwards keep their gradients summed at the G level; ``True`` (the
+        default, as FSDP2's): a backward also reduces them to the OS level, under the rest of
+        backward, into ``.grad``. Mark the last micro-step: PaRO's once-per-step traffic hides there."""
         _set_sync_flag(self._paro_groups(recurse), "requires_sync", requires_gradient_sync)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """FSDP2's HSDP switch, accumulation with the intra-group reduction only. PaRO's meaning:
-        ``False`` keeps the gradients at the G level (the inter-group traffic waits for a backward
-        with it True), as ``set_requires_gradient_sync(False)``; ``.grad`` is written by that
-        backward, where HSDP writes a partial sum each time."""
+        """FSDP2's HSDP switch. PaRO's meaning: ``False`` keeps the gradients at the G level, as
+        ``set_requires_gradient_sync(False)``; ``.grad`` is written by the next backward with it
+        True, where HSDP writes a partial sum each time."""
         _set_sync_flag(self._paro_groups(recurse), "requires_all_reduce", requires_all_reduce)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Model-wide (as FSDP2's, a root setting): ``False`` keeps the gradients at the G level
-        like ``set_requires_gradient_sync(False)``; a backward reduces to the OS level only when
-        both are True."""
+        """Model-wide, as FSDP2's: a backward reduces to the OS level only when this and
+        ``set_requires_gradient_sync`` are both True."""
         _set_sync_flag(self._paro_state.groups, "is_last", is_last_backward)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
-        """Free the gathered parameters after forward (and gather again in backward), as FSDP2;
-        ``False`` keeps them, registered on the modules. The root's stay gathered until the end of
-        backward either way, and P = N has nothing to free."""
+        """As FSDP2's; ``False`` keeps them registered on the modules. The root's stay gathered
+        until the end of backward either way, and P = N has nothing to free."""
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(f"set_reshard_after_forward takes a bool (PaRO has no smaller mesh to reshard to), "
                              f"got {reshard_after_forward!r}")
@@ -93,16 +82,13 @@ class ParoModule(FSDPModule):
                 g.reshard_after_forward = reshard_after_forward and not g.plan.params_whole
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
-        """``False``: keep the gathered parameters after backward, for the next forward (as FSDP2,
-        for micro-steps without gradient sync); an optimizer step frees them, as stale."""
+        """As FSDP2's (micro-steps without sync); an optimizer step frees them, as stale."""
         for g in self._paro_groups(recurse):
             g.reshard_after_backward = bool(reshard_after_backward)
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
-        """Gather this module's P-level parameters now and register the whole tensors on its
-        modules (FSDP2's unsharded parameters: a call into the module before its forward works);
-        ``async_op=True`` only issues the gathers and returns a handle whose ``wait()`` finishes
-        them (the forward also waits)."""
+        """Gather now and register the whole tensors on the modules, as FSDP2's; ``async_op=True``
+        returns a handle whose ``wait()`` (or the forward) finishes the gathers."""
         state = self._paro_state
         state.refresh_params()
         groups = self._paro_groups(recurse=False)
@@ -110,10 +96,9 @@ class ParoModule(FSDPModule):
             state.land_push(g)
             g.issue_unshard()
         handle = _UnshardHandle(groups)
-        if async_op:
-            return handle
-        handle.wait()
-        return None
+        if not async_op:
+            handle.wait()
+        return handle if async_op else None
 
     def reshard(self) -> None:
         """Free this module's gathered parameters; its sharded parameters are registered again."""
@@ -121,22 +106,18 @@ class ParoModule(FSDPModule):
             g.reshard()
 
     def reset_iter_state(self) -> None:
-        """After an exception inside forward or backward, on the root: land the collectives in
-        flight, reshard, drop the aborted iteration's gradients (and unsynced accumulated ones)."""
+        """After an exception inside forward or backward, on the root (``ParoState.reset_iter_state``)."""
         if not self._paro_blocks(recurse=False)[0].is_root:
             raise RuntimeError("reset_iter_state() must be called on the root module (the last fully_shard call's)")
         self._paro_state.reset_iter_state()
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
-        """``False``: this module's backward does not gather its parameters (FSDP2's expert switch,
-        for parameters its backward never reads, such as an embedding's)."""
+        """FSDP2's expert switch, for parameters backward never reads (an embedding's)."""
         for b in self._paro_blocks(recurse=False):
             b.unshard_in_backward = bool(unshard_in_backward)
 
     def set_post_optim_event(self, event: torch.Event) -> None:
-        """FSDP2's: the next forward's gathers wait on ``event``. PaRO's gathers also wait for its
-        own push of the step's parameters (issued by the optimizer's step hook), so the event adds
-        an ordering and removes none."""
+        """The next forward's gathers wait on ``event``, as well as on the step's own push."""
         self._paro_state.post_optim_event = event
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
@@ -149,8 +130,7 @@ class ParoModule(FSDPModule):
         """Accepted: PaRO's gradient collectives always sum, and divide afterwards."""
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
-        """Accepted: a parameter with no gradient is always reduced as zeros (every rank issues the
-        same collectives), FSDP2's ``True``."""
+        """Accepted: a parameter with no gradient is always reduced as zeros, FSDP2's ``True``."""
 
     def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
         """The blocks whose gathers this block's forward issues ahead (FSDP2's explicit prefetch)."""
@@ -161,10 +141,8 @@ class ParoModule(FSDPModule):
         self._paro_blocks(recurse=False)[0].backward_prefetch = self._blocks_of(modules)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide the gradient summed over ranks (and micro-steps) by ``factor`` instead of the
-        world size, as FSDP2's (``1.0``: the plain sum, for a loss already divided by the global
-        token count, as torchtitan's). As FSDP2's, not recursive: this module's own parameters
-        (call it on every sharded module for the whole model, as torchtitan does)."""
+        """Divide the summed gradient by ``factor`` instead of the world size (``1.0``: a loss already
+        divided by the global token count, as torchtitan's). Not recursive, as FSDP2's."""
         if not factor > 0:
             raise ValueError(f"set_gradient_divide_factor: factor must be > 0, got {factor}")
         for g in self._paro_groups(recurse=False):
@@ -182,11 +160,9 @@ class ParoModule(FSDPModule):
         return out
 
     def compile(self, *args: Any, **kwargs: Any) -> None:
-        """torch's ``nn.Module.compile``, made right for a sharded block: the block's hooks go
-        into its graph (``traced._compile_block``), so the gather is a graph node and
-        ``reshard_after_forward`` holds (backward re-gathers). torch's own compiles
-        ``_call_impl``, a frame dynamo skips: the gathered tensors became a graph input, kept from
-        forward to backward. The root (whose parameters stay gathered anyway) compiles as torch's."""
+        """On a block, its hooks go into its graph (``traced._compile_block``), so
+        ``reshard_after_forward`` holds: torch's own compiles ``_call_impl``, a frame dynamo skips,
+        and the gathered tensors became a graph input kept to backward. The root compiles as torch's."""
         own = getattr(self, "_paro_block", None)
         if own is None or own.is_root:
             return super().compile(*args, **kwargs)
@@ -196,15 +172,13 @@ class ParoModule(FSDPModule):
         _compile_block(self, **kwargs)
 
     def _get_fsdp_state(self) -> "_ForwardHooks":
-        """What torch's ``register_fsdp_forward_method`` calls around a method (``generate``):
-        this module's pre- and post-forward. Nothing else of FSDP2's state exists here."""
+        """What ``register_fsdp_forward_method`` calls around a method (``generate``)."""
         return _ForwardHooks(self._paro_blocks(recurse=False)[0])
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
-        """``module.to(...)``, ``.float()``, ``.cuda()`` after sharding: the sharded parameters
-        are registered first (as FSDP2); a conversion that keeps their dtype and device applies to
-        the rest (buffers, unsharded parameters); one that changes them is refused, since the
-        engine's flat buffers are built in one dtype on the mesh's device."""
+        """``module.to(...)`` after sharding: one that would change the sharded parameters' dtype or
+        device is refused (the flat buffers are built in one dtype on the mesh's device); the rest
+        (buffers, unsharded parameters) convert."""
         state = self._paro_state
         if state.applying:  # a sharded module inside the one being converted: its parameters are hidden already
             return nn.Module._apply(self, fn, recurse)
@@ -236,8 +210,7 @@ class ParoModule(FSDPModule):
 
     # ---- PaRO's own -------------------------------------------------------------------------
     def comm_stats(self) -> CommStats:
-        """Collectives issued so far: count and ring bytes per rank per (kind, mesh dim); the
-        pushes of the last step still queued are issued first."""
+        """Count and ring bytes per (kind, mesh dim) so far, the queued pushes issued first."""
         self._paro_state.pushes.finish()
         return self._paro_state.comm.stats
 
@@ -262,16 +235,12 @@ class ParoModule(FSDPModule):
         return report
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """``nn.Module.state_dict`` of the sharded parameters, also while the whole tensors are
-        registered (after a forward that keeps them): they are registered back first, as FSDP2's
-        state-dict hooks do."""
+        """Of the sharded parameters, registered back first, as FSDP2's state-dict hooks do."""
         self._paro_state.register_sharded()
         return super().state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
-        """``nn.Module.load_state_dict`` into the sharded parameters; values may be DTensors or
-        whole plain tensors (each rank keeps its shard). The working copies follow at the next
-        forward (the parameters' versions changed)."""
+        """Values may be DTensors or whole plain tensors (each rank keeps its shard)."""
         if assign:
             raise ValueError("sharded models load in place: assign=True would replace the sharded DTensor parameters")
         # which parameters a load reaches is seen at their owning modules: a parent's pre-hook may
@@ -300,14 +269,12 @@ class ParoModule(FSDPModule):
         return {ref.fqn: g.strategy for g in self._paro_state.groups for ref in g.refs}
 
     def paro_mesh_groups(self) -> MeshGroups:
-        """The mesh's sizes and c10d group names (plain data): what the graph passes need to
-        tell an intra collective from an inter or global one (``passes.install(meshes=...)``)."""
+        """What the graph passes need to tell the mesh dims apart (``passes.install(meshes=...)``)."""
         return self._paro_state.info.groups
 
 
 class _UnshardHandle(UnshardHandle):
-    """``unshard(async_op=True)``'s handle: ``wait()`` lands the gathers and registers the whole
-    tensors on the modules."""
+    """``unshard(async_op=True)``'s handle: ``wait()`` lands the gathers and registers the whole tensors."""
 
     def __init__(self, groups: list[ParoParamGroup]) -> None:
         self._groups: list[ParoParamGroup] | None = groups
@@ -320,8 +287,7 @@ class _UnshardHandle(UnshardHandle):
 
 
 class _ForwardHooks:
-    """The ``_pre_forward`` / ``_post_forward`` pair torch's ``register_fsdp_forward_method``
-    wraps a method in: the block's own forward hooks."""
+    """The ``_pre_forward`` / ``_post_forward`` pair ``register_fsdp_forward_method`` wraps a method in."""
 
     def __init__(self, block: ParoBlock) -> None:
         self._block = block
@@ -343,9 +309,8 @@ def _refuse(name: str) -> Any:
 
 
 def _refuse_the_rest() -> None:
-    """Every public ``FSDPModule`` method this torch has and ``ParoModule`` does not define
-    (custom collectives, hooks on FSDP2's all-reduce, its buffer and stream settings; any a later
-    torch adds) raises, rather than reaching FSDP2's state or doing nothing."""
+    """Every public ``FSDPModule`` method ``ParoModule`` does not define (any a later torch adds
+    too) raises, rather than reaching FSDP2's state or doing nothing."""
     for name in dir(FSDPModule):
         if not name.startswith("_") and callable(getattr(FSDPModule, name)) and name not in ParoModule.__dict__:
             setattr(ParoModule, name, _refuse(name))
@@ -355,37 +320,32 @@ _refuse_the_rest()
 
 
 def _set_sync_flag(groups: Iterable[ParoParamGroup], flag: str, value: bool) -> None:
-    """Only the flag: the accumulator is allocated by the first backward that needs it, so a
-    compiled last micro-step sees it exactly when earlier micro-steps left gradients in it (one
-    graph per accumulation pattern; allocating it here made a script that marks the last
-    micro-step once recompile at its second step, after the boundary had freed it)."""
+    """Only the flag: the first backward that needs the accumulator allocates it, so a compiled
+    graph sees one per accumulation pattern (allocated here, it recompiled at the second step)."""
     for g in groups:
         setattr(g, flag, bool(value))
 
 
 def track_state_dict_writes(groups: Iterable[ParoParamGroup]) -> None:
-    """``state_dict()`` values that share the parameters' version counters: ``nn.Module`` saves
-    ``param.detach()``, and a DTensor's detach gives its local tensor a counter of its own, so a
-    load written into them in place (``dcp.load(model.state_dict())``) went unseen and the working
-    copies stayed stale. A DTensor over the parameter's own local tensor (detached: plain tensors
-    share the counter) is seen by ``refresh_params``."""
+    """``state_dict()`` values that share the parameters' version counters: a DTensor's detach
+    gives its local tensor a counter of its own, so ``dcp.load(model.state_dict())`` went unseen by
+    ``refresh_params`` and the working copies stayed stale."""
     owned, modules = _owners(groups, trainable_only=True)
 
     def hook(module, sd, prefix, local_metadata) -> None:
         for attr, param in owned.get(id(module), ()):
             value = sd.get(prefix + attr)
             if isinstance(value, DTensor) and value is not param:  # keep_vars=True hands the parameter itself
-                sd[prefix + attr] = DTensor.from_local(param._local_tensor.detach(), param.device_mesh,
-                                                       param.placements,
-                                                       run_check=False, shape=param.shape, stride=param.stride())
+                local = param._local_tensor.detach()
+                sd[prefix + attr] = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                                                       shape=param.shape, stride=param.stride())
 
     for key, module in modules.items():
         module.register_state_dict_post_hook(hook)
 
 
 def _owners(groups: Iterable[ParoParamGroup], trainable_only: bool) -> tuple[dict[int, list], dict[int, nn.Module]]:
-    """id(module) -> [(attribute, parameter)] for the modules that own the groups' parameters
-    (a tied weight has several owners), and the modules by id."""
+    """id(module) -> [(attribute, parameter)] of the owners (a tied weight has several), and the modules."""
     owned: dict[int, list[tuple[str, nn.Parameter]]] = {}
     modules: dict[int, nn.Module] = {}
     for g in groups:
@@ -398,8 +358,7 @@ def _owners(groups: Iterable[ParoParamGroup], trainable_only: bool) -> tuple[dic
 
 
 def _local_like(param: DTensor, whole: torch.Tensor) -> DTensor:
-    """A whole tensor as this rank's shard of ``param`` (its mesh and placements), so
-    nn.Module's in-place copy into the DTensor parameter works; no communication."""
+    """A whole tensor as this rank's shard of ``param``, no communication."""
     local = whole.detach().to(device=param.to_local().device, dtype=param.dtype)
     return distribute_tensor(local, param.device_mesh, param.placements, src_data_rank=None)
 
@@ -417,8 +376,7 @@ def in_flight_bytes(state: ParoState) -> int:
 
 
 def mix_in(module: nn.Module) -> None:
-    """Give ``module`` the methods above; its class keeps its name, module and qualname (an HF
-    export writes ``type(model).__name__`` into ``architectures``)."""
+    """Its class keeps its name and qualname (an HF export writes it into ``architectures``)."""
     cls = module.__class__
     if isinstance(module, ParoModule):
         return

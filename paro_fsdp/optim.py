@@ -1,8 +1,7 @@
 """``ParoOptimizer``: deprecated; the model's parameters are the optimizer's now, as in FSDP2.
 
-Kept one release so scripts written for it still run: it builds the given torch optimizer over
-the trainable ``model.parameters()`` and forwards to it (``clip_grad_norm_`` is torch's over the
-same parameters). New code builds the optimizer itself: ``torch.optim.AdamW(model.parameters())``.
+Kept one release: the given torch optimizer over the trainable ``model.parameters()``, forwarded
+to. New code: ``torch.optim.AdamW(model.parameters())``.
 """
 from __future__ import annotations
 
@@ -34,8 +33,7 @@ class ParoOptimizer:
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def __getattr__(self, name: str) -> Any:
-        """The rest (``step``, ``zero_grad``, ``param_groups``, ``state``, ``state_dict``, ...) is the
-        inner optimizer's."""
+        """The rest (``step``, ``zero_grad``, ``state_dict``, ...) is the inner optimizer's."""
         if name == "inner":  # __init__ failed before setting it
             raise AttributeError(name)
         return getattr(self.inner, name)

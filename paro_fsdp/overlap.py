@@ -2,25 +2,19 @@
 last backward, and the pushes of the updated parameters under the next forward.
 
 Why: PaRO's headline strategies (IIG, NIG, NII) move their inter-group bytes once per step, at the
-boundary. Run there, nothing computes under them; FSDP2's HSDP hides its once-per-step all-reduce
-under the last backward. So, as each block's gradient becomes final on the last micro-step
-(``set_is_last_backward(True)``), its reduction to the OS level starts (``boundary.finalize_grads``),
-and ``clip_grad_norm_`` / ``step`` wait only for what is still running; after the update each
-group's push (``boundary.push_params``) starts, and the block's next pre-forward waits for it,
-root first, like a prefetch.
+boundary, where nothing computes under them (FSDP2's HSDP hides its all-reduce under the last
+backward). So each block's reduction to the OS level starts as its gradient becomes final, and
+after the update each push starts and the block's next pre-forward waits for it, like a prefetch.
 
-Bounds: a queue holds at most ``limit_bytes`` of started sequences (at least one); starting one
-past the bound first finishes the oldest (reductions), or waits until an earlier one is finished
-(pushes). Order: every rank starts, advances and finishes entries at the same hooks in the same
-FIFO order, so the collectives on each process group match across ranks. A push is deferred only
-where no forward-time collective of the model shares its process group (``push_dims``), so a read
-of the weights on one rank alone (``state_dict``), which finishes every push, cannot reorder them.
+Bounds: a queue holds at most ``limit_bytes`` of started sequences (at least one). Order: every
+rank starts, advances and finishes entries at the same hooks in FIFO order, so collectives match
+across ranks. A push is deferred only where no forward collective shares its process group
+(``push_dims``), so a read on one rank alone (``state_dict``), which finishes every push, cannot
+reorder them.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
 
 from .boundary import Steps, drive
 from .param_group import ParoParamGroup
@@ -59,8 +53,8 @@ class InFlight:
         self.entries.append(_Entry(group, steps, nbytes))
 
     def fill(self, finish_oldest: bool = False) -> None:
-        """Start queued sequences in order while under the bound. ``finish_oldest``: make room by
-        finishing the oldest started ones instead of leaving the rest queued."""
+        """Start queued sequences in order while under the bound (``finish_oldest``: make room by
+        finishing the oldest started ones)."""
         for e in list(self.entries):
             if e.started:
                 continue
@@ -82,8 +76,7 @@ class InFlight:
                 e.pending.advance()
 
     def finish(self, group: ParoParamGroup | None = None) -> bool:
-        """Run to their end the sequences up to ``group``'s (FIFO; None: all), then start more;
-        whether any ran."""
+        """Run the sequences up to ``group``'s (None: all) to their end, then start more; whether any ran."""
         if not self.entries or (group is not None and group not in self):
             return False
         self._drain(len(self.entries) if group is None else
@@ -102,14 +95,13 @@ def has_boundary_traffic(group: ParoParamGroup) -> bool:
 
 
 def boundary_bytes(group: ParoParamGroup) -> int:
-    """What a group's boundary reduction holds while in flight: its input at the G level in the
-    reduce dtype (the result, at the OS level, is the master gradient itself)."""
-    return group.t_layout.numel(group.strategy.g) * _size(group.mp.grad_dtype)
+    """Its input at the G level (the result, at the OS level, is the master gradient itself)."""
+    return group.t_layout.numel(group.strategy.g) * group.mp.grad_dtype.itemsize
 
 
 def push_bytes(group: ParoParamGroup) -> int:
-    """What a group's push holds while in flight: its gathered result at the P level."""
-    return group.t_layout.numel(group.strategy.p) * _size(group.mp.param_dtype)
+    """Its gathered result at the P level."""
+    return group.t_layout.numel(group.strategy.p) * group.mp.param_dtype.itemsize
 
 
 def push_dims(group: ParoParamGroup) -> frozenset[str]:
@@ -120,7 +112,3 @@ def push_dims(group: ParoParamGroup) -> frozenset[str]:
 def forward_dims(group: ParoParamGroup) -> frozenset[str]:
     """The process groups a group's forward all-gather runs on."""
     return group.plan.dims("gather")
-
-
-def _size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()

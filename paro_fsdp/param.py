@@ -1,9 +1,7 @@
 """``ParoParam``: one sharded tensor, as FSDP2's ``FSDPParam``.
 
-Why one object per tensor: a tensor's name and owners, its layout at every level, the module's
-parameter (the optimizer's, at the OS level), the engine's P-level working copy and the whole
-tensor the block computes with belong together; the group (param_group.py) keeps the flat
-buffers they view, so each collective still moves a whole bucket at once.
+Why one object per tensor: its name, owners, layouts, parameter, working copy and whole tensor
+belong together; the group keeps the flat buffers they view, so a collective moves a whole bucket.
 """
 from __future__ import annotations
 
@@ -17,9 +15,8 @@ from .layout import TensorLayout
 
 @dataclass
 class ParamRef:
-    """What the engine keeps of an original parameter: its name, shape and every (module,
-    attribute) that holds it. ``source`` is the original tensor only until its group has copied
-    its shards out; the group then drops it, so the unsharded model is freed (as FSDP2 frees it)."""
+    """An original parameter's name, shape and owners. ``source``: the original tensor until its
+    group has copied its shards out, then dropped, so the unsharded model is freed (as FSDP2's)."""
 
     fqn: str
     like: nn.Parameter  # a meta Parameter of the original's shape (no memory), see ``of``
@@ -47,13 +44,10 @@ class ParamRef:
 @dataclass
 class ParoParam:
     """One tensor of a group. ``param``: the module's parameter, an fp32 DTensor at the OS level
-    (trainable; what the user's optimizer updates) or the P-level one (frozen: its only copy);
-    ``working``: this rank's P-level shard in param dtype, a view of the group's P storage (the
-    master itself where P = OS: fp32, or a lower param dtype that gathers cast); ``master``: this
-    rank's OS-level fp32 shard (``param``'s local tensor; None when frozen); ``whole`` /
-    ``whole_buf``: the whole tensor while gathered and its padded buffer (None for P = N, where
-    ``whole`` is ``working``); ``grad_offset``: where its rows start in the group's G-level
-    accumulator (trainable only)."""
+    (trainable: what the optimizer updates) or at P (frozen: its only copy); ``working``: this
+    rank's P-level shard, a view of the group's P storage (the master itself where P = OS);
+    ``master``: ``param``'s local tensor (None when frozen); ``whole`` / ``whole_buf``: the whole
+    tensor while gathered and its padded buffer (None for P = N, where ``whole`` is ``working``)."""
 
     ref: ParamRef
     layout: TensorLayout
@@ -73,9 +67,8 @@ class ParoParam:
         return self.ref.requires_grad
 
     def version(self) -> int:
-        """Grows with every in-place write of the parameter: the DTensor's own counter (ops on
-        the DTensor, an optimizer step, a load) plus its local tensor's (writes into
-        ``to_local()``, as DCP's load)."""
+        """Grows with every in-place write: the DTensor's own counter plus its local tensor's (writes
+        into ``to_local()``, as DCP's load)."""
         return self.param._version + self.param._local_tensor._version
 
     def register(self) -> None:
@@ -85,10 +78,8 @@ class ParoParam:
 
     @torch.no_grad()
     def adopt_replaced(self) -> bool:
-        """A whole tensor the user assigned over the sharded parameter after sharding
-        (``model.w = nn.Parameter(...)``, as FSDP2's lazy init allows; a DTensor computed from other
-        sharded parameters is gathered first, on every rank alike): each rank's rows of it copied into
-        ``param``, ``param`` registered again. False if none."""
+        """A whole tensor assigned over the parameter after sharding (``model.w = nn.Parameter(...)``,
+        as FSDP2's lazy init allows): its rows copied into ``param``, re-registered. False if none."""
         from torch.distributed.tensor import DTensor, distribute_tensor
 
         module, attr = self.ref.owners[0]

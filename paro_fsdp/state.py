@@ -3,21 +3,19 @@ micro-step's flow through them: docs/ARCHITECTURE.md, "One optimizer step")."""
 from __future__ import annotations
 
 import enum
-import weakref
 from functools import partial
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd import Variable
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_map
 
 from .comm import MeshComm
-from .hooks import Unshard, register_post_backward, register_pre_backward
+from .hooks import Unshard, in_backward, register_post_backward, register_pre_backward
 from .boundary import drive, finalize_grads, push_params
 from .mesh import MeshInfo
+from .optimizer_hooks import unwatch as unwatch, watch as watch
 from .overlap import InFlight, boundary_bytes, forward_dims, has_boundary_traffic, push_bytes, push_dims
 from .param_group import GradState, ParoParamGroup, ShardState
 from .paro_cc import ParoCC
@@ -45,8 +43,7 @@ class ParoBlock:
         self.unshard_in_backward = True  # FSDP2's set_unshard_in_backward
         self.cast_inputs: torch.dtype | None = None  # floating inputs cast at its forward (paro_shard: root only)
         self.traced = False  # set once torch.compile has traced this block: no eager prefetch into it
-        # FSDP2's set_modules_to_forward_prefetch / _backward_prefetch: the blocks gathered ahead of
-        # this one's compute (None: the next one in the recorded order)
+        # FSDP2's set_modules_to_forward/backward_prefetch (None: the next block in the recorded order)
         self.forward_prefetch: list[ParoBlock] | None = None
         self.backward_prefetch: list[ParoBlock] | None = None
         self.to_run: set[int] = set()  # a group of modules: those whose forward has not run yet in this pass
@@ -57,9 +54,8 @@ class ParoBlock:
 
     @property
     def keeps_registered(self) -> bool:
-        """Whether the whole tensors stay the modules' parameters after forward (FSDP2's
-        ``reshard_after_forward=False``, and the root's default): calls into inner modules between
-        forward and backward, or after a ``no_grad`` forward (``generate``), then meet them."""
+        """The whole tensors stay registered after forward (FSDP2's ``reshard_after_forward=False``, the
+        root's default): calls into inner modules after it (``generate``) then meet them."""
         return self.reshard_after_forward is False or (self.reshard_after_forward is None and self.is_root)
 
     def gather(self, prefetch_next: bool = True, backward: bool = False) -> None:
@@ -78,32 +74,27 @@ class ParoBlock:
                         self.model_state.land_push(g)
                     g.issue_unshard()
 
-    @staticmethod
-    def _swap(group: ParoParamGroup, tensors: list[torch.Tensor]) -> None:
-        group.register(tensors)
-
     def pre_forward(self, module: nn.Module, args: Any, kwargs: Any):
         if self.cast_inputs is not None:  # at every sharded module's forward, as FSDP2 casts (recomputations too)
             args, kwargs = _cast_floating((args, kwargs), self.cast_inputs)
-        if len(self.modules) > 1 and not _in_backward() and not torch.compiler.is_compiling():
+        if len(self.modules) > 1 and not in_backward() and not torch.compiler.is_compiling():
             if self.to_run:  # a later module of the group: its parameters are in place already
                 return args, kwargs
             self.to_run = {id(m) for m in self.modules}
-        # Inside backward, activation checkpointing is recomputing the block (hooks included):
-        # run the same autograd Functions, so the recomputation saves what the forward saved,
-        # but neither record the order nor prefetch.
+        # inside backward, activation checkpointing recomputes the block: the same autograd Functions,
+        # so it saves what the forward saved, but neither the order recorded nor a prefetch
         if torch.compiler.is_compiling():  # the traced path: see traced.py
             self.traced = True
             for g in self.groups:
-                self._swap(g, traced_unshard(g))
+                g.register(traced_unshard(g))
             return args, kwargs
         state = self.model_state
-        if self.is_root and not _in_backward():
+        if self.is_root and not in_backward():
             state.check_params()
             state.refresh_params()
         for g in self.groups:
             state.land_push(g)
-        if _in_backward():
+        if in_backward():
             for g in self.groups:
                 g.unshard()
         else:
@@ -122,9 +113,9 @@ class ParoBlock:
             self.gather()
         grad_enabled = torch.is_grad_enabled()
         for i, g in enumerate(self.groups):
-            self._swap(g, Unshard.apply(g.full_params, partial(self.post_backward, i), *g.sharded_params)
+            g.register(Unshard.apply(g.full_params, partial(self.post_backward, i), *g.sharded_params)
                        if grad_enabled else g.full_params)
-            if grad_enabled and not _in_backward():
+            if grad_enabled and not in_backward():
                 g.uses_left += 1
         if grad_enabled and any(not g.trainable for g in self.groups):
             args, kwargs = register_post_backward(self.post_backward_frozen, args, kwargs)
@@ -133,27 +124,26 @@ class ParoBlock:
     def post_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any):
         if torch.compiler.is_compiling():
             for g in self.groups:
-                self._swap(g, g.sharded_params)
+                g.register(g.sharded_params)
             return output
         if torch.is_grad_enabled():
             output = register_pre_backward(self.pre_backward, output)
-        if len(self.modules) > 1 and not _in_backward():
+        if len(self.modules) > 1 and not in_backward():
             self.to_run.discard(id(module))
             if self.to_run:  # the group's other modules have yet to run
                 return output
-        if self.is_root and not _in_backward():
+        if self.is_root and not in_backward():
             for b in self.model_state.blocks:
                 if b.to_run:  # a group some of whose modules never ran (FSDP2 completes them here)
                     b.to_run = set()
                     b.finish_forward()
-        if not _in_backward():  # a recomputation keeps the whole tensors until the block's backward ends
+        if not in_backward():  # a recomputation keeps the whole tensors until the block's backward ends
             self.finish_forward()
         return output
 
     def finish_forward(self) -> None:
-        """After the block's forward: the sharded parameters back on the modules unless they stay
-        registered whole (``keeps_registered``); the gathered tensors freed as resharding asks (the
-        root's stay for its backward, as do those of a block that does not reshard)."""
+        """The sharded parameters back unless ``keeps_registered``; the gathered tensors freed as
+        resharding asks (the root's stay for its backward)."""
         keep = self.keeps_registered
         for g in self.groups:
             if not keep:
@@ -167,19 +157,15 @@ class ParoBlock:
         if not self.unshard_in_backward:  # the user's word that backward reads none of its parameters
             return
         self.gather(backward=True)
-        # the whole tensors go back on the modules, differentiable, as FSDP2 keeps its unsharded
-        # parameters registered through backward: a recomputation the hooks do not see (transformers'
-        # gradient checkpointing checkpoints ``forward``, not ``__call__``) reads them from the
-        # modules. Non-reentrant, its gradients reach the forward's Unshard and this one stays
-        # unused; reentrant, its inner backward reaches this one.
+        # registered through backward, as FSDP2's: a recomputation the hooks do not see (transformers'
+        # checkpointing wraps ``forward``) reads them from the modules; reentrant, it reaches this Unshard
         with torch.enable_grad():
             for i, g in enumerate(self.groups):
-                self._swap(g, Unshard.apply(g.full_params, partial(self.post_backward, i), *g.sharded_params))
+                g.register(Unshard.apply(g.full_params, partial(self.post_backward, i), *g.sharded_params))
 
     def release(self, group: ParoParamGroup) -> None:
-        """After the group's backward: the parameters back, the whole tensors freed (kept under
-        ``set_reshard_after_backward(False)``, for the next forward, and registered, as FSDP2's).
-        A group of modules some of which had not run starts over at the next one's forward."""
+        """After the group's backward: the whole tensors freed, or kept registered under
+        ``set_reshard_after_backward(False)``, as FSDP2's."""
         self.to_run = set()
         if group.reshard_after_backward:
             group.reshard()
@@ -207,9 +193,8 @@ class ParoBlock:
 
 
 def _inside_checkpoint(module: nn.Module) -> nn.Module:
-    """Where a block's hooks go: inside torch's ``checkpoint_wrapper`` (applied before sharding,
-    FSDP2's and torchtitan's order), so the recomputation in backward runs them again and meets
-    gathered parameters; on the wrapper they would run once, outside the checkpoint."""
+    """Inside torch's ``checkpoint_wrapper`` (applied before sharding), so the recomputation in
+    backward runs the hooks again and meets gathered parameters."""
     while hasattr(module, "_checkpoint_wrapped_module"):
         module = module._checkpoint_wrapped_module
     return module
@@ -220,10 +205,6 @@ def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     rest (token ids, masks, caches) untouched."""
     return tree_map(lambda x: x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() and x.dtype != dtype else x,
                     tree)
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
 
 
 class ParoState:
@@ -243,6 +224,10 @@ class ParoState:
     @property
     def groups(self) -> list[ParoParamGroup]:
         return [g for b in self.blocks for g in b.groups]
+
+    @property
+    def running_backward(self) -> bool:
+        return self.training_state is TrainingState.BACKWARD
 
     def begin_backward(self) -> None:
         self.pushes.finish()  # groups the forward did not reach
@@ -265,10 +250,8 @@ class ParoState:
         return None
 
     def progress_grad_reductions(self, block: ParoBlock) -> None:
-        """At ``block``'s post-backward: the reductions of the block before it advance a phase
-        (a PaRO-CC reduction's inter phase goes on the wire), older ones finish. Two blocks of
-        slack, as FSDP2's (one on the last micro-step ahead of boundary traffic), and a block's
-        own groups never wait for each other."""
+        """The previous block's reductions advance a phase, older ones finish: two blocks of slack,
+        as FSDP2's (one ahead of boundary traffic); a block's own groups never wait for each other."""
         earlier = [b for b, _ in self.in_flight if b is not block]
         prev = earlier[-1] if earlier else None
         keep = []
@@ -317,9 +300,8 @@ class ParoState:
             streams.release()  # the kept gather results, once the gather stream has waited for their reads
 
     def check_params(self) -> None:
-        """A tensor frozen when sharded has no gradient buffers: training it later would silently
-        do nothing, so it stops here (freezing a trainable one later is fine: it gets no ``.grad``).
-        Nor does a forward run on meta-device tensors never given memory (``to_empty``)."""
+        """Refuse a tensor frozen when sharded and trained later (it has no gradient buffers), and
+        meta-device tensors never given memory (``to_empty``)."""
         unset = [p.fqn for g in self.groups for p in g.params if not p.adopt_replaced() and p.unset]
         if unset:  # FSDP2 names the first group's (its lazy init stops there): the same names here
             first = next(g for g in self.groups if any(p.fqn in unset for p in g.params))
@@ -335,10 +317,8 @@ class ParoState:
 
     @torch.no_grad()
     def refresh_params(self) -> None:
-        """Bring the working copies (P level) to the parameters after they changed in place (an
-        optimizer step, a load), found by their version counters: called after every optimizer
-        step (a torch.optim hook) and at the root's pre-forward. Pushes that move bytes wait for
-        the forward that needs them (overlap.py) where that is safe."""
+        """Push the groups whose parameters' versions changed (a step, a load) to P; called after
+        every optimizer step and at the root's pre-forward. Deferred to the next forward where safe."""
         changed = [g for g in self.groups if g.trainable and g.params_version() != g.pushed_version]
         if not changed:
             return
@@ -357,10 +337,9 @@ class ParoState:
         self.pushes.fill()
 
     def _can_defer_push(self) -> bool:
-        """Whether the pushes may wait for the next forward (overlap.py): eager blocks only (a
-        traced block reads P inside its graph), after a forward has shown the order, not while
-        torch.profiler records (a collective it saw issued must not be waited after it stopped:
-        gloo's wait crashed there), and no forward all-gather sharing a process group with a push."""
+        """Eager blocks only (a traced one reads P in its graph), once a forward showed the order,
+        not under torch.profiler (gloo's wait crashed after it stopped), and no forward all-gather
+        sharing a process group with a push."""
         if (self.training_state is TrainingState.NEW or any(b.traced for b in self.blocks)
                 or torch.autograd._profiler_enabled()):
             return False
@@ -381,9 +360,8 @@ class ParoState:
             g.register_sharded()
 
     def reset_iter_state(self) -> None:
-        """FSDP2's recovery after an exception inside forward or backward: the collectives in
-        flight land, every group reshards, and the gradients of the aborted iteration (and any
-        accumulated unsynced ones) are dropped; the parameters and ``.grad`` already reduced stay."""
+        """FSDP2's recovery after an exception in forward or backward: collectives land, groups
+        reshard, the aborted (and unsynced) gradients are dropped; reduced ``.grad`` stays."""
         for _, g in self.in_flight:
             g.finish_grad_reduction()
         self.in_flight.clear()
@@ -398,75 +376,3 @@ class ParoState:
         self.forward_order = []
         if self.training_state is TrainingState.BACKWARD:
             self.training_state = TrainingState.IDLE
-
-
-# Every live model's state, refreshed after any torch optimizer's step: the user's optimizer is a
-# plain torch.optim one over the parameters, so the engine learns of the update from torch's
-# global step hook and starts the pushes to P at once, as the step ends (the root's pre-forward
-# checks again, for writes no optimizer made: loads, in-place edits).
-_watched: "weakref.WeakSet[ParoState]" = weakref.WeakSet()
-_hook_handle = None
-
-
-def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """The parameters the step updated (those with a gradient) count as written: torch's
-    ``foreach`` ops through DTensor (its default on GPUs) and its fused kernels write them in place
-    without moving their version counters. Then the pushes start."""
-    stepped = {id(p): p for group in optimizer.param_groups for p in group["params"] if p.grad is not None}
-    for state in list(_watched):  # only the models this optimizer updated (another may be alive)
-        mine = [stepped[id(p)] for g in state.groups for p in g.sharded_params[: len(g.trainable)] if id(p) in stepped]
-        if mine:
-            torch.autograd.graph.increment_version(mine)
-            state.refresh_params()
-
-
-def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """A step over parameters whose gradients are still at the G level (every backward since the
-    last step ran with ``set_requires_gradient_sync(False)``) would silently skip them: refuse."""
-    if _in_backward() and any(s.training_state is TrainingState.BACKWARD for s in list(_watched)):
-        raise RuntimeError("optimizer.step() inside backward (an optimizer in a gradient hook) is not supported by "
-                           "paro_fsdp: the sharded parameters' .grad are written at the end of backward; step after "
-                           "backward() returns")
-    pending = [g for state in list(_watched) for g in state.groups if g.grads is GradState.AT_G]
-    if not pending:
-        return
-    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    for g in pending:
-        if any(id(p) in stepped and p.grad is None for p in g.sharded_params[: len(g.trainable)]):
-            raise RuntimeError(f"optimizer.step(): the gradients of {g.trainable[0].fqn} (and its block) "
-                               "were never reduced: "
-                               f"every backward since the last step ran with set_requires_gradient_sync(False); call "
-                               f"model.set_requires_gradient_sync(True) before the last micro-step's backward")
-
-
-def _landing_pushes_first(destroy):
-    """``dist.destroy_process_group``, landing the last step's pushes first: they are collectives
-    in flight until the next forward, and a script's last step has none (torch warns of unwaited
-    collectives at exit; NCCL may hang). On gloo, a barrier after: a rank whose last collective
-    ended on its side may still be sending to a peer, and tearing its pairs down then aborts the
-    peer's gloo thread ("terminate called", SIGABRT at exit; README's script, 1 run in 6-8 on two
-    loaded cores)."""
-    def destroy_process_group(*args: Any, **kwargs: Any) -> None:
-        states = list(_watched)
-        for state in states:
-            state.pushes.finish()
-        whole = not args and not kwargs.get("group")  # the default group: every group goes
-        if states and whole and dist.is_initialized() and dist.get_backend() == "gloo":
-            dist.barrier()
-        return destroy(*args, **kwargs)
-
-    destroy_process_group.__wrapped__ = destroy
-    return destroy_process_group
-
-
-def watch(state: ParoState) -> None:
-    global _hook_handle
-    _watched.add(state)
-    if _hook_handle is None:
-        _hook_handle = (register_optimizer_step_pre_hook(_before_optimizer_step),
-                        register_optimizer_step_post_hook(_after_optimizer_step))
-        dist.destroy_process_group = _landing_pushes_first(dist.destroy_process_group)
-
-
-def unwatch(state: ParoState) -> None:
-    _watched.discard(state)

@@ -26,13 +26,8 @@ class Level(str, enum.Enum):
         return {Level.N: 1, Level.I: m, Level.G: n}[self]
 
 
-_KNOWN_NAMES = {
-    "NNN": "DDP",
-    "NNG": "ZeRO-1",
-    "NGG": "ZeRO-2",
-    "GGG": "ZeRO-3 / FSDP full shard",
-    "III": "MiCS / FSDP hybrid shard",
-}
+_KNOWN_NAMES = {"NNN": "DDP", "NNG": "ZeRO-1", "NGG": "ZeRO-2", "GGG": "ZeRO-3 / FSDP full shard",
+                "III": "MiCS / FSDP hybrid shard"}
 
 
 @dataclass(frozen=True)
@@ -51,10 +46,8 @@ class Strategy:
             raise TypeError(f"a strategy is a 3-letter string like 'IIG' or a Strategy, got {value!r}")
         text = value.strip().upper()
         if len(text) != 3 or any(c not in "NIG" for c in text):
-            raise ValueError(
-                f"unknown PaRO strategy {value!r}: use three letters from N, I, G "
-                f"(P, G, OS levels), e.g. 'IIG', 'NIG', 'GGG'; all 27 are valid"
-            )
+            raise ValueError(f"unknown PaRO strategy {value!r}: use three letters from N, I, G (P, G, OS levels), "
+                             f"e.g. 'IIG', 'NIG', 'GGG'; all 27 are valid")
         return cls(Level(text[0]), Level(text[1]), Level(text[2]))
 
     @property
@@ -76,20 +69,15 @@ ALL_STRATEGIES: tuple[str, ...] = tuple("".join(s) for s in itertools.product("N
 
 
 def resolve_policy(policy: PolicyLike, named_params: list[tuple[str, torch.nn.Parameter]]) -> dict[str, Strategy]:
-    """Map every parameter name to its strategy.
-
-    A dict is read in insertion order: the first fnmatch pattern that matches a name wins,
-    ``"default"`` covers the rest. A pattern that matches no parameter is an error, since it
-    is almost always a typo that would silently leave tensors at the default level.
-    """
+    """Every parameter name's strategy. A dict: the first fnmatch pattern that matches wins,
+    ``"default"`` the rest; a pattern matching nothing is an error (almost always a typo)."""
     if isinstance(policy, (str, Strategy)):
         strategy = Strategy.parse(policy)
         return {name: strategy for name, _ in named_params}
     if isinstance(policy, Mapping):
         patterns = {k: Strategy.parse(v) for k, v in policy.items() if k != "default"}
         default = Strategy.parse(policy["default"]) if "default" in policy else None
-        used = set()
-        out = {}
+        used, out = set(), {}
         for name, _ in named_params:
             for pattern, strategy in patterns.items():
                 if fnmatch.fnmatchcase(name, pattern):
@@ -98,18 +86,14 @@ def resolve_policy(policy: PolicyLike, named_params: list[tuple[str, torch.nn.Pa
                     break
             else:
                 if default is None:
-                    raise ValueError(
-                        f"parameter {name!r} matches no pattern of the policy {list(policy)}; "
-                        "add a 'default' entry or a pattern that covers it"
-                    )
+                    raise ValueError(f"parameter {name!r} matches no pattern of the policy {list(policy)}; "
+                                     "add a 'default' entry or a pattern that covers it")
                 out[name] = default
         unused = [p for p in patterns if p not in used]
         if unused:
             sample = ", ".join(n for n, _ in named_params[:4])
-            raise ValueError(
-                f"policy pattern(s) {unused} match no parameter; patterns are fnmatch over "
-                f"parameter names such as {sample}, ..."
-            )
+            raise ValueError(f"policy pattern(s) {unused} match no parameter; patterns are fnmatch over "
+                             f"parameter names such as {sample}, ...")
         return out
     if callable(policy):
         return {name: Strategy.parse(policy(name, p)) for name, p in named_params}

@@ -1,10 +1,8 @@
 """Where collectives are issued on a GPU: two side streams, as FSDP2 does.
 
 Why: a collective issued from the compute stream starts only after every kernel queued before it,
-and PaRO-CC's later phases, issued at the consumer's ``wait()``, would queue behind all of them. So
-on CUDA every phase is issued at once on a side stream and the consumer waits on an event. What
-each issue waits for, and why no ``record_stream`` is needed: docs/ARCHITECTURE.md, "On a GPU".
-On CPU (gloo) ``wait_tensor`` blocks the thread, so ``streams_for`` returns None.
+and PaRO-CC's later phases would queue behind all of them. The rules: docs/ARCHITECTURE.md, "On a
+GPU". On CPU (gloo) ``wait_tensor`` blocks the thread, so ``streams_for`` returns None.
 """
 from __future__ import annotations
 
@@ -50,14 +48,12 @@ class CommStreams:
             yield side
 
     def params_written(self) -> None:
-        """The P-level storage may have been written on the current stream up to here: later
-        parameter gathers start after this point (and after every copy-out before it)."""
+        """P may have been written on the current stream up to here: later parameter gathers follow."""
         self._wait_current(self.gather)
         self._written = True
 
     def copied_out(self, gathered: object) -> None:
-        """The consumer has queued its reads of a parameter gather's result on the current
-        stream: keep ``gathered`` until the gather stream has waited for them."""
+        """Keep ``gathered`` until the gather stream has waited for the reads queued on the current stream."""
         self._copied.append((torch.cuda.current_stream(self.device).record_event(), gathered))
 
     def release(self) -> None:
@@ -84,6 +80,4 @@ def streams_for(device: torch.device) -> CommStreams | None:
 
 def active(streams: CommStreams | None) -> CommStreams | None:
     """The streams to issue on now: none while torch.compile traces (the graph decides)."""
-    if streams is None or torch.compiler.is_compiling():
-        return None
-    return streams
+    return None if streams is None or torch.compiler.is_compiling() else streams

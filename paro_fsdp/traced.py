@@ -1,9 +1,8 @@
 """What a block does while torch.compile traces it: every collective becomes a graph node.
 
 Why a second path: the eager engine keeps collectives in flight across hooks, frees storage with
-``resize_`` and calls back into Python from backward, none of which a graph captures. The traced
-path is built from the eager path's own moves, so eager and compiled runs move the same bytes
-(docs/ARCHITECTURE.md, ``traced.py``).
+``resize_`` and calls back into Python from backward, none of which a graph captures; built from
+the eager path's own moves, eager and compiled runs move the same bytes.
 """
 from __future__ import annotations
 
@@ -68,8 +67,7 @@ class GatherForCompute(torch.autograd.Function):
 
 
 def _recompute_gathers(ctx, func, *args, **kwargs) -> CheckpointPolicy:
-    """Free gathered parameters after forward: every op of the gather (the all-gather and the
-    copies into whole tensors) is recomputed in backward rather than saved."""
+    """Every op of the gather is recomputed in backward rather than saved."""
     return CheckpointPolicy.MUST_RECOMPUTE
 
 
@@ -79,10 +77,8 @@ def _gather(group: "ParoParamGroup", sink: torch.Tensor | None, acc: torch.Tenso
 
 
 def unshard(group: "ParoParamGroup") -> list[torch.Tensor]:
-    """The whole tensors the block computes with, differentiable into ``group.sink``. With
-    ``reshard_after_forward`` (P = I or G), the gather runs under a selective-checkpoint policy
-    that makes the compiler recompute it in backward rather than keep whole tensors alive (as
-    the eager engine frees and re-gathers them)."""
+    """The whole tensors, differentiable into ``group.sink``. With ``reshard_after_forward`` the
+    gather is MUST_RECOMPUTE, so backward re-gathers instead of keeping whole tensors alive."""
     p = group.p_locals if group.plan.params_whole else [group.master_flat if group.casts_p else group.p_flat]
     if not group.trainable or not torch.is_grad_enabled():
         with torch.no_grad():
@@ -108,11 +104,9 @@ def _checkpointed_call_with_hooks(block: nn.Module, *args, **kwargs):
 
 
 def _compile_block(block: nn.Module, checkpointed: bool = False, **compile_kwargs) -> None:
-    """``block.compile(**compile_kwargs)`` with the block's hooks in its graph (why:
-    ``ParoModule.compile``): the compiled frame is this module's, which dynamo traces, and it
-    inlines ``_call_impl`` with the hooks. ``checkpointed``: the whole call, hooks included, under
-    activation checkpointing inside that graph, so backward gathers once for the recomputation (an
-    eager checkpoint around the compiled call would re-run the forward graph, then backward's gather)."""
+    """``block.compile(**compile_kwargs)`` with the block's hooks in its graph (``ParoModule.compile``).
+    ``checkpointed``: the whole call under activation checkpointing inside that graph, so backward
+    gathers once for the recomputation (an eager checkpoint around it would gather twice)."""
     call = _checkpointed_call_with_hooks if checkpointed else _call_with_hooks
     block._compiled_call_impl = torch.compile(partial(call, block), **compile_kwargs)
 
@@ -142,9 +136,8 @@ def make_sinks(group: "ParoParamGroup") -> None:
     group.os_sink.register_post_accumulate_grad_hook(hand_to_masters)
 
 
-# Groups whose sinks are made when torch.compile next starts. Why not at paro_shard: eager-only
-# runs would hold leaves they never use; why not while tracing: a leaf made inside a traced frame
-# breaks the graph. Dynamo's compile-start callback runs before each frame is traced.
+# Groups whose sinks are made when torch.compile next starts: at paro_shard, eager-only runs would
+# hold unused leaves; while tracing, a leaf made inside a traced frame breaks the graph.
 _awaiting_sinks: "weakref.WeakSet[ParoParamGroup]" = weakref.WeakSet()
 
 
@@ -164,14 +157,12 @@ def make_sinks_on_compile(groups: Iterable["ParoParamGroup"]) -> None:
 
 
 def _push_each(groups: list["ParoParamGroup"]) -> None:
-    """What ``_compile_push`` compiles: each group's push in turn, every collective waited as
-    issued (in the graph, the passes decide what overlaps)."""
+    """Each group's push in turn, every collective waited as issued (the passes decide what overlaps)."""
     for g in groups:
         run(push_params(g))
 
 
 def _compile_push(model: nn.Module, **compile_kwargs) -> None:
-    """Refresh the working copies after each optimizer step with one compiled graph
-    (``compile_kwargs`` go to ``torch.compile``), whose collectives the passes merge and
-    schedule, instead of the eager pushes (which then no longer wait for the next forward)."""
+    """The pushes after each optimizer step as one compiled graph, whose collectives the passes merge
+    and schedule (they then no longer wait for the next forward)."""
     model._paro_state.compiled_push = torch.compile(_push_each, **compile_kwargs)

@@ -1,9 +1,7 @@
-"""Calibration: measure the mesh this process belongs to and return the :class:`Cluster` the
-cost model reads.
+"""Calibration: measure this process's mesh and return the :class:`Cluster` the cost model reads.
 
-Why in the package: the trainer's ``paro_strategy = "auto"`` without a cluster file calibrates
-at start-up, as the tools do. Collectives are fitted with the alpha-beta ring model the time model
-prices (``cluster.link_seconds``), so what is measured is what is predicted.
+In the package: ``strategy="auto"`` without a cluster file calibrates at start-up. Collectives are
+fitted with the alpha-beta ring model the time model prices, so what is measured is what is predicted.
 """
 from __future__ import annotations
 
@@ -25,17 +23,15 @@ from .model import flops_per_token, model_spec
 
 __all__ = ["calibrate_in_process", "fit_alpha_beta"]
 
-# Up to this size the whole model's forward + backward is timed for the compute rate, else one
-# block's. A small model's step is dominated by what a block's FLOPs do not see (the loss over the
-# vocabulary, each op's fixed cost: 70 ms against 58 predicted from a block for the bench's 1.0M
-# Llama); a large one's by its blocks' matmuls, and it may not fit unsharded.
+# Up to this size the whole model's forward + backward is timed for the compute rate, else one block's:
+# a small model's step is dominated by what a block's FLOPs do not see (the loss over the vocabulary,
+# each op's fixed cost); a large one's by its blocks' matmuls, and it may not fit unsharded.
 WHOLE_MODEL_PARAMS = 50_000_000
 
 
 def fit_alpha_beta(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """Fit time = a + bytes / bw to (bytes, seconds) points, least squares in *relative* error
-    (so the small messages set the latency and the large ones the bandwidth); returns
-    (bw in bytes/s, a in s) with a >= 0 and bw > 0."""
+    """Fit time = a + bytes / bw, least squares in *relative* error (the small messages set the
+    latency, the large ones the bandwidth); returns (bw in bytes/s, a in s), a >= 0, bw > 0."""
     pts = [(x, y) for x, y in points if y > 0]
     if not pts:
         raise ValueError("no positive timings to fit")
@@ -58,10 +54,8 @@ def fit_alpha_beta(points: Sequence[tuple[float, float]]) -> tuple[float, float]
 def calibrate_in_process(mesh: Any, model_args: Optional[Union[str, LlamaArgs]] = None, micro_batch: int = 1,
                          seq_len: int = 128, dtype: str = "bf16", sizes_mib: Optional[Sequence[float]] = None,
                          reps: int = 3, name: str = "calibrated") -> Cluster:
-    """Measure the mesh this process belongs to (what is measured: ``tools/calibrate.py``'s
-    docstring); collective: every rank of the PaRO ``mesh`` calls it. Each timing is the fastest
-    call of the slowest rank. ``gpus_per_node`` is the intra size, so the intra dimension maps to
-    the ``intra`` link."""
+    """Measure this mesh (what: ``tools/calibrate.py``). Collective. Each timing is the fastest call
+    of the slowest rank; ``gpus_per_node`` is the intra size, so intra maps to the ``intra`` link."""
     groups = {d: mesh.get_group(d) for d in ("intra", "inter")}
     sizes = {d: dist.get_world_size(grp) for d, grp in groups.items()}
     m, g = sizes["intra"], sizes["inter"]
@@ -71,14 +65,11 @@ def calibrate_in_process(mesh: Any, model_args: Optional[Union[str, LlamaArgs]] 
     if sizes_mib is None:
         sizes_mib = (0.0625, 1, 8, 64) if device == "cuda" else (0.0625, 0.5, 2, 8)
 
-    def sync() -> None:
-        if device == "cuda":
-            torch.cuda.synchronize()
-
     def seconds(fn) -> float:
         t0 = time.perf_counter()
         fn()
-        sync()
+        if device == "cuda":
+            torch.cuda.synchronize()
         return time.perf_counter() - t0
 
     def timed(fn, r: int) -> float:
@@ -87,9 +78,8 @@ def calibrate_in_process(mesh: Any, model_args: Optional[Union[str, LlamaArgs]] 
         return min(seconds(fn) for _ in range(r))
 
     def together(fn, r: int) -> float:
-        """The median of ``r`` calls, every rank starting each at once, as in training: on a shared
-        host the fastest call of ranks left to drift apart is one run while others wait (the block's
-        time moved 2x between calibrations; this way, 15%)."""
+        """The median of ``r`` calls, every rank starting each at once, as in training: on a shared host
+        the fastest call of drifting ranks is one run while others wait (2x apart between calibrations)."""
         seconds(fn)
         samples = []
         for _ in range(r):
@@ -206,12 +196,10 @@ def calibrate_in_process(mesh: Any, model_args: Optional[Union[str, LlamaArgs]] 
     measured.update(matmul_n=nmm, block_dim=args.dim, block_seq=seq_len, block_micro_batch=micro_batch,
                     block_seconds=round(t_block, 6), overlap_dim=d_ov or "-",
                     **({"model_seconds": round(t_model, 6)} if model_flops else {}))
-    return Cluster(
-        name=name, gpus_per_node=m, memory_gib=round(mem_gib, 3), achieved_tflops=tflops,
-        memory_bandwidth_gbs=3 * nbw * 4 / t_bw / GB, intra=links["intra"], inter=links["inter"],
-        overlap=round(overlap, 3), intra_overlap=None if intra_overlap is None else round(intra_overlap, 3),
-        usable_memory_fraction=0.9,
-        description=f"measured by tools.calibrate on {m * g} ranks ({g} groups x {m}), "
-                    f"{dist.get_backend()} on {device}",
-        source="tools.calibrate", measured={**measured, "matmul_tflops": 2 * nmm**3 / t_mm / 1e12},
-    )
+    return Cluster(name=name, gpus_per_node=m, memory_gib=round(mem_gib, 3), achieved_tflops=tflops,
+                   memory_bandwidth_gbs=3 * nbw * 4 / t_bw / GB, intra=links["intra"], inter=links["inter"],
+                   overlap=round(overlap, 3), intra_overlap=None if intra_overlap is None else round(intra_overlap, 3),
+                   usable_memory_fraction=0.9, source="tools.calibrate",
+                   description=f"measured by tools.calibrate on {m * g} ranks ({g} groups x {m}), "
+                               f"{dist.get_backend()} on {device}",
+                   measured={**measured, "matmul_tflops": 2 * nmm**3 / t_mm / 1e12})

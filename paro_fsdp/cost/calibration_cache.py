@@ -2,18 +2,13 @@
 ``fully_shard``, the trainer's ``paro_strategy = "auto"``) reads what this mesh measured before
 instead of measuring it again at every start.
 
-Why: a calibration takes seconds to tens of seconds and its timings move between runs (shared cores,
-the network), so the same model, cluster and budget picked different plans run after run.
-Measured once and kept, the cluster makes the plan a function of its inputs, and planning takes
-seconds.
+Why: a calibration takes seconds and its timings move between runs, so the same model, cluster
+and budget picked different plans run after run; kept, the plan is a function of its inputs.
 
-The key is what the measurement depends on: the device (type and name), the world, group and
-inter sizes, the process-group backend, the hosts (a hash of each rank's host name), the torch
-version, and the arguments ``calibrate_in_process`` times the compute with (model shape,
-micro-batch, sequence length, dtype). The file is a cluster TOML (``cluster_to_toml``; ``load_cluster``
-reads it as any other) in :func:`cache_dir`, the key's hash in its name and in ``[measured]``.
-Rank 0 decides: it reads the file, or every rank calibrates and rank 0 writes it; every rank then
-plans with rank 0's cluster.
+The key is what the measurement depends on: device, world / group / inter sizes, backend, hosts
+(hashed), torch version and ``calibrate_in_process``'s arguments. The file is a cluster TOML in
+:func:`cache_dir`, the key's hash in its name and in ``[measured]``. Rank 0 reads it, or every rank
+calibrates and rank 0 writes it; every rank plans with rank 0's cluster.
 """
 from __future__ import annotations
 
@@ -49,8 +44,7 @@ FORMAT = 1
 
 
 class Calibration(NamedTuple):
-    """The cluster every rank plans with, where it is kept, and whether it was read (``cached``) or
-    measured now; ``source`` says which in one line, for the plan's log."""
+    """The cluster every rank plans with, where it is kept, whether it was read; ``source``: for the log."""
 
     cluster: Cluster
     path: Path
@@ -59,9 +53,8 @@ class Calibration(NamedTuple):
 
 
 def cache_dir() -> Path:
-    """Where calibrated clusters are kept: ``$PARO_FSDP_CACHE_DIR/clusters``, else
-    ``$XDG_CACHE_HOME/paro_fsdp/clusters``, else ``~/.cache/paro_fsdp/clusters`` (torch's own caches
-    sit beside it)."""
+    """``$PARO_FSDP_CACHE_DIR/clusters``, else ``$XDG_CACHE_HOME/paro_fsdp/clusters``, else
+    ``~/.cache/paro_fsdp/clusters``."""
     root = os.environ.get(CACHE_DIR_ENV)
     if not root:
         xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -75,9 +68,8 @@ def _recalibrate_from_env() -> bool:
 
 def calibration_key(mesh: Any, model_args: Optional[Union[str, LlamaArgs]], micro_batch: int, seq_len: int,
                     dtype: str) -> dict[str, Any]:
-    """What a calibration of ``mesh`` with these arguments depends on (module docstring). Collective:
-    the ranks' host names are gathered, so a job moved to other nodes, or laid out over them
-    differently, measures again."""
+    """What a calibration depends on (module docstring). Collective: the host names are gathered, so a
+    job moved to other nodes, or laid out over them differently, measures again."""
     sizes = {d: dist.get_world_size(mesh.get_group(d)) for d in ("inter", "intra")}
     device = mesh.device_type
     name = torch.cuda.get_device_name(torch.cuda.current_device()) if device == "cuda" else device
@@ -109,8 +101,7 @@ def _parse(text: str, where: str, digest: str) -> Cluster:
 
 
 def _read(path: Path, digest: str) -> Optional[Cluster]:
-    """The kept cluster, or None: none kept, or one that does not read (warned, in one line, and
-    measured over: a cache never stops a start)."""
+    """The kept cluster, or None (one that does not read is warned of: a cache never stops a start)."""
     try:
         return _parse(path.read_text(), str(path), digest)
     except FileNotFoundError:
@@ -123,8 +114,7 @@ def _read(path: Path, digest: str) -> Optional[Cluster]:
 
 
 def _keep(cluster: Cluster, key: dict[str, Any], path: Path) -> tuple[Cluster, bool]:
-    """The measured cluster as the file holds it (so this run and the next plan from the same numbers,
-    not ones rounded apart by the TOML), written atomically: (cluster, written)."""
+    """(the cluster as the file holds it, so this run and the next plan from the same numbers; written)."""
     measured = {**cluster.measured, "cache_key": _digest(key)}
     comments = ["calibrated by paro_fsdp (strategy=\"auto\" without cluster=), kept by paro_fsdp.cost."
                 "calibration_cache", f"at {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}; delete this "
@@ -154,11 +144,9 @@ def _from_rank0(value: Any) -> Any:
 
 def cached_calibration(mesh: Any, model_args: Optional[Union[str, LlamaArgs]] = None, micro_batch: int = 1,
                        seq_len: int = 128, dtype: str = "bf16", recalibrate: Optional[bool] = None) -> Calibration:
-    """``calibrate_in_process``'s cluster, kept per key (module docstring): read from
-    :func:`cache_dir` when this mesh was measured with these arguments before (no collective is
-    timed), else measured now and kept. Collective: every rank of the PaRO ``mesh`` calls it, and
-    every rank gets rank 0's cluster. ``recalibrate=True`` (or ``PARO_FSDP_RECALIBRATE=1`` when it is
-    None) measures again and overwrites the file."""
+    """``calibrate_in_process``'s cluster, read from :func:`cache_dir` when kept, else measured and
+    kept. Collective; every rank gets rank 0's. ``recalibrate=True`` (or ``PARO_FSDP_RECALIBRATE=1``
+    when None) measures again and overwrites the file."""
     key = calibration_key(mesh, model_args, micro_batch, seq_len, dtype)
     path, digest = _path(key), _digest(key)
     fresh = _recalibrate_from_env() if recalibrate is None else recalibrate

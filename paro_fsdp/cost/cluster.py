@@ -51,19 +51,16 @@ class Link:
 
 
 def link_seconds(link: Link, kind: str, k: int, nbytes_ring: float, count: float = 1) -> float:
-    """Seconds ``count`` collectives of ``kind`` over ``k`` ranks take on ``link``, sending
-    ``nbytes_ring`` ring bytes in all (``collectives.ring_bytes``): the alpha-beta model."""
+    """Seconds of ``count`` collectives sending ``nbytes_ring`` ring bytes in all: the alpha-beta model."""
     bw, lat = link.cost(kind)
     return count * hops(kind, k) * lat + nbytes_ring / bw
 
 
 @dataclass(frozen=True)
 class Cluster:
-    """What the cost model knows about the hardware; read from a TOML file (:func:`load_cluster`).
-
-    ``inter.bandwidth_gbs`` is the per-GPU share of the node's network: the node's line rate in
-    GB/s x achieved efficiency / GPUs per node. ``node_gbps`` / ``inter_efficiency`` document
-    where it came from and let the inter-bandwidth sweep convert Gb/s per node into it."""
+    """The hardware, read from a TOML file (:func:`load_cluster`). ``inter.bandwidth_gbs``: the per-GPU
+    share of the node's network (line rate x efficiency / GPUs per node); ``node_gbps`` /
+    ``inter_efficiency`` say where it came from, for the inter-bandwidth sweep."""
 
     name: str
     gpus_per_node: int
@@ -82,9 +79,8 @@ class Cluster:
     measured: Mapping[str, Any] = field(default_factory=dict)
 
     def overlap_of(self, dim: str) -> float:
-        """The fraction of compute a collective on ``dim`` hides behind. Apart per dimension because
-        they differ where ranks share a host: the inter link's collective waits on a network while
-        the intra one is a copy competing with compute for the same cores."""
+        """The fraction of compute a collective on ``dim`` hides behind: on a shared host an intra one is a
+        copy competing with compute for the cores, an inter one waits on a network."""
         return self.intra_overlap if dim == Dim.INTRA and self.intra_overlap is not None else self.overlap
 
     @property
@@ -205,14 +201,11 @@ def _scaled(link: Link, factor: float, cap: Link) -> Link:
 
 
 def link_for(dim: str, cluster: Cluster, n: Optional[int] = None, m: Optional[int] = None) -> Link:
-    """The links a mesh dimension's rings run on, as seen per GPU.
-
-    Without the mesh shape (inductor's estimates, one node at a time): ``intra`` for the intra
-    dimension, ``inter`` for any other. With it: rings inside a node run on NVLink; otherwise the
-    node's network is shared by the rings of that dimension that leave it at once: inter dim with
-    m dividing the GPUs per node, m rings: inter x (GPUs/node) / m per GPU; intra dim with groups
-    of whole nodes, one ring: inter x GPUs/node; never faster than NVLink, any other layout the
-    plain per-GPU share (conservative)."""
+    """The link a mesh dimension's rings run on, per GPU. Without the mesh shape (inductor's estimates):
+    ``intra`` for the intra dimension, ``inter`` for any other. With it: rings inside a node run on
+    NVLink; else the node's network is shared by the rings leaving it at once: inter dim with m
+    dividing the GPUs per node, inter x (GPUs/node) / m; intra dim over whole nodes, inter x GPUs/node;
+    never faster than NVLink; any other layout the plain per-GPU share."""
     if n is None or m is None:
         return cluster.intra if dim == Dim.INTRA else cluster.inter
     gpn = cluster.gpus_per_node

@@ -1,13 +1,9 @@
 """The budget's solver: one option per item, the fastest whose footprint fits, exactly.
 
-Why ``solve`` is exact: the max and capped terms of the peak are not additive, so it enumerates
-them (each candidate value of a max term, each side of a cap) and solves the additive rest by DP
-over memory with every weight rounded *up* to the grid: a plan it accepts fits for certain, and
-every plan with k grid cells to spare (k items) is accepted.
-
-The footprint has an additive part, max terms (one block's gathered parameters, gradients) and
-capped sums (overlap's queue), so it is not a plain knapsack: ``cost.budget`` builds the items
-(a block's strategies, their memory and time) and reads the plan off the answer. Arithmetic only.
+Why ``solve`` enumerates: the peak's max terms (one block's gathered parameters, gradients) and
+capped sums (overlap's queue) are not additive; the additive rest is a DP over memory with every
+weight rounded *up* to the grid, so a plan it accepts fits for certain, and every plan with k grid
+cells to spare (k items) is accepted. Arithmetic only: ``cost.budget`` builds the items.
 """
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""The workload ``strategy="auto"`` plans for: what one step does, and where its activations come
-from (measured from ``example_inputs`` by ``workload_probe``, given, the Llama formula, or, under a
-budget, a one-line refusal: a plan that leaves the activations out is never offered as fitting one).
-"""
+"""The workload ``strategy="auto"`` plans for: what one step does, and where its activations come from."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -16,17 +13,14 @@ __all__ = ["Workload", "seen_workload", "spec_of"]
 
 @dataclass(frozen=True)
 class Workload:
-    """What one step does, for the prediction (the advisor's defaults). ``model``: the shapes
-    activations and attention FLOPs need (a flavor, ``LlamaArgs`` or ``ModelSpec``; default: read
-    from the model when it is this package's Llama or a Hugging Face Llama-like config);
-    ``activation_bytes``: the activations' peak per rank, when the model is not Llama-shaped;
-    ``activations_in_backward`` / ``activations_after_backward``: those held while a block's
-    backward runs / when it has finished (``ledger.backward_moments``; default:
-    ``activation_bytes``); ``example_inputs``: one micro-batch (a tensor, the forward's arguments,
-    or a dict of keyword arguments): the activations, micro-batch and sequence length are then
-    measured from the model (``measure_activations``), checkpointing and recomputation included;
-    ``loss_fn``: for that measurement, the loss of the model's output when the model returns none
-    (the training loop's loss outside the model, e.g. ``lambda logits: F.cross_entropy(...)``)."""
+    """What one step does (the advisor's defaults). ``model``: a flavor, ``LlamaArgs`` or ``ModelSpec``
+    (default: read from this package's Llama or a Hugging Face Llama-like config); ``activation_bytes``:
+    the activations' peak per rank, for a model not Llama-shaped; ``activations_in_backward`` /
+    ``activations_after_backward``: those held while a block's backward runs / when it has finished
+    (default: ``activation_bytes``); ``example_inputs``: one micro-batch (a tensor, the forward's
+    arguments, or a dict of keyword arguments), from which activations, micro-batch and sequence
+    length are measured; ``loss_fn``: the loss of the output when the model returns none
+    (e.g. ``lambda logits: F.cross_entropy(...)``)."""
 
     micro_batch: int = 2
     seq_len: int = 2048
@@ -42,10 +36,8 @@ class Workload:
 
 def seen_workload(model: Any, workload: Optional[Workload], spec: Optional[ModelSpec], param_dtype: Any,
                   budgeted: bool, block_modules: Sequence[Any] = ()) -> tuple[Workload, str]:
-    """The workload ``auto`` plans for and the header's words on where its activations come from:
-    measured from ``example_inputs``, given, the Llama formula (for an assumed micro-batch when no
-    ``workload=``), or, under a budget, a one-line refusal: a plan that leaves the activations out is
-    never offered as fitting one."""
+    """The workload ``auto`` plans for and where its activations come from: measured, given, the Llama
+    formula, or under a budget a one-line refusal (a plan without activations never fits one)."""
     work = workload or Workload()
     if not isinstance(work, Workload):
         raise TypeError(f"workload= takes a paro_fsdp.cost.budget.Workload, got {type(work).__name__}")
@@ -69,8 +61,7 @@ def seen_workload(model: Any, workload: Optional[Workload], spec: Optional[Model
 
 
 def spec_of(model: Any, workload: Workload) -> Optional[ModelSpec]:
-    """The Llama-shaped spec of ``model``: the workload's, this package's Llama's own args, or a
-    Hugging Face config's Llama fields; None when none says."""
+    """The workload's spec, this package's Llama's, or a Hugging Face config's Llama fields; or None."""
     if workload.model is not None:
         return model_spec(workload.model)
     args = getattr(model, "args", None)

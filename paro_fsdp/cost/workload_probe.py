@@ -2,26 +2,18 @@
 micro-step measured before it is sharded (when the workload gives ``example_inputs``), and the
 first step checked against what the plan assumed.
 
-Why measured: the cost model's activation formula (``cost.model.activation_bytes``) holds for
-Llama-shaped models only; for any other model (a user's own, a Hugging Face model with LoRA,
-activation checkpointing wrapped by hand) a plan whose peak leaves them out picks a layout that
-runs out of memory where activations are most of it (a GPU).
+Why measured: the cost model's activation formula holds for Llama-shaped models only; for any
+other model a plan whose peak leaves them out runs out of memory where activations dominate (a GPU).
 
-How: one forward and backward of ``example_inputs`` under ``FakeTensorMode`` (no memory, no
-FLOPs: shapes only), with the parameters replaced by fake ones in the working dtype
-(``torch.func.functional_call``), inside torch's ``MemTracker``. The activations are its
-``Activation`` + ``Temp`` bytes at the peak: what autograd saves (after any checkpointing the model
-does, recomputation included) and the backward's transients. Each parameter's gradient is dropped
-as it is accumulated, so the peak is the activations' own (the engine's gradients are sharded and
-priced by the ledger, not here). The loss is the output's ``loss`` (this package's Llama, Hugging
-Face models given ``labels``), else ``loss_fn(output)`` (a loss computed outside the model: its
-transients are in the measurement), else the sum of the first floating output.
+How: one forward and backward of ``example_inputs`` under ``FakeTensorMode`` (shapes only), the
+parameters fake ones in the working dtype, inside torch's ``MemTracker``: its ``Activation`` +
+``Temp`` bytes at the peak (checkpointing and recomputation included). Each parameter's gradient
+is dropped as it accumulates (the ledger prices the engine's). The loss is the output's ``loss``,
+else ``loss_fn(output)`` (its transients measured too), else the sum of the first floating output.
 
-Three numbers, because the engine's backward has three moments (``cost.ledger.backward_moments``):
-the activations' own peak (at the loss, or inside the first block's backward), the most held while
-a block's backward runs (its parameters gathered, the next block's prefetched) and when it has
-finished (its whole gradients reduced), each the most over the blocks: the first whose backward
-runs. A model whose parameters are about its activations' size peaks at the last.
+Three numbers, one per moment of the engine's backward (``cost.ledger.backward_moments``): the
+activations' own peak, the most held while a block's backward runs and when it has finished, each
+the most over the blocks. A model whose parameters are about its activations' size peaks at the last.
 """
 from __future__ import annotations
 
@@ -38,9 +30,8 @@ __all__ = ["MeasuredActivations", "measure_activations", "tokens_shape", "watch_
 
 @dataclass(frozen=True)
 class MeasuredActivations:
-    """``activation_bytes``: the peak of saved and transient activation bytes of one micro-step;
-    ``in_backward`` / ``after_backward``: the most of them while a block's backward runs / when it
-    has finished; ``micro_batch`` / ``seq_len``: read from the inputs (``tokens_shape``)."""
+    """``activation_bytes``: one micro-step's peak; ``in_backward`` / ``after_backward``: the most while a
+    block's backward runs / when it has finished; ``micro_batch`` / ``seq_len``: from the inputs."""
 
     activation_bytes: float
     in_backward: float
@@ -60,8 +51,7 @@ def tokens_shape(args: tuple, kwargs: dict) -> Optional[tuple[int, int]]:
 
 
 def as_call(example_inputs: Any) -> tuple[tuple, dict]:
-    """``example_inputs`` as (args, kwargs): a tensor, a tuple / list of positional arguments, or a
-    dict of keyword arguments (a Hugging Face batch)."""
+    """``example_inputs`` (a tensor, positional arguments, or a dict of keyword arguments) as (args, kwargs)."""
     if isinstance(example_inputs, torch.Tensor):
         return (example_inputs,), {}
     if isinstance(example_inputs, (tuple, list)):
@@ -99,10 +89,8 @@ def _loss(out: Any, loss_fn: Optional[Callable[[Any], torch.Tensor]] = None) -> 
 def measure_activations(model: nn.Module, example_inputs: Any, param_dtype: torch.dtype,
                         blocks: Sequence[nn.Module] = (),
                         loss_fn: Optional[Callable[[Any], torch.Tensor]] = None) -> MeasuredActivations:
-    """One micro-step's activations of ``model`` on ``example_inputs``, its parameters in
-    ``param_dtype`` (module docstring); ``blocks``: the modules sharded apart (their backwards'
-    ends are the reduction moments); ``loss_fn``: the loss of the output when the model returns
-    none. Allocates nothing: the model's own tensors are read for their shapes only."""
+    """One micro-step's activations (module docstring); ``blocks``: the modules sharded apart (their
+    backwards' ends are the moments). Allocates nothing: the model's tensors give shapes only."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker, _ModState
     from torch.func import functional_call
@@ -124,8 +112,7 @@ def measure_activations(model: nn.Module, example_inputs: Any, param_dtype: torc
         inputs = [fake.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in args]
         kw = {k: fake.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
         tracker = MemTracker()
-        # MemTracker hooks every parameter's gradient, and a frozen one (LoRA's base) cannot take a
-        # hook: its slot is filled with a no-op handle so the tracker leaves it alone.
+        # MemTracker hooks every parameter's gradient; a frozen one (LoRA's base) cannot take a hook: no-op handles
         handles = getattr(tracker, "_param_to_grad_hook_handles", None)
         if handles is not None:
             for q in params.values():
@@ -150,10 +137,8 @@ def _activations(snapshot: dict) -> float:
 
 
 def watch_first_step(model: nn.Module, micro_batch: int, seq_len: int, grad_accum: int, announce: bool) -> None:
-    """Compare the first optimizer step the sharded ``model`` runs with the workload its plan was made
-    for, and warn once, naming the workload to pass, where they differ: the micro-batch's shape (read
-    at the first forward) and the micro-steps per step (the forwards up to the first whose backward
-    reduces: ``set_requires_gradient_sync``). ``announce``: this rank warns (rank 0)."""
+    """Warn once, naming the workload to pass, where the first step differs from the plan's workload:
+    the micro-batch's shape and the micro-steps per step. ``announce``: this rank warns (rank 0)."""
     seen: dict[str, Any] = {"forwards": 0}
 
     def pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> None:

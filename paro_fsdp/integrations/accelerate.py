@@ -8,18 +8,14 @@ Everything else is accelerate's FSDP2 as configured (``fsdp_version=2``; ``Train
 keeps FSDP2's contract, so ``accumulate`` (``set_requires_gradient_sync``), ``clip_grad_norm_``
 over DTensors, ``save_state`` / ``load_state`` (DCP) and ``get_state_dict`` run as they are.
 
-Why the hook is where it is: accelerate shards in ``accelerate.utils.fsdp_utils.fsdp2_prepare_model``,
-which imports ``fully_shard`` from ``torch.distributed.fsdp`` each time it runs and offers no way
-to pass another. So the switch wraps that one function (where ``Accelerator`` finds it) and, only
-while it runs, puts PaRO's ``fully_shard`` in ``torch.distributed.fsdp``: accelerate's own calls
-(each decoder layer, the embedding, the [norm, lm_head] tail, the root) shard with PaRO, and a
-script's own ``torch.distributed.fsdp.fully_shard`` elsewhere in the process stays torch's.
-``FSDPModule`` is not touched: PaRO's modules are ``FSDPModule``s, so accelerate's and the
-Trainer's ``isinstance`` checks hold.
+Why the hook is where it is: accelerate's ``fsdp2_prepare_model`` imports ``fully_shard`` from
+``torch.distributed.fsdp`` each time it runs and offers no way to pass another. So the switch wraps
+that one function and, only while it runs, puts PaRO's ``fully_shard`` there: a script's own
+``fully_shard`` elsewhere stays torch's. PaRO's modules are ``FSDPModule``s, so accelerate's and
+the Trainer's ``isinstance`` checks hold.
 
-The mesh: accelerate passes one only with a ``ParallelismConfig``; its (dp_replicate, dp_shard)
-mesh is PaRO's (across groups, inside a group). Otherwise ``init_paro_mesh(group_size)``, by
-default one group per node (``LOCAL_WORLD_SIZE``).
+The mesh: a ``ParallelismConfig``'s (dp_replicate, dp_shard) mesh is PaRO's (across groups, inside
+a group); otherwise ``init_paro_mesh(group_size)``, by default one group per node.
 """
 from __future__ import annotations
 
@@ -56,14 +52,12 @@ _original: Optional[Callable[..., nn.Module]] = None  # accelerate's own fsdp2_p
 
 def use_paro(strategy: Optional[PolicyLike] = None, group_size: Optional[int] = None, *,
              memory_budget: Optional[float] = None, cluster: Any = None) -> ParoSettings:
-    """Make accelerate's FSDP2 plugin shard with PaRO from now on; call again to change, or
-    ``disable_paro()`` to give it back to torch.
+    """Make accelerate's FSDP2 plugin shard with PaRO from now on; call again to change.
 
-    ``strategy``: "IIG" (default, or ``$PARO_FSDP_STRATEGY``), any of the 27, a ``Strategy``, a
-    policy over each call's parameter names, or "auto" (planned on the whole model at its root
-    call, within ``memory_budget`` bytes per rank; ``cluster``: a preset, file or ``Cluster``,
-    None to measure this mesh). ``group_size``: ranks per group when accelerate has no
-    ``ParallelismConfig`` (default ``$PARO_FSDP_GROUP_SIZE``, else ``LOCAL_WORLD_SIZE``)."""
+    ``strategy``: "IIG" (default, or ``$PARO_FSDP_STRATEGY``), any of the 27, a ``Strategy``, a policy,
+    or "auto" (within ``memory_budget`` bytes per rank; ``cluster``: a preset, file or ``Cluster``, None
+    to measure). ``group_size``: without a ``ParallelismConfig`` (default ``$PARO_FSDP_GROUP_SIZE``,
+    else ``LOCAL_WORLD_SIZE``)."""
     global _settings
     strategy = strategy if strategy is not None else os.environ.get(ENV_STRATEGY, "IIG")
     if isinstance(strategy, str) and not is_auto(strategy):
@@ -97,7 +91,7 @@ def paro_settings() -> Optional[ParoSettings]:
 
 
 def _accelerate_modules() -> list[Any]:
-    """Where accelerate looks ``fsdp2_prepare_model`` up: its definition, the ``accelerate.utils``
+    """Where accelerate looks ``fsdp2_prepare_model`` up: its definition (first), the ``accelerate.utils``
     re-export, and ``accelerate.accelerator``'s own import of it (the one ``prepare`` calls)."""
     import accelerate.accelerator
     import accelerate.utils
@@ -111,9 +105,7 @@ def _install() -> None:
     global _original
     if _original is not None:
         return
-    import accelerate.utils.fsdp_utils as fsdp_utils
-
-    _original = fsdp_utils.fsdp2_prepare_model
+    _original = _accelerate_modules()[0].fsdp2_prepare_model
     for module in _accelerate_modules():
         if getattr(module, "fsdp2_prepare_model", None) is _original:
             module.fsdp2_prepare_model = _prepare_with_paro
@@ -123,16 +115,10 @@ def _prepare_with_paro(accelerator: Any, model: nn.Module) -> nn.Module:
     """accelerate's ``fsdp2_prepare_model``, its ``fully_shard`` calls going to PaRO's."""
     settings, original = _settings, _original
     if settings is None or original is None:  # disabled after a reference to this wrapper was taken
-        return (original or _accelerate_prepare())(accelerator, model)
+        return (original or _accelerate_modules()[0].fsdp2_prepare_model)(accelerator, model)
     _refuse_unsupported(accelerator)
     with _paro_fully_shard(_shard_with(settings, model)):
         return original(accelerator, model)
-
-
-def _accelerate_prepare() -> Callable[..., nn.Module]:
-    import accelerate.utils.fsdp_utils as fsdp_utils
-
-    return fsdp_utils.fsdp2_prepare_model
 
 
 @contextlib.contextmanager
@@ -149,9 +135,8 @@ def _paro_fully_shard(shard: Callable[..., Any]) -> Iterator[None]:
 
 
 def _shard_with(settings: ParoSettings, root: nn.Module) -> Callable[..., Any]:
-    """The ``fully_shard`` accelerate calls: its mesh (or the PaRO mesh), its options, our strategy.
-    Under "auto" only the call on ``root`` shards (the plan covers the whole model at once); the
-    per-layer calls before it are left to it."""
+    """The ``fully_shard`` accelerate calls. Under "auto" only the call on ``root`` shards (the plan
+    covers the whole model at once)."""
     auto = is_auto(settings.strategy)
 
     def shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Any = None, **kwargs: Any) -> Any:
@@ -164,8 +149,7 @@ def _shard_with(settings: ParoSettings, root: nn.Module) -> Callable[..., Any]:
 
 
 def _mesh(given: Any, settings: ParoSettings) -> Any:
-    """accelerate's (dp_replicate, dp_shard) mesh as it is; without one (or with a 1D one over
-    the world: plain FSDP), the PaRO mesh of ``group_size``."""
+    """accelerate's (dp_replicate, dp_shard) mesh as it is; else the PaRO mesh of ``group_size``."""
     if given is not None and given.ndim == 2:
         if settings.group_size is not None and settings.group_size != given.size(1):
             raise ValueError(f"use_paro(group_size={settings.group_size}) but the ParallelismConfig's dp_shard_size "

@@ -3,11 +3,8 @@
 (the order of the calls: docs/huggingface.md).
 
 Why built on the meta device and loaded in place: ``from_pretrained`` on every rank holds the
-model n times; ``paro_shard`` materialises one tensor at a time and ``load_weights`` reads each
-rank's safetensors slices (through ``checkpoint_files.safe_load``: nothing that runs code)
-straight into the parameters (FSDP2's contract: each trainable one is its fp32 master at the OS
-level, each frozen one its P-level copy), so no rank holds the whole model and the masters are
-exact. The export writes the same DTensors back, rank 0 joining them into files and the index.
+model n times; here each rank reads its safetensors slices straight into the parameters (through
+``checkpoint_files.safe_load``), so no rank holds the whole model and the fp32 masters are exact.
 """
 from __future__ import annotations
 
@@ -193,8 +190,7 @@ def base_name(fqn: str) -> Optional[str]:
 
 def check_weights(names: dict[str, tuple[int, ...]], path: str,
                   key: Callable[[str], Optional[str]] = base_name) -> None:
-    """Raise ``HFModelError`` unless the folder holds every tensor of ``names`` with its shape: no
-    partial load. Reads the safetensors' JSON headers only."""
+    """``HFModelError`` unless the folder holds every tensor of ``names`` with its shape (headers only)."""
     weight_files(path)
     stored = {k: tuple(m.size) for k, m in HuggingFaceStorageReader(path).read_metadata().state_dict_metadata.items()}
     wanted = {key(n): tuple(s) for n, s in names.items() if key(n) is not None}
@@ -210,20 +206,17 @@ def check_weights(names: dict[str, tuple[int, ...]], path: str,
 
 
 def parameters_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The parameters by name (a tied tensor once), detached DTensors sharing their storage, so DCP
-    writes each rank's shards and loads in place."""
+    """The parameters by name (a tied tensor once), detached: DCP writes and loads each rank's shards in place."""
     return {name: p.detach() for name, p in model.named_parameters()}
 
 
 def load_weights(model: nn.Module, path: str, key: Callable[[str], Optional[str]] = base_name) -> int:
-    """Each rank's slices of the safetensors into the parameters, in place; the engine refreshes
-    its working copies from them at the next forward. Returns how many tensors loaded. Collective."""
+    """Each rank's slices of the safetensors into the parameters, in place; how many. Collective."""
     params = {fqn: p for fqn, p in model.named_parameters() if key(fqn) is not None}
     targets = {key(fqn): p.detach() for fqn, p in params.items()}
     check_weights({k: tuple(v.shape) for k, v in targets.items()}, path, key=lambda n: n)
     safe_load(targets, storage_reader=HuggingFaceStorageReader(path))
-    # DCP writes each DTensor's local shard (``to_local()`` of a detached DTensor), which moves
-    # no version counter of the parameter, and the engine finds writes by those counters
+    # DCP writes each local shard without moving the parameter's version counter, which the engine reads
     torch.autograd.graph.increment_version(list(params.values()))
     return len(targets)
 
@@ -231,9 +224,8 @@ def load_weights(model: nn.Module, path: str, key: Callable[[str], Optional[str]
 # ---- the export -------------------------------------------------------------------------------
 def _export(values: dict[str, DTensor], out_dir: str, dtype: torch.dtype, max_bytes: int,
             finish: Callable[[str], None]) -> str:
-    """Every rank writes its shards into ``out_dir.tmp``; rank 0 joins them, one tensor at a time,
-    into the files and index, calls ``finish`` on the folder and renames it into place, so a crash
-    mid-export leaves only ``.tmp``. Collective; returns ``out_dir``."""
+    """Every rank writes its shards into ``out_dir.tmp``; rank 0 joins them into the files and index,
+    calls ``finish`` and renames it into place (a crash leaves only ``.tmp``). Collective."""
     tmp = out_dir.rstrip("/") + ".tmp"
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     barrier = dist.barrier if dist.is_initialized() else lambda: None
@@ -263,9 +255,8 @@ def _export(values: dict[str, DTensor], out_dir: str, dtype: torch.dtype, max_by
 
 
 def architecture(model: nn.Module) -> Optional[str]:
-    """The transformers class of a (sharded, maybe peft-wrapped) model, as ``save_pretrained``
-    writes it into ``architectures`` (e.g. "LlamaForCausalLM"); None for a model that is not a
-    transformers ``PreTrainedModel`` (the trainer's own Llama: its config names it)."""
+    """The model's transformers class, as ``save_pretrained`` writes it into ``architectures``; None
+    for a model that is not a ``PreTrainedModel`` (the trainer's own Llama)."""
     from transformers import PreTrainedModel
 
     from torch.distributed.fsdp import FSDPModule
@@ -279,9 +270,8 @@ def architecture(model: nn.Module) -> Optional[str]:
 def save_model(model: nn.Module, out_dir: str, config: Any, *, dtype: torch.dtype = torch.float32,
                values: Optional[dict[str, DTensor]] = None, extra_files: Iterable[str] = (),
                max_shard_bytes: int = SHARD_BYTES) -> str:
-    """Write a folder ``from_pretrained`` loads: ``config`` (its ``architectures`` naming the
-    model's own class) and ``values`` (default: the parameters, the fp32 masters under bf16 too)
-    in ``dtype``, ``extra_files`` copied in. Collective; returns ``out_dir``."""
+    """A folder ``from_pretrained`` loads: ``config`` and ``values`` (default: the parameters, the fp32
+    masters under bf16 too) in ``dtype``, ``extra_files`` copied in. Collective; returns ``out_dir``."""
     values = parameters_state(model) if values is None else values
     arch = architecture(model)
 

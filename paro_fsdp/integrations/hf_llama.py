@@ -1,11 +1,10 @@
 """The trainer's own Llama (``paro_fsdp/models/llama.py``) under Hugging Face names, so its runs
 open in transformers as a ``LlamaForCausalLM``.
 
-Names map one to one. One layout differs: RoPE. Ours rotates interleaved pairs (x[2i], x[2i+1])
-of each head (Meta's original code), transformers' halves (x[i], x[i + head_dim/2]); the same
-attention comes out when the rows of ``wq`` and ``wk`` are permuted within each head (as
-transformers' ``convert_llama_weights_to_hf`` does). That moves rows across shard boundaries, so
-those two tensors are gathered whole (one at a time) before they are written.
+One layout differs: RoPE. Ours rotates interleaved pairs (x[2i], x[2i+1]), transformers' halves
+(x[i], x[i + head_dim/2]), so ``wq`` and ``wk`` rows are permuted within each head (as
+``convert_llama_weights_to_hf`` does); that crosses shard boundaries, so those two are gathered
+whole, one at a time.
 """
 from __future__ import annotations
 
@@ -55,9 +54,8 @@ def rope_to_halves(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def hf_values(model: torch.nn.Module, args: LlamaArgs) -> dict[str, DTensor]:
-    """The ``paro_shard``-ed Llama's parameters (the fp32 masters, under bf16 mixed precision
-    too) under Hugging Face names and layouts, for ``integrations.hf.save_model``. Collective
-    (``wq`` and ``wk`` are gathered)."""
+    """The sharded Llama's fp32 parameters under Hugging Face names and layouts, for
+    ``integrations.hf.save_model``. Collective (``wq`` and ``wk`` are gathered)."""
     from paro_fsdp.integrations.hf import parameters_state
 
     out: dict[str, DTensor] = {}

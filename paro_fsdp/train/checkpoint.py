@@ -1,16 +1,11 @@
 """Checkpoints with torch.distributed.checkpoint (DCP): atomic saves, pruning, resume.
 
-What a ``step-<N>`` folder holds, key by key, is in docs/trainer.md. Why DTensors by name (DCP's
-``get_state_dict`` / ``set_state_dict``, as FSDP2's): DCP reads whatever pieces the *loading* run's
-placements need, so IIG on 4 ranks loads under GGG on 2, and back, and the folder interchanges with
-FSDP2's (torchtitan's) model checkpoints.
-
-Why atomic: DCP writes ``step-<N>.tmp``, renamed into place once every rank finished, so a
-crash mid-save never leaves a checkpoint that loads wrongly (pruning renames first too). Why
-verified: a manifest of sizes and CRC32s and a shape check stop a damaged file or another
-model's checkpoint with one line; a folder without the manifest was not written by this
-trainer whole. Why damage is moved aside (``step-<N>.damaged``): skipping it silently would
-resume earlier and later overwrite the evidence (docs/failures.md).
+A ``step-<N>`` folder's keys: docs/trainer.md. Why DTensors by name (as FSDP2's): DCP reads the
+pieces the *loading* run's placements need, so IIG on 4 ranks loads under GGG on 2, and the folder
+interchanges with FSDP2's (torchtitan's). Why atomic: ``step-<N>.tmp`` is renamed into place once
+every rank finished (pruning renames first too). Why verified: a manifest of sizes and CRC32s and
+a shape check stop a damaged file or another model's checkpoint with one line. Why damage is moved
+aside (``step-<N>.damaged``): skipping it would resume earlier and overwrite the evidence.
 """
 from __future__ import annotations
 
@@ -39,10 +34,8 @@ _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)  # optimizer.state.<
 
 
 class ModelState:
-    """The model as a DCP Stateful: its parameters by FQN (DCP's ``get_model_state_dict``). For a
-    sharded model they are the fp32 masters, DTensors at each tensor's OS level (frozen ones at
-    their P level); buffers (RoPE tables) are rebuilt by the model, not saved. Loading writes
-    into the parameters in place; the engine refreshes its working copies at the next forward."""
+    """The model's parameters by FQN: the fp32 masters at the OS level (frozen ones at P); buffers
+    (RoPE tables) are rebuilt by the model, not saved."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
@@ -57,8 +50,7 @@ class ModelState:
 
 
 class OptimizerState:
-    """The torch optimizer over the model's parameters as a DCP Stateful: its state keyed by
-    parameter name and flattened (DCP's ``get_optimizer_state_dict``), as torchtitan's."""
+    """The optimizer's state keyed by parameter name and flattened, as torchtitan's."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.optimizer = model, optimizer
@@ -111,7 +103,7 @@ class TrainState:
 
 def scan_checkpoints(folder: str) -> tuple[dict[int, str], dict[int, tuple[str, str]]]:
     """``step-<N>`` entries: (complete: step -> path, damaged: step -> (path, why)). Complete: DCP's ``.metadata``
-    is there (a ``.tmp`` save in progress is neither); whether its files are intact is ``verify``'s question."""
+    is there; whether its files are intact is ``verify``'s question."""
     complete: dict[int, str] = {}
     damaged: dict[int, tuple[str, str]] = {}
     if os.path.isdir(folder):
@@ -130,7 +122,6 @@ def scan_checkpoints(folder: str) -> tuple[dict[int, str], dict[int, tuple[str, 
 
 
 def list_checkpoints(folder: str) -> dict[int, str]:
-    """Complete checkpoints in ``folder``: step -> path (see ``scan_checkpoints``)."""
     return scan_checkpoints(folder)[0]
 
 
@@ -265,10 +256,9 @@ def build_checkpointer(cfg: Any, model: torch.nn.Module, optimizer: torch.optim.
 
 
 def start_afresh(cfg: Any, rank: int) -> list[str]:
-    """``job.fresh``: rank 0 deletes what a previous run of this trainer wrote in the dump folder (checkpoint,
-    TensorBoard and trace folders, compile schedules, metrics.jsonl), and nothing else; the config is valid by now,
-    and nothing of this run is written yet. A folder that would be the dump folder itself, or hold it, is never
-    deleted (a ``checkpoint.folder = "."`` must not wipe a home directory). Returns what it removed."""
+    """``job.fresh``: rank 0 deletes what a previous run wrote in the dump folder (checkpoint, TensorBoard and
+    trace folders, compile schedules, metrics.jsonl), and nothing else. A folder that is the dump folder or holds
+    it is never deleted (``checkpoint.folder = "."`` must not wipe a home directory). Returns what it removed."""
     removed = []
     if rank == 0:
         dump = os.path.realpath(cfg.job.dump_folder)
@@ -292,11 +282,9 @@ _MODEL_KEYS = "model.flavor, model.tokenizer, model.vocab_size"  # what decides 
 
 def load_model_weights(model: torch.nn.Module, path: str, verify_files: bool = True,
                        warn: Optional[Callable[[str], None]] = None) -> str:
-    """Load model weights into a ``paro_shard`` model (its parameters: the fp32 masters) from this
-    trainer's ``step-N`` folder (``model.<fqn>``), one written before the FSDP2 contract
-    (``optimizer.master.<fqn>``), or a DCP folder keyed by parameter names (torchtitan's model-only
-    checkpoints, ``dcp.save(model.state_dict())``); returns which. A folder without a manifest
-    loads after one ``warn`` line. Collective."""
+    """Model weights from this trainer's ``step-N`` folder (``model.<fqn>``), one written before the FSDP2
+    contract (``optimizer.master.<fqn>``), or a DCP folder keyed by parameter names (torchtitan's model-only
+    ones); returns which. A folder without a manifest loads after one ``warn`` line. Collective."""
     if not os.path.isfile(os.path.join(path, ".metadata")):
         raise CheckpointError(f"checkpoint.initial_load_path = {path!r} is not a DCP checkpoint folder (no .metadata); "
                               f"valid: a folder written by torch.distributed.checkpoint, e.g. a step-N folder")
@@ -323,8 +311,7 @@ def load_model_weights(model: torch.nn.Module, path: str, verify_files: bool = T
 
 
 def _is_own(metadata: Any) -> bool:
-    """A checkpoint this trainer wrote (its train state beside the model), not a model-only folder
-    whose own names start with ``model.`` (a Hugging Face model's do)."""
+    """This trainer's (its train state beside the model), not a model-only folder whose names start ``model.``."""
     keys = metadata.state_dict_metadata
     return "train_state.step" in keys and any(k.startswith(MODEL_SCOPE) for k in keys)
 
@@ -337,8 +324,7 @@ def _is_legacy(metadata: Any) -> bool:
 def _checked_load(path: str, target: Callable[[Any], tuple[Any, str]], verify_files: bool, what: str, *,
                   damage_fix: str, misfit_fix: str, unverified_fix: Optional[str],
                   warn: Optional[Callable[[str], None]]) -> None:
-    """Verify, shape-check against ``target(metadata)``, then ``safe_load``: each failure is one CheckpointError
-    starting with ``what`` and ending with the fix for its cause. Collective."""
+    """Verify, shape-check against ``target(metadata)``, ``safe_load``: each failure one line with its fix."""
     if verify_files and not os.path.isfile(os.path.join(path, MANIFEST)):
         if warn is None:
             raise CheckpointError(f"{what} has no {MANIFEST}, so its files cannot be verified (this trainer writes one "

@@ -1,13 +1,10 @@
 """Offline data: documents from local files (or the embedded corpus), tokenized, packed into
 windows of ``seq_len + 1`` tokens, and dealt out to data-parallel ranks.
 
-Order: the windows of the token stream are shuffled once per epoch with a generator seeded from
-``(seed, epoch)``, giving one global sequence of samples that does not depend on the number of
-ranks. Optimizer step ``s`` consumes samples ``[base + s*B, base + (s+1)*B)`` (B = global batch
-size); inside a step, micro-step ``a`` of rank ``r`` takes the ``local_batch_size`` samples at
-offset ``(a * ranks + r) * local_batch_size``. So ranks never share a sample, the order is fixed
-by the seed, and the whole position is one integer (``samples_consumed``) that a checkpoint
-stores and that stays meaningful when the job resumes on a different number of ranks.
+Order: windows are shuffled once per epoch by ``(seed, epoch)``, one global sequence whatever the
+number of ranks. Step ``s`` consumes samples ``[base + s*B, base + (s+1)*B)``; micro-step ``a`` of
+rank ``r`` takes ``local_batch_size`` of them at ``(a * ranks + r) * local_batch_size``. So the whole
+position is one integer (``samples_consumed``), still meaningful on a different number of ranks.
 """
 from __future__ import annotations
 
@@ -39,8 +36,7 @@ def _files(path: str, suffixes: tuple[str, ...]) -> list[Path]:
 
 
 def load_documents(dataset: str, path: Optional[str] = None) -> list[str]:
-    """The documents in a fixed order; ``text``: form-feed (``\\f``) separates a file's documents; ``jsonl``: a
-    ``"text"`` field per line."""
+    """The documents in a fixed order (``text``: form-feed separates a file's; ``jsonl``: a ``"text"`` per line)."""
     if dataset == "embedded":
         files, kind = sorted(CORPUS_DIR.glob("*.txt")), "text"
         if not files:
@@ -90,8 +86,7 @@ def pack_windows(tokens: np.ndarray, seq_len: int) -> np.ndarray:
 
 
 class DataLoader:
-    """This rank's micro-batches ([local_batch_size, seq_len + 1] int64), forever; the position is saved and
-    restored at an optimizer-step boundary."""
+    """This rank's [local_batch_size, seq_len + 1] int64 micro-batches, forever; saved at a step boundary."""
 
     def __init__(self, windows: np.ndarray, local_batch_size: int, dp_rank: int, dp_world: int, grad_accum: int,
                  seed: int) -> None:

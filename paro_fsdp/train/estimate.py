@@ -1,13 +1,10 @@
 """The engine's own count of every PaRO strategy's per-rank memory and per-step communication,
 on a fake world: ``estimate(...)`` (``train.py --estimate``, ``python -m tools.estimate``).
 
-Why: ``cost.ledger`` says what each strategy *should* cost; this measures what the engine
-*does*, at any world size, without hardware: one real optimizer step per strategy through
-``paro_shard`` + torch's AdamW over the parameters (FSDP2's contract) on torch's fake process group
-under ``FakeTensorMode`` (shapes only), beside the ledger's formulas. The gradient norm is torch's
-``clip_grad_norm_`` on the DTensor parameters: its all-reduces are DTensor's, not the engine's, so
-neither the measured bytes nor the formulas (``clip=False``) count them. Needs a process without a
-real process group.
+Why: ``cost.ledger`` says what each strategy *should* cost; this measures what the engine *does*,
+at any world size, without hardware: one optimizer step per strategy on torch's fake process group
+under ``FakeTensorMode``. ``clip_grad_norm_``'s all-reduces are DTensor's, so neither the measured
+bytes nor the formulas (``clip=False``) count them. Needs a process without a real process group.
 """
 from __future__ import annotations
 
@@ -50,7 +47,7 @@ def ensure_fake_world(world: int) -> None:
 
 
 def release_fake_world() -> None:
-    """Tear down the fake process group (and cached meshes), e.g. when a test module is done."""
+    """Tear down the fake process group and cached meshes."""
     _meshes.clear()
     if dist.is_initialized() and dist.get_backend() == "fake":
         dist.destroy_process_group()
@@ -71,10 +68,7 @@ def _measure(args: LlamaArgs, pattern: Sequence[bool], root_trainable: bool, mes
     with FakeTensorMode():
         model = Llama(replace(args, n_layers=len(pattern)))
         for name, p in model.named_parameters():
-            if name.startswith("layers."):
-                p.requires_grad_(pattern[int(name.split(".")[1])])
-            else:
-                p.requires_grad_(root_trainable)
+            p.requires_grad_(pattern[int(name.split(".")[1])] if name.startswith("layers.") else root_trainable)
         model = paro_shard(model, mesh, strategy, mp=mp, flat_below_bytes=flat_below_bytes)
         trainable = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.1, fused=True)
@@ -199,22 +193,19 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         if "error" in r:
             lines.append(f"{r['strategy']:5} {r['known_as'][:24]:24} | error: {r['error'][:100]}")
             continue
-        lines.append(
-            f"{r['strategy']:5} {r['known_as'][:24]:24} |"
-            f" {r['mem_P'] / ms:7.3f} {r['mem_G'] / ms:7.3f} {r['mem_OS'] / ms:7.3f} {r['mem_total'] / ms:8.3f}"
-            f" {r['formula_mem_total'] / ms:8.3f} {_ratio(r['mem_total'], r['formula_mem_total'])} |"
-            f" {r['intra_bytes'] / cs:8.2f} {r['formula_intra_bytes'] / cs:8.2f}"
-            f" {_ratio(r['intra_bytes'], r['formula_intra_bytes'])} |"
-            f" {r['inter_bytes'] / cs:8.3f} {r['formula_inter_bytes'] / cs:8.3f}"
-            f" {_ratio(r['inter_bytes'], r['formula_inter_bytes'])}"
-        )
+        lines.append(f"{r['strategy']:5} {r['known_as'][:24]:24} | {r['mem_P'] / ms:7.3f} {r['mem_G'] / ms:7.3f}"
+                     f" {r['mem_OS'] / ms:7.3f} {r['mem_total'] / ms:8.3f} {r['formula_mem_total'] / ms:8.3f}"
+                     f" {_ratio(r['mem_total'], r['formula_mem_total'])} |"
+                     f" {r['intra_bytes'] / cs:8.2f} {r['formula_intra_bytes'] / cs:8.2f}"
+                     f" {_ratio(r['intra_bytes'], r['formula_intra_bytes'])} |"
+                     f" {r['inter_bytes'] / cs:8.3f} {r['formula_inter_bytes'] / cs:8.3f}"
+                     f" {_ratio(r['inter_bytes'], r['formula_inter_bytes'])}")
     return "\n".join(lines)
 
 
 def run_estimate(cfg: Any, world: Optional[int]) -> int:
-    """``train.py --estimate --world N``: the per-rank model-state memory and per-step communication of ``cfg`` on
-    ``world`` ranks, measured through the engine on a fake process group, beside the spec's formulas and ZeRO-3
-    (GGG); ``paro_strategy = "auto"`` ranks the strategies on the cluster file first. Returns the exit status."""
+    """``train.py --estimate --world N``: ``estimate`` of ``cfg``'s strategy beside ZeRO-3 (GGG); ``"auto"`` ranks
+    the strategies on the cluster file first. Returns the exit status."""
     from .config import grad_accum_steps, group_size, tokenizer_spec
     from .parallelize import advise, model_args
     from .tokenizer import build_tokenizer

@@ -46,9 +46,8 @@ def set_collective_timeout(timeout: datetime.timedelta) -> int:
 # ---- a failed collective, in one line -----------------------------------------------------------
 _PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused",
               "Socket closed", "NCCL communicator was aborted", "ncclRemoteError")
-# matched in lower case: gloo says "Timed out waiting ... for recv", and, for the other operations
-# pending on a pair that timed out, "Application timeout caused pair closure"; NCCL's watchdog
-# "Watchdog caught collective operation timeout"
+# lower case: gloo's "Timed out waiting ... for recv" and "Application timeout caused pair closure",
+# NCCL's "Watchdog caught collective operation timeout"
 _TIMED_OUT = ("timed out", "timeout")
 
 
@@ -76,11 +75,11 @@ def collective_failure(exc: BaseException, rank: int, step: int, timeout_s: floa
 # ---- SIGTERM / SIGINT: finish the step, save it, exit 0 -------------------------------------------
 class GracefulStop:
     """SIGTERM / SIGINT noted, not acted on: ``votes()`` ride the loss all-reduce. A daemon thread watches the
-    wakeup fd (a main thread in a collective's C++ wait runs no Python handler) and enforces, from the first
-    signal, reaching the agreed step (5 s + 3 longest steps, so a dead peer does not hold up torchrun's restart)
-    and finishing the save (``hard_s``: torchrun's grace less 5 s). A missed deadline, or the signal again after
-    2 s, writes ``describe(signum)`` once and ``os._exit(1)``s (a group with a failed peer cannot be torn down).
-    ``said()``: True: write your own last line (a later signal adds none); False: a signal's line is being written."""
+    wakeup fd (a main thread in a C++ wait runs no Python handler) and enforces reaching the agreed step (5 s + 3
+    longest steps: a dead peer must not hold up torchrun's restart) and the save (``hard_s``: torchrun's grace less
+    5 s); a missed deadline, or the signal again after 2 s, writes ``describe(signum)`` once and ``os._exit(1)``s (a
+    group with a failed peer cannot be torn down). ``said()``: True: write your own last line; False: a signal's
+    line is being written."""
 
     def __init__(self, describe: Callable[[int], str], write_line: Callable[[str], None],
                  hard_s: Optional[float] = None) -> None:
@@ -193,9 +192,8 @@ class NonFiniteGuard:
 
     def allows_step(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, model,
                     stop_votes: Optional[torch.Tensor] = None) -> bool:
-        """True when the step is finite, else False (line in ``self.last``) or TrainingStopped. Every rank calls it;
-        ``stop_votes`` lands in ``self.stop_votes``, read with the same device-to-host copy. ``model``: whose
-        parameters' ``.grad`` a non-finite step names the first bad one of (or the torch optimizer over them)."""
+        """True when the step is finite, else False (line in ``self.last``) or TrainingStopped. ``stop_votes`` lands
+        in ``self.stop_votes`` by the same device-to-host copy; ``model``: whose first bad ``.grad`` is named."""
         finite = torch.isfinite(torch.stack([loss.float(), grad_norm.float()])).all()
         self.stop_votes = (0, 0)
         if stop_votes is None:
@@ -227,14 +225,12 @@ class NonFiniteGuard:
 
 
 def nonfinite_masters(model) -> Optional[str]:
-    """First trainable parameter (an fp32 master) with a NaN/inf on any rank (None: none); checked
-    before every save, so none is saved. ``model``: as ``_trainable``'s ``source``."""
+    """First trainable parameter with a NaN/inf on any rank, or None; checked before every save."""
     return _first_flagged(model, lambda p: p)
 
 
 def _trainable(source) -> list[tuple[str, torch.Tensor]]:
-    """(name, parameter) of every trainable parameter, in model order. ``source``: the model (FQNs) or a torch
-    optimizer (named by place: it holds no names)."""
+    """(name, parameter) of every trainable one, in order: of the model (FQNs) or of an optimizer (by place)."""
     if isinstance(source, torch.nn.Module):
         return [(n, p) for n, p in source.named_parameters() if p.requires_grad]
     return [(f"param_groups[{i}]['params'][{j}]", p) for i, g in enumerate(source.param_groups)
@@ -247,8 +243,7 @@ def _local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 @torch.no_grad()
 def _first_flagged(source, tensor_of) -> Optional[str]:
-    """One all-reduce (max) of a non-finite flag per trainable parameter (``tensor_of``: the
-    parameter or its ``.grad``, each rank checking its shard), in model order."""
+    """One all-reduce (max) of a non-finite flag per trainable parameter (``tensor_of``: it or its ``.grad``)."""
     params = _trainable(source)
     if not params:
         return None
@@ -265,9 +260,8 @@ def _first_flagged(source, tensor_of) -> Optional[str]:
 
 # ---- train.py's exit status ------------------------------------------------------------------------
 def error_line(message: str) -> None:
-    """``train.py: error: <message>`` on stderr in one ``write``: survivors of a lost peer all report at once, and
-    ``print`` (two writes, unbuffered under torchrun) let two ranks' lines run together. One write to a pipe of at
-    most PIPE_BUF (4096) bytes is never interleaved; the message is cut below that."""
+    """``train.py: error: <message>`` on stderr in one ``write`` of under PIPE_BUF (4096) bytes, never interleaved:
+    survivors of a lost peer all report at once, and ``print``'s two writes let ranks' lines run together."""
     sys.stdout.flush()
     sys.stderr.flush()
     line = " ".join(f"train.py: error: {message}".split("\n"))[:3000] + "\n"
@@ -290,12 +284,10 @@ def stopped_line(signal_name: str, step: int, steps: int, saved: Optional[str], 
 
 
 def exit_status(body: Callable[[Any], int], as_script: bool) -> int:
-    """Run ``body(run)`` and turn what it raises into train.py's exit status and one line. ``body`` sets
-    ``run.trainer`` once the trainer is built (closed here) and hands it ``run.stop``: with ``as_script``, the
-    ``GracefulStop`` that makes SIGTERM / SIGINT stop at a step every rank agrees on. A configuration error: 2
-    (under torchrun as ``config_error_exit`` reports it); a decision every rank made alike (a stop, a checkpoint
-    problem, a collective order mismatch): rank 0's line, 1; a lost or hung peer: each rank's line, 1; a bug:
-    its traceback."""
+    """``body(run)``'s exit status; it sets ``run.trainer`` (closed here) and gets ``run.stop`` (with
+    ``as_script``, a ``GracefulStop``). A config error: 2; a decision every rank made alike (a stop, a
+    checkpoint problem, a collective order mismatch): rank 0's line, 1; a lost or hung peer: each
+    rank's line, 1; a bug: its traceback."""
     rank = int(os.environ.get("RANK", "0"))
     had_process_group = dist.is_initialized()
     run = SimpleNamespace(trainer=None, stop=None)
@@ -344,10 +336,8 @@ def _timeout_of(trainer: Any) -> float:
 
 
 def run_as_script(main: Callable[[], int]) -> None:
-    """``main()`` as the process: its exit status, or a bug's traceback and status 1. A process group still
-    initialised here belongs to a failed run (its peer may be gone): tearing it down in the interpreter's exit can
-    block on that peer or abort from a backend thread (SIGABRT instead of the status), so such a process leaves with
-    ``os._exit`` once its output is flushed."""
+    """``main()`` as the process. A process group still initialised here belongs to a failed run: tearing it
+    down at exit can block on a gone peer or abort (SIGABRT), so such a process leaves with ``os._exit``."""
     try:
         code = main()
     except SystemExit as exc:  # an explicit exit keeps its status

@@ -1,7 +1,6 @@
 """The trainer's Hugging Face path: ``--model.name hf --model.hf_path DIR`` (and ``[peft]``).
 
-The pieces are ``integrations.hf``'s; this module picks them from the config. Every problem
-of the folder is an ``HFModelError``: one line naming the fix, and exit status 2.
+The pieces are ``integrations.hf``'s. A folder's problem is an ``HFModelError``: one line, status 2.
 """
 from __future__ import annotations
 
@@ -18,8 +17,7 @@ from paro_fsdp.models.llama import LlamaArgs
 
 from .config import JobConfig, tokenizer_spec
 
-__all__ = ["HFModelError", "shape_args", "build_meta_model", "load", "loss", "export",
-           "TOKENIZER_FILES"]
+__all__ = ["HFModelError", "shape_args", "build_meta_model", "load", "loss", "export", "TOKENIZER_FILES"]
 
 # what a model folder carries besides the weights, copied into the export so it loads as a whole
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",

@@ -8,8 +8,6 @@ of optimizer step ``s + 1``:
                                   progress = (s + 1 - W - S) / (D + 1)
 with shape linear 1 - p, sqrt 1 - sqrt(p), cosine (1 + cos(pi p)) / 2, or constant 1.
 D = total - W when ``decay_ratio`` is unset, else round(total * decay_ratio); S fills the rest.
-The scheduler's state (its step counter) goes into checkpoints, so a resumed run continues the
-same curve.
 """
 from __future__ import annotations
 
@@ -53,7 +51,7 @@ def schedule_phases(cfg: LRConfig, total_steps: int) -> tuple[int, int, int]:
 
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRConfig, total_steps: int) -> LambdaLR:
-    """A ``LambdaLR`` over the (inner, torch) optimizer; call ``step()`` after each optimizer step."""
+    """A ``LambdaLR``; call ``step()`` after each optimizer step."""
     warmup, stable, decay = schedule_phases(cfg, total_steps)
     fn = functools.partial(lr_factor, warmup_steps=warmup, stable_steps=stable, decay_steps=decay,
                            decay_type=cfg.decay_type, min_lr_factor=cfg.min_lr_factor)

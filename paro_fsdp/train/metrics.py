@@ -1,10 +1,9 @@
 """What a run reports: a log line per ``log_freq`` steps on rank 0, the same numbers as
 TensorBoard scalars and ``metrics.jsonl`` lines, and torch.profiler traces.
 
-Why these numbers: PaRO trades memory for communication, so beside loss and speed each line
-shows this rank's model-state bytes (P + G + OS) and the bytes the step moved intra and inter
-group, from the engine's ledger. On CUDA nothing here waits for the GPU between log steps:
-loss, grad norm and CUDA timing events are read once per log window.
+Why these numbers: PaRO trades memory for communication, so each line shows this rank's
+model-state bytes (P + G + OS) and the bytes the step moved intra and inter group. On CUDA
+nothing waits for the GPU between log steps: loss, grad norm and timing events are read once per window.
 """
 from __future__ import annotations
 
@@ -105,12 +104,10 @@ def peak_flops(device: torch.device, param_dtype: torch.dtype) -> Optional[float
 def cuda_memory(device: torch.device) -> dict[str, float]:
     """The allocator's window peaks, reserved now and cudaMalloc retries; host-side reads, no sync."""
     stats = torch.cuda.memory_stats(device)
-    return {
-        "cuda_max_allocated": float(torch.cuda.max_memory_allocated(device)),
-        "cuda_reserved": float(torch.cuda.memory_reserved(device)),
-        "cuda_max_reserved": float(torch.cuda.max_memory_reserved(device)),
-        "cuda_alloc_retries": float(stats.get("num_alloc_retries", 0)),
-    }
+    return {"cuda_max_allocated": float(torch.cuda.max_memory_allocated(device)),
+            "cuda_reserved": float(torch.cuda.memory_reserved(device)),
+            "cuda_max_reserved": float(torch.cuda.max_memory_reserved(device)),
+            "cuda_alloc_retries": float(stats.get("num_alloc_retries", 0))}
 
 
 def _fmt_bytes(n: float) -> str:
@@ -176,34 +173,23 @@ class MetricsLogger:
         peak = cuda["cuda_max_allocated"] if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB
         mfu = 100.0 * self.flops_per_token * tps / (self.peak_flops * self.world_size) if self.peak_flops else None
         eta = avg * (self.total_steps - step)
-        # under torch.compile the ledger sees only collectives run eagerly (the graphs' own are in
-        # the compile schedule dump), so say so rather than print a misleading 0
+        # under torch.compile the ledger sees only eager collectives: say so rather than print a misleading 0
         comm_label = "comm outside graphs" if self.cfg.compile.enable else "comm"
         cuda_text = (f" reserved {_fmt_bytes(cuda['cuda_reserved'])} (max {_fmt_bytes(cuda['cuda_max_reserved'])}) "
                      f"alloc retries {cuda['cuda_alloc_retries']:.0f}") if cuda is not None else ""
         mfu_text = f" | mfu {mfu:.1f}%" if mfu is not None else ""
-        line = (
-            f"step {step:>{len(str(self.total_steps))}}/{self.total_steps} | loss {loss:.4f} | gnorm {grad_norm:.3f} | "
-            f"lr {lr:.2e} | {tps:,.0f} tok/s{mfu_text} | {step_time:.3f} s/step | "
-            f"mem states {_fmt_bytes(memory['total'])} {peak_name.replace('_', ' ')} {_fmt_bytes(peak)}{cuda_text} | "
-            f"{comm_label} intra {_fmt_bytes(comm.intra)} inter {_fmt_bytes(comm.inter)} | eta {_fmt_eta(eta)}"
-        )
-        print(line, flush=True)
-        scalars = {
-            "loss/train": loss,
-            "optim/grad_norm": grad_norm,
-            "optim/lr": lr,
-            "throughput/tokens_per_s": tps,
-            "throughput/tokens_per_s_per_rank": tps / self.world_size,
-            "time/step_s": step_time,
-            "memory/model_states_MiB": memory["total"] / MiB,
-            **{f"memory/{k}_MiB": memory[k] / MiB for k in ("P", "G", "OS")},
-            f"memory/{peak_name}_MiB": peak / MiB,
-            "comm/intra_MiB_per_step": comm.intra / MiB,
-            "comm/inter_MiB_per_step": comm.inter / MiB,
-            "comm/global_MiB_per_step": comm.global_ / MiB,
-            "comm/collectives_per_step": comm.count,
-        }
+        print(f"step {step:>{len(str(self.total_steps))}}/{self.total_steps} | loss {loss:.4f} | "
+              f"gnorm {grad_norm:.3f} | lr {lr:.2e} | {tps:,.0f} tok/s{mfu_text} | {step_time:.3f} s/step | "
+              f"mem states {_fmt_bytes(memory['total'])} {peak_name.replace('_', ' ')} {_fmt_bytes(peak)}{cuda_text} | "
+              f"{comm_label} intra {_fmt_bytes(comm.intra)} inter {_fmt_bytes(comm.inter)} | eta {_fmt_eta(eta)}",
+              flush=True)
+        scalars = {"loss/train": loss, "optim/grad_norm": grad_norm, "optim/lr": lr,
+                   "throughput/tokens_per_s": tps, "throughput/tokens_per_s_per_rank": tps / self.world_size,
+                   "time/step_s": step_time, "memory/model_states_MiB": memory["total"] / MiB,
+                   **{f"memory/{k}_MiB": memory[k] / MiB for k in ("P", "G", "OS")},
+                   f"memory/{peak_name}_MiB": peak / MiB,
+                   "comm/intra_MiB_per_step": comm.intra / MiB, "comm/inter_MiB_per_step": comm.inter / MiB,
+                   "comm/global_MiB_per_step": comm.global_ / MiB, "comm/collectives_per_step": comm.count}
         scalars.update(host_now())
         if mfu is not None:
             scalars["throughput/mfu_pct"] = mfu
@@ -229,8 +215,7 @@ class MetricsLogger:
 
 def build_metrics(cfg: JobConfig, rank: int, device: torch.device, model: torch.nn.Module, args: Any,
                   tokens_per_step: int, world_size: int, shared_run: bool) -> MetricsLogger:
-    """The run's logger: its TensorBoard run is named by the start time (``shared_run``: rank 0's, so every rank
-    writes its timeline beside it), its MFU from the model's FLOPs per token."""
+    """The run's logger, its TensorBoard run named by the start time (``shared_run``: rank 0's, for every rank)."""
     names = [time.strftime("%Y%m%d-%H%M%S")]
     if shared_run:
         dist.broadcast_object_list(names, src=0)
@@ -301,9 +286,8 @@ def where_to_look(cfg: JobConfig, tb_dir: Optional[str], timeline: bool) -> list
 
 
 def timeline_writer(cfg: JobConfig, model: Any, rank: int, device: torch.device, run_name: str) -> TimelineWriter:
-    """``profiling.timeline``'s sink, which draws each trace into this rank's TensorBoard run
-    ``<run>/timeline_rank<r>``. On gloo it first learns which worker threads serve which mesh dimension
-    (``gloo_threads``: collectives, so every rank calls it)."""
+    """``profiling.timeline``'s sink into ``<run>/timeline_rank<r>``. On gloo it first learns the worker
+    threads of each mesh dimension (``gloo_threads``: collectives, so every rank calls it)."""
     dims = group_dims(model.paro_mesh_groups(), dist.group.WORLD.group_name)
     threads = gloo_threads(dims) if device.type == "cpu" else {}
     log_dir = os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder, run_name, f"timeline_rank{rank}")
@@ -313,8 +297,8 @@ def timeline_writer(cfg: JobConfig, model: Any, rank: int, device: torch.device,
 
 def build_profiler(cfg: JobConfig, rank: int, device: torch.device, start_step: int,
                    on_trace: Optional[Callable[[str], None]] = None):
-    """A ``StepProfiler`` tracing one step every ``profile_freq`` steps (each rank's newest ``keep_latest_k`` kept),
-    or a null context; ``on_trace(path)`` gets each trace written."""
+    """A ``StepProfiler`` tracing one step every ``profile_freq`` (each rank's newest ``keep_latest_k`` kept), or
+    a null context; ``on_trace(path)`` gets each trace."""
     p = cfg.profiling
     if not p.enable_profiling:
         return contextlib.nullcontext(NO_PROFILER)
@@ -359,9 +343,8 @@ _RECORDING = (torch.profiler.ProfilerAction.RECORD, torch.profiler.ProfilerActio
 
 class StepProfiler(torch.profiler.profile):
     """torch's profiler recording, in a traced step, only the first ``traced - 1`` micro-steps and the last (the
-    step's boundary). Why: torch's stop and export of a trace hold the training thread for time that grows with
-    its events (docs/trainer.md). The marks ``paro::pause#<skipped>`` / ``paro::resume`` let the timeline cut the
-    untraced time out (``timeline.parse``)."""
+    boundary): its stop and export hold the training thread for time that grows with its events. The marks
+    ``paro::pause#<skipped>`` / ``paro::resume`` let the timeline cut the untraced time out."""
 
     def __init__(self, traced: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -369,8 +352,7 @@ class StepProfiler(torch.profiler.profile):
         self.paused = False
 
     def micro_step(self, micro: int, grad_accum: int) -> None:
-        """Call at the start of each micro-step ``micro`` (0-based) of ``grad_accum``: pauses or resumes collection
-        in a traced step; a no-op in the others."""
+        """At the start of micro-step ``micro`` (0-based): pauses or resumes collection in a traced step."""
         if not self.traced or grad_accum <= self.traced or self.current_action not in _RECORDING:
             return
         if micro == self.traced - 1:
@@ -405,8 +387,8 @@ NO_PROFILER = _NoProfiler()
 
 
 class StepTimer:
-    """The time of each step, read once per log window: host wall time on CPU; on CUDA a pair of
-    timing events per step, synced once in ``collect`` (the GPU's time, while the host queued ahead)."""
+    """Each step's time, read once per log window: host wall time on CPU; on CUDA timing events, synced once
+    in ``collect``."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

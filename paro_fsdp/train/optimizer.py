@@ -1,14 +1,8 @@
 """The trainer's optimizer: torch's, built over the sharded model's parameters (FSDP2's contract).
 
-Why over ``model.parameters()``: after ``paro_shard`` each trainable parameter *is* its fp32
-master, a DTensor at its strategy's OS level, and a syncing backward leaves its gradient (reduced
-there) in ``.grad``. So any torch optimizer, torch's ``clip_grad_norm_`` and torch's lr
-schedulers work on them unchanged, and the engine refreshes its P-level working copies by itself
-after ``optimizer.step()`` (docs/fsdp2.md).
-
-Why two param groups: as Hugging Face's Trainer and nanoGPT, weight decay applies to the weight
-matrices and embeddings only (``ndim >= 2``); norms' gains and biases (``ndim < 2``) are not
-decayed. With ``weight_decay = 0`` (or no such parameter) there is one group.
+Why over ``model.parameters()``: each trainable parameter *is* its fp32 master with its reduced
+``.grad``, so torch's optimizers, ``clip_grad_norm_`` and schedulers work unchanged (docs/fsdp2.md).
+Why two param groups: as HF's Trainer, only ``ndim >= 2`` tensors decay (not norms or biases).
 """
 from __future__ import annotations
 
@@ -24,8 +18,7 @@ IMPLEMENTATIONS = {"for-loop": {"foreach": False}, "foreach": {"foreach": True},
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """The trainable parameters (frozen ones, e.g. a LoRA base, have no optimizer state), in model
-    order: one group decayed (``ndim >= 2``), one not (``ndim < 2``), empty groups left out."""
+    """The trainable parameters in model order: decayed (``ndim >= 2``) and not, empty groups left out."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable:
         raise ValueError("the model has no trainable parameters (every parameter has requires_grad = False)")
@@ -44,9 +37,8 @@ def build_optimizer(model: nn.Module, o: OptimizerConfig) -> torch.optim.Optimiz
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
-    """torch's ``clip_grad_norm_`` over the trainable parameters' ``.grad`` (DTensors at the OS
-    level: DTensor's own reductions count each element once); the global norm before clipping as a
-    plain 0-dim tensor on the device. ``max_norm = inf`` only measures it."""
+    """torch's over the trainable parameters' ``.grad``; the global norm before clipping as a plain
+    0-dim tensor. ``max_norm = inf`` only measures it."""
     params = [p for p in model.parameters() if p.requires_grad]
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

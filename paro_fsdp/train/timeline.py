@@ -2,15 +2,9 @@
 inter-group and global collectives ran, from that step's torch.profiler trace (docs/trainer.md).
 
 Why: PaRO's schedules exist to run collectives under compute and keep the slow inter link busy,
-and the TensorBoard profiler plugin no longer renders, so the trainer draws that one picture.
-
-How the trace names a collective's group: on NCCL, kernels carry "Process Group Name" /
-"Description" args (``group_dims`` maps names to mesh dims). On gloo nothing names it, but each
-group's collectives run on fixed worker threads, which ``gloo_threads`` learns once per process.
-
-The rows, the fractions and how a step traced in part (``paro::pause#<micro-steps skipped>`` to
-``paro::resume``) has its untraced time cut out are described in docs/trainer.md; ``other`` is a
-collective of no known group.
+and the TensorBoard profiler plugin no longer renders. A collective's group: on NCCL, the kernels'
+"Process Group Name" args (``group_dims``); on gloo, its fixed worker threads (``gloo_threads``).
+Rows, fractions and the cut of untraced time (``paro::pause#<n>`` to ``paro::resume``): docs/trainer.md.
 """
 from __future__ import annotations
 
@@ -42,8 +36,7 @@ class Timeline:
 
 
 def merge(iv: Intervals, gap: float = 0.0) -> Intervals:
-    """Sorted, overlaps joined; ``gap`` > 0 (a pixel) also closes shorter gaps: at most a bar per
-    pixel, where a 7B step has a million ops."""
+    """Sorted, overlaps joined; ``gap`` (a pixel) also closes shorter gaps: a 7B step has a million ops."""
     out: Intervals = []
     for a, b in sorted(iv):
         if out and a - out[-1][1] <= gap:
@@ -141,9 +134,8 @@ def parse(trace: Mapping[str, Any], thread_dims: Mapping[int, str] = {},
 
 
 def _paused(events: list[dict], main: Any, t0: float, t1: float) -> list[tuple[float, float, int]]:
-    """(start, end, micro-steps skipped) of each pause in the step (us): from the pause mark, or the end of the
-    last event that began before it and ended before the resume (a kernel or collective still running), to the
-    resume mark. Ranges that span the pause (the step's own, a collective over it) are cut, not counted."""
+    """(start, end, micro-steps skipped) of each pause (us): from the pause mark, or the end of the last event
+    that began before it and ended before the resume (a kernel still running), to the resume mark."""
     marks = sorted((float(e["ts"]), e) for e in events if e["tid"] == main and t0 <= float(e["ts"]) <= t1
                    and str(e.get("name", "")).startswith((PAUSE_MARK, RESUME_MARK)))
     gaps, pause = [], None
@@ -191,8 +183,8 @@ def render(tl: Timeline, title: str, width_px: int = 1200):
     for x, skipped in tl.cuts:  # where untraced micro-steps were cut out
         ax.axvline(x, color="black", linestyle="--", linewidth=1.5)
         ax.annotate(f"{skipped} micro-steps not traced", (x, len(rows) - 0.6), xytext=(4, 0),
-                    textcoords="offset points",
-                    fontsize=11, va="top", bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8})
+                    textcoords="offset points", fontsize=11, va="top",
+                    bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8})
     ax.set_xlim(0, tl.duration)
     ax.set_ylim(-0.6, len(rows) - 0.4)
     ax.set_xlabel("ms since the step started" + (" (untraced micro-steps cut out)" if tl.cuts else ""), fontsize=12)
@@ -258,9 +250,8 @@ def gloo_threads(dims: Mapping[str, str], delay_s: float = 0.03) -> dict[int, st
 
 def draw(trace_path: str, log_dir: str, rank: int, mode: str, thread_dims: Mapping[int, str],
          group_dims: Mapping[str, str], step_offset: int = 1) -> Optional[int]:
-    """A trace's image ``timeline/rank{r}`` and fraction scalars written at step N + step_offset, in a
-    new event file of ``log_dir`` (TensorBoard reads them all); the step, or None for the closing trace.
-    Written with tensorboard's own writer: the drawing process never imports torch (seconds per trace)."""
+    """A trace's image ``timeline/rank{r}`` and fraction scalars at step N + step_offset, in a new event file
+    of ``log_dir``; the step, or None for the closing trace. tensorboard's own writer: no torch import."""
     import io
 
     from PIL import Image
@@ -290,9 +281,8 @@ _RUN_FILE = "import runpy, sys; runpy.run_path(sys.argv.pop(1), run_name='__main
 
 
 class TimelineWriter:
-    """The profiler's trace sink. The training thread only starts a process that draws the trace:
-    a 64-micro-step 7B trace is 0.75 GB of JSON, whose ``json.load`` and parse take tens of seconds
-    and, in a thread, would hold the GIL the training loop needs. ``close`` waits for the drawings."""
+    """The profiler's trace sink, which starts a process per drawing: a 7B trace's 0.75 GB of JSON takes tens of
+    seconds to parse, holding the GIL if in a thread. ``close`` waits for the drawings."""
 
     def __init__(self, log_dir: str, rank: int, mode: str, thread_dims: Mapping[int, str],
                  group_dims: Mapping[str, str], step_offset: int = 1) -> None:

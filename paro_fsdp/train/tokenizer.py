@@ -30,16 +30,13 @@ class ByteTokenizer:
     name = "byte"
 
     def __init__(self) -> None:
-        self.bos_id = 256
-        self.eos_id = 257
-        self.vocab_size = 258
+        self.bos_id, self.eos_id, self.vocab_size = 256, 257, 258
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
 
     def decode(self, ids) -> str:
-        data = bytes(int(i) for i in ids if 0 <= int(i) < 256)
-        return data.decode("utf-8", errors="replace")
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
 
 class HFTokenizer:
@@ -49,10 +46,8 @@ class HFTokenizer:
         try:
             from tokenizers import Tokenizer as _HFTokenizer
         except ImportError as exc:  # pragma: no cover - depends on the environment
-            raise RuntimeError(
-                f"model.tokenizer = {path!r} needs the 'tokenizers' package (pip install tokenizers); "
-                "or use model.tokenizer = \"byte\""
-            ) from exc
+            raise RuntimeError(f"model.tokenizer = {path!r} needs the 'tokenizers' package (pip install tokenizers); "
+                               "or use model.tokenizer = \"byte\"") from exc
         self.name = path
         self._tok = _HFTokenizer.from_file(path)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
@@ -69,16 +64,13 @@ class HFTokenizer:
 
 
 def build_tokenizer(spec: str) -> Tokenizer:
-    """``"byte"`` -> :class:`ByteTokenizer`; a path to a ``tokenizer.json`` (or a folder that
-    holds one) -> :class:`HFTokenizer`."""
+    """``"byte"``, or a ``tokenizer.json`` (or a folder that holds one)."""
     if spec == "byte":
         return ByteTokenizer()
     path = os.path.join(spec, "tokenizer.json") if os.path.isdir(spec) else spec
     if not os.path.isfile(path):
-        raise FileNotFoundError(
-            f"model.tokenizer = {spec!r}: no such tokenizer.json; use \"byte\" or the path of a "
-            "HuggingFace tokenizer.json (or the folder holding it)"
-        )
+        raise FileNotFoundError(f"model.tokenizer = {spec!r}: no such tokenizer.json; use \"byte\" or the path of a "
+                                "HuggingFace tokenizer.json (or the folder holding it)")
     return HFTokenizer(path)
 
 

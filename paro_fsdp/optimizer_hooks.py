@@ -1,0 +1,80 @@
+"""The engine's hooks on torch's optimizer step and on ``dist.destroy_process_group``.
+
+The user's optimizer is a plain torch.optim one over the parameters, so the engine learns of the
+update from torch's global step hooks and starts the pushes to P as the step ends (the root's
+pre-forward checks again, for writes no optimizer made: loads, in-place edits).
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from .hooks import in_backward
+from .param_group import GradState
+
+_watched: weakref.WeakSet = weakref.WeakSet()  # every live model's ParoState (state.py)
+_hook_handle = None
+
+
+def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """The parameters with a gradient count as written (torch's foreach ops through DTensor and its
+    fused kernels write in place without moving version counters); then the pushes start."""
+    stepped = {id(p): p for group in optimizer.param_groups for p in group["params"] if p.grad is not None}
+    for state in list(_watched):  # only the models this optimizer updated (another may be alive)
+        mine = [stepped[id(p)] for g in state.groups for p in g.sharded_params[: len(g.trainable)] if id(p) in stepped]
+        if mine:
+            torch.autograd.graph.increment_version(mine)
+            state.refresh_params()
+
+
+def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """A step over parameters whose gradients are still at the G level (every backward since the
+    last step ran with ``set_requires_gradient_sync(False)``) would silently skip them: refuse."""
+    if in_backward() and any(s.running_backward for s in list(_watched)):
+        raise RuntimeError("optimizer.step() inside backward (an optimizer in a gradient hook) is not supported by "
+                           "paro_fsdp: the sharded parameters' .grad are written at the end of backward; step after "
+                           "backward() returns")
+    pending = [g for state in list(_watched) for g in state.groups if g.grads is GradState.AT_G]
+    if not pending:
+        return
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for g in pending:
+        if any(id(p) in stepped and p.grad is None for p in g.sharded_params[: len(g.trainable)]):
+            raise RuntimeError(f"optimizer.step(): the gradients of {g.trainable[0].fqn} (and its block) "
+                               "were never reduced: "
+                               f"every backward since the last step ran with set_requires_gradient_sync(False); call "
+                               f"model.set_requires_gradient_sync(True) before the last micro-step's backward")
+
+
+def _landing_pushes_first(destroy):
+    """``dist.destroy_process_group``, landing the last step's pushes first (collectives a script's
+    last step never waits; NCCL may hang). On gloo, a barrier after: a rank may still be sending to
+    a peer, whose gloo thread aborts when the pairs go (SIGABRT at exit, 1 run in 6-8)."""
+    def destroy_process_group(*args: Any, **kwargs: Any) -> None:
+        states = list(_watched)
+        for state in states:
+            state.pushes.finish()
+        whole = not args and not kwargs.get("group")  # the default group: every group goes
+        if states and whole and dist.is_initialized() and dist.get_backend() == "gloo":
+            dist.barrier()
+        return destroy(*args, **kwargs)
+
+    destroy_process_group.__wrapped__ = destroy
+    return destroy_process_group
+
+
+def watch(state) -> None:
+    global _hook_handle
+    _watched.add(state)
+    if _hook_handle is None:
+        _hook_handle = (register_optimizer_step_pre_hook(_before_optimizer_step),
+                        register_optimizer_step_post_hook(_after_optimizer_step))
+        dist.destroy_process_group = _landing_pushes_first(dist.destroy_process_group)
+
+
+def unwatch(state) -> None:
+    _watched.discard(state)
