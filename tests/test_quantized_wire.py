@@ -164,3 +164,25 @@ def test_the_engine_sends_what_the_ledger_counts(world, strategy):
         {k: v for k, v in exact.items() if not k.endswith("/inter")}
     assert any(k.startswith(Kind.ALL_TO_ALL) for k in got) == any(
         m.kind != Kind.ALL_GATHER for p in ("reduce", "boundary") for m in plan.phase(p) if m.dim != Dim.INTRA)
+
+
+def test_fully_shard_and_paro_shard_take_the_wire():
+    """``fully_shard(inter_dtype=)`` (torch's MixedPrecisionPolicy has no field for it) and
+    ``MixedPrecision(inter_dtype=)`` reach each group's plan; a bad name is refused in one line."""
+    from paro_fsdp import fully_shard
+    from paro_fsdp.train.estimate import fake_mesh, release_fake_world
+
+    mesh = fake_mesh(4, 2)
+    try:
+        blocks = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+        fully_shard(blocks[0], mesh=mesh, strategy="IIG", inter_dtype="int4")
+        fully_shard(blocks, mesh=mesh, strategy="GGG", inter_dtype="int8")
+        wires = {g.strategy.name: {m.wire for ph in ("reduce", "boundary") for m in g.plan.phase(ph)}
+                 for g in blocks._paro_state.groups}
+        assert wires == {"IIG": {None, "int4"}, "GGG": {"int8"}}
+        model = paro_shard(nn.Linear(8, 8), mesh, "NII", mp=MixedPrecision(inter_dtype="int8"))
+        assert [m.wire for m in model._paro_state.groups[0].plan.boundary] == ["int8"]
+        with pytest.raises(ValueError, match="inter_dtype must be one of"):
+            fully_shard(nn.Linear(8, 8), mesh=mesh, inter_dtype="int16")
+    finally:
+        release_fake_world()

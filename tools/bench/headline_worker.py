@@ -74,6 +74,12 @@ class Runner:
     extra: dict[str, Any] = field(default_factory=dict)  # what the report reads beside the times (auto's plan)
 
 
+def wired(strategy: str) -> tuple[str, str | None]:
+    """``"GGG+int8"`` -> ("GGG", "int8"): a strategy and its quantized inter wire (None: exact)."""
+    name, _, wire = strategy.partition("+")
+    return name, wire or None
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -143,8 +149,10 @@ def worker(args: argparse.Namespace) -> None:
 
     # ---- builders ----
     def paro(strategy: str) -> Runner:
-        mp = MixedPrecision(param_dtype=torch.bfloat16) if bf16 else None
-        model = paro_shard(make_model(), mesh, strategy, mp=mp)
+        """``"GGG"``, or ``"GGG+int8"``: its inter phases quantized (``MixedPrecision.inter_dtype``)."""
+        name, wire = wired(strategy)
+        mp = MixedPrecision(param_dtype=torch.bfloat16 if bf16 else torch.float32, inter_dtype=wire)
+        model = paro_shard(make_model(), mesh, name, mp=mp)
         opt = torch.optim.AdamW(trainable(model), lr=LR, weight_decay=WD, foreach=True)  # the fp32 masters
         return paro_step(strategy, model, opt)
 
@@ -272,10 +280,11 @@ def worker(args: argparse.Namespace) -> None:
         cluster = box[0]
         for a in (accums if not args.no_advisor else []):
             for s in args.strategies.split(","):
-                preds[(s, a)] = predict(margs, s, n, m, args.batch, a, args.seq, cluster, dtype=args.dtype,
-                                        trainable_fraction=args.trainable).step_time
+                preds[(s, a)] = predict(margs, wired(s)[0], n, m, args.batch, a, args.seq, cluster, dtype=args.dtype,
+                                        trainable_fraction=args.trainable, inter_dtype=wired(s)[1]).step_time
+            exact = [s for s in args.strategies.split(",") if wired(s)[1] is None]
             best, _ = choose_strategy(margs, n, m, args.batch, a, args.seq, args.dtype, cluster,
-                                      trainable_fraction=args.trainable, strategies=args.strategies.split(","))
+                                      trainable_fraction=args.trainable, strategies=exact or None)
             pick = pick or {}
             pick[a] = best.name
     t_cal = time.perf_counter() - t0
