@@ -160,7 +160,8 @@ def sweep(spec: ModelSpec, what: str, values: Sequence[float], cluster: Cluster,
         preds = rank_strategies(spec, n, m, kw["micro_batch"], kw["grad_accum"], kw["seq_len"], c,
                                 dtype=kw["dtype"], reduce_dtype=kw["reduce_dtype"],
                                 activation_checkpoint=kw["activation_checkpoint"],
-                                reshard_after_forward=kw["reshard_after_forward"], strategies=strategies)
+                                reshard_after_forward=kw["reshard_after_forward"], strategies=strategies,
+                                inter_dtype=kw["inter_dtype"])
         by = {p.strategy: p for p in preds}
         best = next((p for p in preds if p.fits), None)
         ggg = by.get("GGG")
@@ -257,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seq-len", type=int, default=2048)
     g.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="parameter dtype")
     g.add_argument("--reduce-dtype", default=None, choices=sorted(DTYPES), help="gradient dtype (default --dtype)")
+    g.add_argument("--inter-dtype", default=None, choices=("int8", "int4"),
+                   help="what crosses groups, quantized (MixedPrecision.inter_dtype; default: exact)")
     g.add_argument("--activation-checkpoint", default="auto", choices=ACTIVATION_CHECKPOINT_MODES,
                    help="auto: per strategy, only when it does not fit without")
     g.add_argument(
@@ -331,12 +334,12 @@ def _run(a: argparse.Namespace) -> int:
     strategies = [Strategy.parse(s).name for s in a.strategies.split(",")] if a.strategies else list(ALL_STRATEGIES)
     kw = dict(n=a.gpus, micro_batch=a.micro_batch, grad_accum=a.grad_accum, seq_len=a.seq_len, dtype=a.dtype,
               reduce_dtype=a.reduce_dtype, activation_checkpoint=a.activation_checkpoint,
-              reshard_after_forward=not a.no_reshard_after_forward)
+              reshard_after_forward=not a.no_reshard_after_forward, inter_dtype=a.inter_dtype)
     desc = (
         f"{spec.name}: {spec.psi / 1e9:.2f}B params, {spec.psi_trainable / spec.psi:.1%} trainable "
         f"({spec.trainable_layers}/{spec.n_layers} layers{', root too' if spec.root_trainable else ''}); "
         f"{a.micro_batch} x {a.seq_len} tokens per micro-step, A = {a.grad_accum}, "
-        f"{a.dtype}/{a.reduce_dtype or a.dtype}; "
+        f"{a.dtype}/{a.reduce_dtype or a.dtype}{f', {a.inter_dtype} between groups' if a.inter_dtype else ''}; "
         f"cluster {cluster.name}: {cluster.gpus_per_node} GPUs/node, {cluster.memory_gib:g} GiB, "
         f"{cluster.achieved_tflops:g} TFLOP/s achieved, intra {cluster.intra.bandwidth_gbs:g} GB/s/GPU, "
         f"inter {cluster.inter.bandwidth_gbs:.3g} GB/s/GPU"
@@ -363,7 +366,8 @@ def _run(a: argparse.Namespace) -> int:
         return 0
     preds = rank_strategies(spec, a.gpus, m, a.micro_batch, a.grad_accum, a.seq_len, cluster,
                             dtype=a.dtype, reduce_dtype=a.reduce_dtype, activation_checkpoint=a.activation_checkpoint,
-                            reshard_after_forward=not a.no_reshard_after_forward, strategies=strategies)
+                            reshard_after_forward=not a.no_reshard_after_forward, strategies=strategies,
+                            inter_dtype=a.inter_dtype)
     if a.json:
         print(json.dumps([_as_json(p) for p in preds], indent=1))
         return 0
