@@ -241,5 +241,8 @@ def run_estimate(cfg: Any, world: Optional[int]) -> int:
     print(format_table(rows))
     if p.paro_policy:
         print(f"note: the per-tensor paro_policy {p.paro_policy} is not modelled; every tensor uses {p.paro_strategy}")
+    if p.inter_dtype != "none":
+        print(f"note: parallelism.inter_dtype = {p.inter_dtype} is not modelled here: the bytes are the exact wire's "
+              f"(python -m tools.advisor --inter-dtype {p.inter_dtype} prices it)")
     print(f"({time.perf_counter() - wall:.1f} s)")
     return 0
