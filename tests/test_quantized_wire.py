@@ -201,3 +201,42 @@ def test_the_advisor_prices_the_wire():
         assert exact.intra_bytes == q.intra_bytes and q.step_time < exact.step_time
     with pytest.raises(ValueError, match="inter_dtype must be one of"):
         predict("llama7b", "GGG", 64, 8, 1, 4, 2048, c, inter_dtype="fp8")
+
+
+def _expand(moves) -> list[tuple[str, str]]:
+    """The collectives a phase runs: a global move as PaRO-CC's phases, a quantized inter one as
+    ``QUANTIZED``'s collectives."""
+    out = []
+    for m in moves:
+        for kind, dim in (HIER[m.kind] if m.dim == Dim.GLOBAL else [(m.kind, m.dim)]):
+            out += [(k, dim) for k in QUANTIZED[kind]] if m.wire and dim == Dim.INTER else [(kind, dim)]
+    return out
+
+
+@pytest.mark.parametrize("strategy", ALL_STRATEGIES)
+def test_the_engine_runs_the_quantized_plan(strategy, monkeypatch):
+    """All 27 strategies on one rank of a fake 2 x 2 world: two micro-steps, the step, the next
+    forward issue exactly the quantized plan's collectives, in order."""
+    from paro_fsdp.comm import MeshComm
+    from paro_fsdp.train.estimate import fake_mesh, release_fake_world
+
+    log: list[tuple[str, str]] = []
+    count = MeshComm._count
+    monkeypatch.setattr(MeshComm, "_count", lambda self, kind, dim, numel, t: (log.append((kind, dim)),
+                                                                               count(self, kind, dim, numel, t)))
+    mesh = fake_mesh(4, 2)
+    try:
+        model = paro_shard(nn.Linear(8, 8), mesh, strategy, mp=MixedPrecision(inter_dtype="int8"))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        x = torch.randn(4, 8)
+        log.clear()
+        for sync in (False, True):
+            model.set_requires_gradient_sync(sync)
+            model(x).sum().backward()
+        opt.step()
+        model(x)
+    finally:
+        release_fake_world()
+    plan = plan_of(strategy, "int8")
+    g, r, b, p = (_expand(plan.phase(name)) for name in ("gather", "reduce", "boundary", "push"))
+    assert log == g + r + g + r + b + p + g, plan
