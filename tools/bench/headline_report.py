@@ -120,7 +120,7 @@ def format_report(rows: list[dict], meta: dict, budget_mib: float | None) -> str
                 ratio = p["step_s"] / b["step_s"]
                 out.append(f"PaRO {pn} step time / {_label(b)}: {ratio:.2f}x "
                            f"({'within' if ratio <= 1.10 else 'OUTSIDE'} the 1.10x target)")
-        out += budget_verdicts(ok)
+        out += budget_verdicts(ok) + wire_verdicts(ok)
         pr = [r for r in ok if r["kind"] == "paro" and "pred_s" in r]
         if len(pr) >= 2:
             tau = _kendall([r["pred_s"] for r in pr], [r["step_s"] for r in pr])
@@ -134,6 +134,30 @@ def format_report(rows: list[dict], meta: dict, budget_mib: float | None) -> str
                        f"best {best_meas}; predicted step within 15% of measured for {within} of {len(errs)} "
                        f"(worst {worst} {errs[worst]:+.0%})")
     return "\n".join(out)
+
+
+def wire_verdicts(rows: list[dict]) -> list[str]:
+    """A strategy with a quantized inter wire (``GGG+int8``) against the same strategy exact and DeepSpeed
+    ZeRO++ in the same run: its step (GGG: >= 1.6x the exact one where the link bounds it, faster than
+    ZeRO++), its inter bytes (>= 3.5x fewer on the quantized phases) and its step over its limit."""
+    out = []
+    zpp = next((r for r in rows if r["name"] == "ds-zeropp"), None)
+    for r in rows:
+        if r["kind"] != "paro" or "+" not in r["name"]:
+            continue
+        name = r["name"].split("+")[0]
+        exact = next((x for x in rows if x["kind"] == "paro" and x["name"] == name), None)
+        line = f"PaRO {r['name']}:"
+        if exact:
+            line += f" step {exact['step_s'] / r['step_s']:.2f}x faster than {name}'s"
+            if exact.get("inter_bytes") and r.get("inter_bytes"):
+                line += f", {exact['inter_bytes'] / r['inter_bytes']:.2f}x fewer inter bytes"
+        if zpp:
+            line += f"; {zpp['step_s'] / r['step_s']:.2f}x ZeRO++'s step ({zpp['step_s']:.3f} s)"
+        if limit_of(r):
+            line += f"; step / its limit {r['step_s'] / limit_of(r):.2f}x"
+        out.append(line)
+    return out
 
 
 def budget_verdicts(rows: list[dict]) -> list[str]:
