@@ -2,12 +2,10 @@
 time with the predicted per-rank peak within the budget (what is counted, how it is solved and its
 bounds: docs/advisor.md, "A memory budget").
 
-Why per block: users know how much memory a GPU has, not which of 27 strategies to run, and one
-strategy for the whole model wastes the budget: a layout between two strategies' footprints
-(sharded embeddings, replicated layers; frozen weights at one level, LoRA adapters at another)
-is often faster than either. The engine already runs per-tensor policies, so the answer is one.
-Every cost comes from the ledger (``peak_terms``, ``traffic_of``, ``Ledger``) and the plan
-(``plan_of``), never a table of its own.
+Why per block: users know a GPU's memory, not which of 27 strategies to run, and a layout between two
+strategies' footprints (sharded embeddings, replicated layers; frozen weights at one level, LoRA adapters
+at another) is often faster than either; the engine runs it as a per-tensor policy. Every cost comes
+from the ledger and the plan, never a table of its own.
 """
 from __future__ import annotations
 
@@ -40,8 +38,6 @@ _N = Level.N
 
 
 # ---- the model's items: the root and each block, trainable and frozen tensors apart ------------------------
-
-
 @dataclass(frozen=True)
 class Unit:
     """Tensors of one block that take one strategy: its trainable ones, or its frozen ones."""
@@ -60,8 +56,7 @@ class Block:
 
 
 def units_of(model: Any, block_modules: Sequence[Any]) -> list[Block]:
-    """The root and each block (``api.build``'s assignment: later blocks win, the root holds the
-    rest), each as its trainable and its frozen tensors."""
+    """The root and each block as ``api.build`` assigns them, each as its trainable and its frozen tensors."""
     names = {id(mod): n for n, mod in model.named_modules()}
     block_of: dict[int, Any] = {}
     for b in block_modules:
@@ -171,8 +166,8 @@ def _option(env: _Env, block: Block, position: str, pick: tuple[Strategy, ...]) 
 
 
 def _picks(block: Block, strategies: Sequence[Strategy], uniform: bool) -> list[tuple[Strategy, ...]]:
-    """The block's choices: a strategy for its trainable tensors; its frozen tensors' P level (the
-    trainable strategy itself when the levels agree: one group, one collective; else P at all three)."""
+    """A strategy for the block's trainable tensors; its frozen tensors' P level (the trainable strategy
+    itself where the levels agree: one group, one collective; else P at all three levels)."""
     if not uniform and not any(u.trainable for u in block.units):  # frozen only: the three P levels are the choices
         return [tuple(Strategy.parse(p * 3) for _ in block.units) for p in "NIG"]
     out = []
@@ -204,9 +199,8 @@ class BudgetPlan:
                 for name in u.names}
 
     def policy(self) -> dict[str, str]:
-        """The plan as ``paro_shard``'s fnmatch policy: ``"prefix.*"`` where a whole block takes one
-        strategy and no other block lies under it, else its parameter names (escaped); the root's
-        by name."""
+        """The plan as a fnmatch policy: ``"prefix.*"`` where a whole block takes one strategy and no block
+        lies under it, else its parameter names (escaped)."""
         prefixes = [b.prefix for b in self.blocks if b.prefix]
         out: dict[str, str] = {}
         for b, o in zip(self.blocks, self.options):
@@ -219,9 +213,8 @@ class BudgetPlan:
         return out
 
     def table(self) -> str:
-        """Per block (runs of equal blocks folded): strategy, the memory it holds throughout (states,
-        boundary temporaries; the root's gathered parameters), its time per step; then the peak
-        against the budget, with the transient parts (gathered blocks, gradients, queues, activations)."""
+        """Per block (equal runs folded): strategy, memory held throughout, time per step; then the peak
+        against the budget with its transient parts."""
         rows, i = [], 0
         while i < len(self.blocks):
             j = i + 1
@@ -285,10 +278,8 @@ def plan_blocks(blocks: Sequence[Block], n: int, m: int, budget: Optional[float]
                 grad_bytes: int = 2, acc_bytes: int = 4, reshard_after_forward: bool = True,
                 flat_below_bytes: int = 0, strategies: Optional[Iterable[StrategyLike]] = None,
                 cells: int = DEFAULT_CELLS, inter_dtype: Optional[str] = None) -> BudgetPlan:
-    """The fastest plan within ``budget`` bytes per rank (a strategy per block), or, with
-    ``budget=None``, the fastest single strategy within the cluster's usable memory (what "auto"
-    meant before budgets); ``inter_dtype``: the inter phases priced quantized. Raises
-    :class:`BudgetError` when nothing fits."""
+    """The fastest plan within ``budget`` bytes per rank (a strategy per block), or with ``budget=None`` the
+    fastest single strategy within the cluster's usable memory; :class:`BudgetError` when nothing fits."""
     env = _env(n, m, cluster, workload, spec, param_bytes, grad_bytes, acc_bytes, reshard_after_forward,
                flat_below_bytes, inter_dtype)
     cands = [Strategy.parse(s) for s in (strategies or ALL_STRATEGIES)]
@@ -375,17 +366,13 @@ def _describe(blocks: Sequence[Block], items, plan: Sequence[int]) -> str:
 
 
 # ---- the API's entry: cluster, rank 0's plan for every rank, printed ----------------------------------------
-
-
 def auto_policy(model: Any, mesh: Any, block_modules: Sequence[Any], memory_budget: Optional[float],
                 mp: Any, workload: Optional[Workload] = None, cluster: Union[Cluster, str, os.PathLike, None] = None,
                 reshard_after_forward: bool = True, flat_below_bytes: int = 0,
                 log: Optional[Callable[[str], None]] = None) -> dict[str, str]:
-    """``strategy="auto"`` for ``paro_shard`` / ``fully_shard``: the plan for ``model`` on ``mesh``
-    as a per-tensor policy. ``cluster``: a ``Cluster``, a TOML file or preset name, or None for this
-    mesh's calibration, kept between runs (``calibration_cache.cached_calibration``; collective: every
-    rank calls it; rank 0's cluster is used by all). Rank 0 prints the plan (``log``, default
-    ``print``), after a line saying where a calibrated cluster came from."""
+    """``strategy="auto"``: the plan for ``model`` on ``mesh`` as a per-tensor policy. ``cluster``: a
+    ``Cluster``, TOML file or preset, or None for this mesh's cached calibration (collective; rank 0's for
+    all). Rank 0 prints the plan (``log``, default ``print``)."""
     import torch.distributed as dist
 
     if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float))
