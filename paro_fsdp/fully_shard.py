@@ -58,14 +58,14 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
     modules = _modules_of(module)
     _refuse_unsupported(reshard_after_forward, shard_placement_fn, mp_policy, offload_policy, ignored_params)
     mesh = mesh if mesh is not None else _world_mesh()
+    if strategy is None:
+        strategy = "GGG" if mesh.ndim == 1 else "III"
     if len(modules) > 1 or module is not modules[0]:
         if is_auto(strategy):
             raise ValueError("fully_shard(strategy=\"auto\") plans a whole model: call it on the root module, not on "
                              "a list of modules")
         fully_shard_group(modules, mesh, strategy, reshard_after_forward, _mixed_precision(mp_policy, inter_dtype))
         return module
-    if strategy is None:
-        strategy = "GGG" if mesh.ndim == 1 else "III"
     mp = _mixed_precision(mp_policy, inter_dtype)
     adopted = _sharded_inside(module)
     blocks: list[nn.Module] = []
@@ -104,7 +104,7 @@ def _uninitialised(name: str, tensor: torch.Tensor) -> None:
     (``reset_parameters``, ``init_weights``) then writes the sharded parameters in place."""
 
 
-def fully_shard_group(modules: list[nn.Module], mesh: DeviceMesh, strategy: Optional[PolicyLike],
+def fully_shard_group(modules: list[nn.Module], mesh: DeviceMesh, strategy: PolicyLike,
                       reshard_after_forward: Optional[bool], mp: MixedPrecision) -> None:
     """A list of modules as one block (a tied parameter once), hooked on each; the root's call adopts it."""
     holder = nn.ModuleList(modules)  # names for the parameters until the root renames them; not kept
@@ -112,7 +112,6 @@ def fully_shard_group(modules: list[nn.Module], mesh: DeviceMesh, strategy: Opti
     if adopted:
         raise ValueError("fully_shard on a list of modules: a module of the list holds modules sharded by earlier "
                          "calls; shard the list's modules whole, or shard the inner ones in the list")
-    strategy = strategy if strategy is not None else ("GGG" if mesh.ndim == 1 else "III")
     _refuse_dtensors(list(holder.named_parameters()))
     strategies = resolve_policy(strategy, list(holder.named_parameters()))
     build(holder, mesh, strategies, [], mp, {}, reshard_after_forward,

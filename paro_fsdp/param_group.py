@@ -103,7 +103,6 @@ class ParoParamGroup:
         self.shares_p = plan.p_at_os and mp.param_dtype == torch.float32
         self.casts_p = plan.p_shard_at_os and mp.param_dtype != torch.float32 and n_t == len(self.refs)
         with torch.no_grad():
-            # P storage: the working copies view it
             if plan.params_whole:
                 flat = None
                 working = [o.to(device=device, dtype=mp.param_dtype, copy=True) for o in originals]
@@ -116,7 +115,6 @@ class ParoParamGroup:
                     local.copy_(t.local_slice(o, P, info.k))
             self.p_flat = None if self.casts_p else flat
             self.params = [ParoParam(r, t, w) for r, t, w in zip(self.refs, layouts, working)]
-            # fp32 master at the OS level: the module's parameters, which the user's optimizer updates
             if self.shares_p or self.casts_p:  # trainable tensors come first in P: the masters are its prefix
                 self.master_flat = flat if n_t == len(self.refs) else None
                 masters = working[:n_t]
@@ -131,8 +129,7 @@ class ParoParamGroup:
             for p, m in zip(self.params, masters):
                 p.master = m
 
-        # the module's parameters: trainable ones are the fp32 masters at the OS level (FSDP2's
-        # sharded parameters), frozen ones their only copy, at the P level
+        # the module's parameters: the fp32 masters at OS (FSDP2's sharded ones); a frozen one its only copy, at P
         for p in self.params:
             local, level = (p.master, OS) if p.trainable else (p.working, P)
             dt = DTensor.from_local(local, info.param_mesh or info.mesh, param_placements(level, info), run_check=False,
@@ -157,13 +154,9 @@ class ParoParamGroup:
         self._pending_rs: Work | None = None
         self._gather_buf = self._rs_buf = None  # pooled buffers in flight (comm.BufferPool)
         self.grads = GradState.EMPTY
-        # the forward's uses of the group whose backward has not run yet (a module called twice): its
-        # step boundary waits for the last one
-        self.uses_left = 0
-        # a backward reduces to the OS level (the parameters' .grad) when both are set: FSDP2's
-        # set_requires_gradient_sync and set_is_last_backward, True by default (as FSDP2 reduces)
-        self.requires_sync = True
-        self.is_last = True
+        self.uses_left = 0  # forward uses whose backward has not run (a module called twice): the boundary waits
+        # a backward reduces to the OS level when both are set (FSDP2's requires_gradient_sync, is_last_backward)
+        self.requires_sync = self.is_last = True
         self.requires_all_reduce = True  # FSDP2's HSDP switch: False defers the reduction like requires_sync
         self.reshard_after_backward = True
         self.sink: torch.Tensor | None = None  # gradient leaves of the traced path (traced.py)
@@ -387,14 +380,11 @@ class ParoParamGroup:
     def memory_bytes(self, optimizer_states: dict | None = None) -> dict[str, int]:
         """Bytes this rank holds for P, G, OS (padding included), the fp32 master gradients (boundary to
         ``zero_grad``) and the boundary's full-size temporaries (reducing G = N, pushing to P = N)."""
-        def size(dtype: torch.dtype) -> int:
-            return torch.empty((), dtype=dtype).element_size()
-
         p_tensors = [] if self.casts_p else [self.p_flat] if self.p_flat is not None else self.p_locals
         p_bytes = sum(t.numel() * t.element_size() for t in p_tensors)  # casts_p: the masters, counted in OS
         plan, layout = self.plan, self.t_layout
         g_numel = layout.numel(self.strategy.g) if self.trainable else 0
-        g_bytes = g_numel * size(self.mp.acc_dtype)
+        g_bytes = g_numel * self.mp.acc_dtype.itemsize
         os_numel = self.master_flat.numel() if self.master_flat is not None else sum(m_.numel() for m_ in self.master)
         os_bytes = 0 if self.shares_p else os_numel * 4  # shared: counted in P
         for param in self.sharded_params[: len(self.trainable)]:
@@ -406,10 +396,11 @@ class ParoParamGroup:
         boundary_grads = boundary_params = 0
         if self.trainable and self.info.n > 1:
             full = layout.numel(Level.N)
-            cast = size(self.mp.grad_dtype) if self.mp.acc_dtype != self.mp.grad_dtype else 0
+            gb = self.mp.grad_dtype.itemsize
+            cast = gb if self.mp.acc_dtype != self.mp.grad_dtype else 0
             if plan.grads_whole:  # the accumulator cast to the wire dtype, then (global) a FULL-size collective buffer
-                boundary_grads = full * cast + (full * size(self.mp.grad_dtype) if plan.runs_global("boundary") else 0)
+                boundary_grads = full * cast + (full * gb if plan.runs_global("boundary") else 0)
             if plan.params_whole and plan.push:  # gathered to FULL (global: NESTED, then FULL)
-                boundary_params = full * size(self.mp.param_dtype) * (2 if plan.runs_global("push") else 1)
+                boundary_params = full * self.mp.param_dtype.itemsize * (2 if plan.runs_global("push") else 1)
         return {"P": p_bytes, "G": g_bytes, "OS": os_bytes, "master_grads": os_numel * 4 if self.trainable else 0,
                 "boundary_grads": boundary_grads, "boundary_params": boundary_params}

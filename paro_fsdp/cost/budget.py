@@ -94,6 +94,14 @@ class _Env:
     flat_below_bytes: int
     wire: Optional[str] = None  # MixedPrecision.inter_dtype: what crosses groups, quantized
 
+    def __post_init__(self) -> None:
+        w = self.work
+        for name, v in (("micro_batch", w.micro_batch), ("seq_len", w.seq_len), ("grad_accum", w.grad_accum)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise AdvisorError(f"Workload.{name} must be a positive integer, got {v!r}")
+        if self.n % self.m:
+            raise AdvisorError(f"group size {self.m} does not divide the world size {self.n}")
+
 
 def _seconds(env: _Env, moves, psi: float, itemsize: int) -> dict[str, float]:
     return moves_seconds(moves, psi, itemsize, env.n, env.m, env.cluster, env.flat_below_bytes)
@@ -249,16 +257,6 @@ def _escape(name: str) -> str:
     return "".join(f"[{c}]" if c in "*?[" else c for c in name)
 
 
-def _env(n: int, m: int, cluster: Cluster, work: Workload, spec: Optional[ModelSpec], pb: int, gb: int, ab: int,
-         reshard_after_forward: bool, flat_below_bytes: int, wire: Optional[str]) -> _Env:
-    for name, v in (("micro_batch", work.micro_batch), ("seq_len", work.seq_len), ("grad_accum", work.grad_accum)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise AdvisorError(f"Workload.{name} must be a positive integer, got {v!r}")
-    if n % m:
-        raise AdvisorError(f"group size {m} does not divide the world size {n}")
-    return _Env(n, m, cluster, work, spec, pb, gb, ab, reshard_after_forward, flat_below_bytes, wire)
-
-
 def _items(env: _Env, blocks: Sequence[Block], strategies: Sequence[Strategy], uniform: bool) -> list[list[Option]]:
     layers = [i for i, b in enumerate(blocks) if not b.is_root]
     cache: dict[tuple, list[Option]] = {}
@@ -280,7 +278,7 @@ def plan_blocks(blocks: Sequence[Block], n: int, m: int, budget: Optional[float]
                 cells: int = DEFAULT_CELLS, inter_dtype: Optional[str] = None) -> BudgetPlan:
     """The fastest plan within ``budget`` bytes per rank (a strategy per block), or with ``budget=None`` the
     fastest single strategy within the cluster's usable memory; :class:`BudgetError` when nothing fits."""
-    env = _env(n, m, cluster, workload, spec, param_bytes, grad_bytes, acc_bytes, reshard_after_forward,
+    env = _Env(n, m, cluster, workload, spec, param_bytes, grad_bytes, acc_bytes, reshard_after_forward,
                flat_below_bytes, inter_dtype)
     cands = [Strategy.parse(s) for s in (strategies or ALL_STRATEGIES)]
     acts, inside, after = (workload.activation_bytes, workload.activations_in_backward,

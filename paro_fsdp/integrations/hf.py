@@ -113,11 +113,8 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
 # ---- LoRA -------------------------------------------------------------------------------------
 def _linear_names(model: nn.Module) -> list[str]:
     """Distinct last names of the modules LoRA could wrap (for error messages)."""
-    seen: dict[str, None] = {}
-    for name, m in model.named_modules():
-        if name and (isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"):
-            seen.setdefault(name.rpartition(".")[2], None)
-    return list(seen)
+    return list(dict.fromkeys(name.rpartition(".")[2] for name, m in model.named_modules()
+                              if name and (isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D")))
 
 
 def add_lora(model: nn.Module, rank: int, alpha: float = 16.0, dropout: float = 0.0,

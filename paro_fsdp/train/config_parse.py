@@ -1,6 +1,5 @@
 """Reading the trainer's config (``config.py``'s schema): defaults, the TOML file, then CLI overrides
 ``--section.key value`` (booleans also bare; lists ``a,b,c``; ``paro_policy`` as ``pattern=STRATEGY,...``).
-
 Why so strict: a typo in a long job's config must stop it at start-up, not hours later: every unknown key,
 wrong type and impossible combination is one ConfigError line naming the key and the valid choices (exit 2).
 No torch import: parsing and ``--print-config`` stay fast.
@@ -240,7 +239,9 @@ def _is_strategy(text: str) -> bool:
 def validate(cfg: JobConfig, world_size: Optional[int], local_world_size: Optional[int] = None) -> None:
     """Raise ConfigError for well-typed but impossible values (``world_size`` None skips the checks needing it)."""
 
-    def positive(key: str, value: float, allow_zero: bool = False) -> None:
+    def positive(key: str, allow_zero: bool = False) -> None:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
         if value < 0 or (value == 0 and not allow_zero):
             raise ConfigError(f"{key} = {_show(value)} must be {'>= 0' if allow_zero else '> 0'}")
 
@@ -271,16 +272,14 @@ def validate(cfg: JobConfig, world_size: Optional[int], local_world_size: Option
     if pf.lora_rank and m.name != "hf":
         raise ConfigError("peft.lora_rank > 0 fine-tunes a Hugging Face model; valid: --model.name hf "
                           "--model.hf_path DIR, or peft.lora_rank = 0")
-    positive("peft.lora_alpha", pf.lora_alpha)
+    positive("peft.lora_alpha")
     within("peft.lora_dropout", pf.lora_dropout, top_open=True)
     invalid("model.vocab_size", m.vocab_size, m.vocab_size != -1 and m.vocab_size < 1,
             "-1 (from flavor and tokenizer) or a positive integer")
-    for key in ("local_batch_size", "seq_len", "steps"):
-        positive(f"training.{key}", getattr(t, key))
-    for key, zero in (("lr", False), ("eps", False), ("weight_decay", True)):
-        positive(f"optimizer.{key}", getattr(cfg.optimizer, key), allow_zero=zero)
-    positive("lr_scheduler.warmup_steps", cfg.lr_scheduler.warmup_steps, allow_zero=True)
-    positive("training.max_consecutive_skips", t.max_consecutive_skips, allow_zero=True)
+    for key in ("training.local_batch_size", "training.seq_len", "training.steps", "optimizer.lr", "optimizer.eps"):
+        positive(key)
+    for key in ("optimizer.weight_decay", "lr_scheduler.warmup_steps", "training.max_consecutive_skips"):
+        positive(key, allow_zero=True)
     within("lr_scheduler.min_lr_factor", cfg.lr_scheduler.min_lr_factor)
     within("lr_scheduler.decay_ratio", cfg.lr_scheduler.decay_ratio, unset="unset or ")
     if t.dataset in ("text", "jsonl") and not t.dataset_path:
@@ -342,15 +341,14 @@ def validate(cfg: JobConfig, world_size: Optional[int], local_world_size: Option
             "-1 (no bound) or >= 0")
     for key, zero in (("metrics.log_freq", False), ("profiling.profile_freq", False), ("profiling.keep_latest_k", True),
                       ("checkpoint.interval", False), ("checkpoint.keep_latest_k", True)):
-        section, name = key.split(".")
-        positive(key, getattr(getattr(cfg, section), name), allow_zero=zero)
+        positive(key, allow_zero=zero)
     steps = cfg.profiling.traced_micro_steps
     invalid("profiling.traced_micro_steps", steps, steps < 0, "0 (trace every micro-step) or a count >= 1 (the first "
             "ones and the last, which holds the step boundary)")
     invalid("checkpoint.load_step", cfg.checkpoint.load_step, cfg.checkpoint.load_step < -1,
             "-1 (latest) or a saved step")
-    positive("comm.init_timeout_seconds", cfg.comm.init_timeout_seconds)
-    positive("comm.train_timeout_seconds", cfg.comm.train_timeout_seconds)
+    positive("comm.init_timeout_seconds")
+    positive("comm.train_timeout_seconds")
 
 
 # ---- what the trainer's builders raise, as one line naming the key ------------------------------------
