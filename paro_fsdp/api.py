@@ -114,8 +114,7 @@ def build(model: nn.Module, mesh: DeviceMesh, strategies: dict[str, Strategy], b
     for _, p in named:  # the original tensors: a module outside this call that still holds one shares it
         p._paro_sharded = True
     comm = MeshComm(info.groups, streams_for(mesh_device(info)))
-    # the model's one PaRO-CC: global collectives, counted in comm.stats
-    cc = ParoCC(comm, flat_below_bytes=flat_below_bytes)
+    cc = ParoCC(comm, flat_below_bytes=flat_below_bytes)  # the model's one PaRO-CC, counted in comm.stats
 
     owners: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
     for module in model.modules():

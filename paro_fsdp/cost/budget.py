@@ -302,18 +302,14 @@ def plan_blocks(blocks: Sequence[Block], n: int, m: int, budget: Optional[float]
         items = _items(env, blocks, [s], True)
         chosen = [opts[0] for opts in items]
         single.append((s.name, peak(chosen)["peak"], sum(o.t for o in chosen)))
-    if uniform:
-        fits = [x for x in single if x[1] <= limit]
-        if not fits:
-            s, f, _ = min(single, key=lambda x: x[1])
-            raise BudgetError(f"no single strategy fits in {_size(limit)} per rank ({cluster.name}'s usable "
-                              f"memory): the smallest footprint is {_size(f)}, with {s}; pass memory_budget= "
-                              f"for a plan per block, or use activation checkpointing, a smaller micro-batch or more "
-                              f"ranks")
-        s = min(fits, key=lambda x: x[2])[0]
-        items = _items(env, blocks, [Strategy.parse(s)], True)
-        idx = [0] * len(items)
-    else:
+    fits = [x for x in single if x[1] <= limit]
+    best = min(fits, key=lambda x: x[2]) if fits else None
+    if uniform and best is None:
+        s, f, _ = min(single, key=lambda x: x[1])
+        raise BudgetError(f"no single strategy fits in {_size(limit)} per rank ({cluster.name}'s usable memory): "
+                          f"the smallest footprint is {_size(f)}, with {s}; pass memory_budget= for a plan per block, "
+                          f"or use activation checkpointing, a smaller micro-batch or more ranks")
+    if not uniform:
         items = _items(env, blocks, cands, False)
         found = within(items, fp, limit, cells, lambda idx: peak([opts[i] for opts, i in zip(items, idx)])["peak"])
         if found is None:
@@ -323,14 +319,13 @@ def plan_blocks(blocks: Sequence[Block], n: int, m: int, budget: Optional[float]
                               f"budget, use activation checkpointing, a smaller micro-batch or more ranks")
         idx = list(found[0])
         plan_t = sum(opts[i].t for opts, i in zip(items, idx))
-        fits = [x for x in single if x[1] <= limit]
-        best = min(fits, key=lambda x: x[2]) if fits else None
         if best is not None and best[2] <= plan_t * MIX_GAIN:  # a mix must gain clearly, else the single
             uniform, note = True, (f" (a plan per block was predicted {best[2] / plan_t:.3f}x faster, under the "
                                    f"{MIX_GAIN:.2f}x a mix must gain)")
-            items = _items(env, blocks, [Strategy.parse(best[0])], True)
-            idx = [0] * len(items)
-    if not uniform:
+    if uniform:
+        items = _items(env, blocks, [Strategy.parse(best[0])], True)
+        idx = [0] * len(items)
+    else:
         groups: dict[int, list[int]] = {}  # identical blocks (one shared option list) cost the same in any order:
         for k, opts in enumerate(items):  # their choices sorted, so the plan reads as runs
             groups.setdefault(id(opts), []).append(k)
