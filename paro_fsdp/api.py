@@ -23,8 +23,7 @@ from .traced import make_sinks_on_compile
 
 
 def _blocks_of(modules: Iterable[nn.Module]) -> list[nn.Module]:
-    """Blocks from ``blocks=``: containers (``nn.ModuleList``, ``nn.ModuleDict``, e.g.
-    torchtitan's ``model.layers``) stand for their elements."""
+    """Blocks from ``blocks=``: a ``ModuleList`` / ``ModuleDict`` (``model.layers``) stands for its elements."""
     out: list[nn.Module] = []
     for m in modules:
         if isinstance(m, nn.ModuleList):
@@ -39,10 +38,9 @@ def _blocks_of(modules: Iterable[nn.Module]) -> list[nn.Module]:
 
 
 def _default_blocks(model: nn.Module) -> list[nn.Module]:
-    """Each element of every outermost ``nn.ModuleList`` and each value of every outermost
-    ``nn.ModuleDict``: a container inside a block (peft's ``lora_A`` / ``lora_B`` ModuleDicts, a
-    layer's experts) stays part of that block, as FSDP2 users wrap whole layers (nested blocks
-    would make every LoRA matrix a block, with a collective of its own)."""
+    """The elements of every outermost ``ModuleList`` / ``ModuleDict``: a container inside a block (peft's
+    ``lora_A`` / ``lora_B``, a layer's experts) stays in it, as FSDP2 users wrap whole layers (else every LoRA
+    matrix would be a block with a collective of its own)."""
     out: list[nn.Module] = []
     inside: set[int] = set()
     for module in model.modules():  # parents before children
@@ -61,15 +59,12 @@ def paro_shard(model: nn.Module, mesh: DeviceMesh, policy: PolicyLike = "IIG", m
                cluster: Any = None) -> nn.Module:
     """Shard ``model`` in place with a PaRO ``policy`` and return it (docs/api.md).
 
-    Parameters are bucketed per block (``_default_blocks``, or ``blocks``: modules, or containers
-    standing for their elements; the root holds the rest) and per strategy inside a block. The
-    model must hold the same initial values on every rank. On the meta device it is materialised
-    one tensor at a time by ``param_init_fn(name, tensor)`` (alike on every rank), so no rank ever
-    holds the whole model. ``flat_below_bytes``: global collectives on smaller messages run flat,
-    not through PaRO-CC (0: never; the ledger follows the same rule). ``policy="auto"``: a
-    strategy per block within ``memory_budget`` bytes per rank, predicted for ``workload`` (a
-    ``cost.budget.Workload``) on ``cluster`` (a ``Cluster``, TOML file or preset; None:
-    calibrate the mesh now, collective); docs/advisor.md.
+    Parameters are bucketed per block (``_default_blocks``, or ``blocks``; the root holds the rest) and
+    per strategy. The model must hold the same initial values on every rank; on the meta device each
+    tensor is materialised by ``param_init_fn(name, tensor)``, so no rank holds the whole model.
+    ``flat_below_bytes``: smaller global collectives run flat, not through PaRO-CC (0: never).
+    ``policy="auto"``: a strategy per block within ``memory_budget`` bytes per rank, for ``workload`` on
+    ``cluster`` (None: calibrate the mesh now, collective); docs/advisor.md.
     """
     if hasattr(model, "_paro_state"):
         raise ValueError("model is already sharded by paro_shard")
@@ -88,8 +83,7 @@ def is_auto(policy: Any) -> bool:
 def _auto(model: nn.Module, mesh: DeviceMesh, policy: Any, block_modules: list[nn.Module], mp: MixedPrecision,
           memory_budget: Optional[float], workload: Any, cluster: Any, reshard_after_forward: bool,
           flat_below_bytes: int, how: str) -> Any:
-    """``"auto"``: the budgeted plan as a per-tensor policy (``cost.budget.auto_policy``); any other
-    policy as it is, refusing the options only "auto" reads rather than ignoring them."""
+    """``"auto"``: the budgeted plan as a per-tensor policy; another policy as it is, refusing "auto"'s options."""
     if not is_auto(policy):
         if memory_budget is not None or workload is not None or cluster is not None:
             raise ValueError(f"memory_budget=, workload= and cluster= are read only by strategy \"auto\" (got "
@@ -106,14 +100,11 @@ def build(model: nn.Module, mesh: DeviceMesh, strategies: dict[str, Strategy], b
           reshard_after_forward: Optional[bool], param_init_fn: Optional[Callable[[str, torch.Tensor], None]] = None,
           flat_below_bytes: int = 0, adopted: list[ParoState] = (),
           root_hooks_on: Optional[list[nn.Module]] = None) -> nn.Module:
-    """The engine over ``model``: one ``ParoBlock`` per block module (and the root), one group per
-    block and strategy. ``block_settings``: per block (by ``id``) its own mixed precision and
-    ``reshard_after_forward``; others take the model's. ``adopted``: engines of modules inside
-    ``model`` sharded before it (``fully_shard``'s blocks): their blocks join this one, their
-    roots become blocks, their parameters stay as they are. ``root_hooks_on``: the modules the
-    root's hooks go on, and that become its ``ParoModule`` s (default: ``_entry_module(model)``,
-    and the model); several for a list given to one ``fully_shard`` call. ``reshard_after_forward``
-    ``None``: FSDP2's default (a block reshards, the root keeps its parameters unsharded)."""
+    """The engine over ``model``: a ``ParoBlock`` per block module and the root, a group per block and
+    strategy. ``block_settings``: by ``id``, a block's own (mixed precision, ``reshard_after_forward``).
+    ``adopted``: engines of modules inside ``model`` sharded before it (see ``_adopt``).
+    ``root_hooks_on``: the modules that carry the root's hooks and become its ``ParoModule`` s (default:
+    ``_entry_module(model)``, and the model). ``reshard_after_forward`` None: FSDP2's default."""
     info = MeshInfo.from_mesh(mesh)
     taken = {id(p) for st in adopted for g in st.groups for p in g.sharded_params}
     named = [(fqn, p) for fqn, p in model.named_parameters() if id(p) not in taken]
@@ -123,8 +114,7 @@ def build(model: nn.Module, mesh: DeviceMesh, strategies: dict[str, Strategy], b
     for _, p in named:  # the original tensors: a module outside this call that still holds one shares it
         p._paro_sharded = True
     comm = MeshComm(info.groups, streams_for(mesh_device(info)))
-    # the model's one PaRO-CC: global collectives, counted in comm.stats
-    cc = ParoCC(comm, flat_below_bytes=flat_below_bytes)
+    cc = ParoCC(comm, flat_below_bytes=flat_below_bytes)  # the model's one PaRO-CC, counted in comm.stats
 
     owners: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
     for module in model.modules():
@@ -178,9 +168,8 @@ def build(model: nn.Module, mesh: DeviceMesh, strategies: dict[str, Strategy], b
 
 
 def _adopt(model: nn.Module, state: ParoState, adopted: list[ParoState], names: dict[int, str]) -> None:
-    """The blocks of engines built on modules inside ``model`` join ``state`` (after its own, in
-    the order they were built: the forward order ``fully_shard``'s calling pattern gives); their
-    roots become blocks; names are read again from ``model`` (``names``: id -> its name)."""
+    """Blocks of engines built inside ``model`` join ``state`` after its own, in build order (the forward
+    order ``fully_shard``'s calling pattern gives); their roots become blocks; names are read again."""
     for inner in adopted:
         if inner.info.mesh != state.info.mesh:  # equal meshes: each call's mesh=None builds its own, as torch's
             raise ValueError("fully_shard: every call on one model must use the same mesh (the blocks' and the root's)")
@@ -202,8 +191,7 @@ def _adopt(model: nn.Module, state: ParoState, adopted: list[ParoState], names: 
 
 
 def _move_buffers(model: nn.Module, device: torch.device) -> None:
-    """Module buffers (RoPE tables, norms' running stats) follow the parameters to the mesh's
-    device, as FSDP2 moves them; meta buffers are left for the model's own init."""
+    """Buffers follow the parameters to the mesh's device, as FSDP2's; meta ones are left to the model's init."""
     for module in model.modules():
         for name, buf in module._buffers.items():
             if buf is not None and not buf.is_meta and buf.device != device:
@@ -211,10 +199,9 @@ def _move_buffers(model: nn.Module, device: torch.device) -> None:
 
 
 def _entry_module(model: nn.Module) -> nn.Module:
-    """The innermost module every call of the model passes through: the deepest one containing
-    every module that owns a parameter. The root's hooks go there, so a wrapper that calls its
-    inner model directly (``PeftModel.generate``) still meets a gathered model. It stays the model
-    itself when a parameter lives outside every child (GPT-2's tied ``lm_head``)."""
+    """The deepest module containing every parameter owner: the root's hooks go there, so a wrapper calling
+    its inner model directly (``PeftModel.generate``) still meets a gathered model (GPT-2's tied ``lm_head``,
+    outside every child, keeps the model itself)."""
     owners = {id(m) for m in model.modules() if any(p is not None for p in m._parameters.values())}
     entry = model
     while owners:

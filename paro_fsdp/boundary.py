@@ -1,13 +1,10 @@
-"""The accumulation boundary of one parameter group: the summed gradient from the G level to the
-OS level over all ranks, handed to the fp32 masters; after the optimizer step, the updated
-masters from the OS level to the P level.
+"""A parameter group's accumulation boundary (the summed gradient, G level -> OS level over all ranks,
+into the fp32 masters' ``.grad``) and push (the updated masters, OS level -> P level).
 
-Why generators of a group rather than its methods: each issues a collective, yields it, and when
-resumed waits for it and goes on (results leave through ``out`` lists), so ``drive`` can keep every
-group's boundary collectives in flight together, and ``run`` runs the same code in the compiled
-last micro-step (traced.py) and the compiled push (``ParoOptimizer.compile``). Plain ``yield``,
-``for``-delegation and lists are what dynamo traces inside a backward (no ``yield from``, no
-generator return values).
+Why generators: each issues a collective, yields it and, resumed, waits for it (results leave through
+``out`` lists), so ``drive`` keeps every group's collectives in flight together and ``run`` runs the same
+code in the compiled last micro-step and push (traced.py). Plain ``yield``, ``for``-delegation and lists
+are what dynamo traces inside a backward (no ``yield from``, no generator return values).
 """
 from __future__ import annotations
 
@@ -27,16 +24,14 @@ Steps = Generator[Work, None, None]
 
 
 def run(steps: Steps) -> None:
-    """Run one sequence to its end, each collective waited as soon as it is issued (traced
-    code: the graph passes, not the issue order, decide the overlap)."""
+    """One sequence to its end, each collective waited at once (traced: the graph passes decide the overlap)."""
     for _ in steps:
         pass
 
 
 def drive(sequences: list[Steps]) -> None:
-    """Run several groups' sequences side by side: every group's next collective is issued
-    before any group waits for its previous one. Every rank runs the same groups in the same
-    order, so the collectives on each process group match across ranks."""
+    """Sequences side by side: every group's next collective is issued before any waits for its previous
+    one (every rank runs the same groups in the same order, so the collectives match across ranks)."""
     active = list(sequences)
     while active:
         nxt = []
@@ -61,9 +56,8 @@ def finalize_grads(group: ParoParamGroup) -> Steps:
 
 
 def reduce_to_os(group: ParoParamGroup, acc: torch.Tensor, out: list[torch.Tensor]) -> Steps:
-    """The G-level sum over micro-steps -> the OS level, summed over all ranks (the plan's
-    boundary), appended to ``out``. It travels in the reduce dtype; with no collective to run
-    (G = OS = G) it stays in the accumulate dtype."""
+    """The G-level sum -> the OS level over all ranks (the plan's boundary), appended to ``out``: in the
+    reduce dtype, or the accumulate dtype where no collective runs."""
     if group.plan.boundary and group.info.n > 1:
         acc = acc.to(group.mp.grad_dtype)
     for pending in run_moves(group, group.plan.boundary, acc, out):
@@ -72,9 +66,8 @@ def reduce_to_os(group: ParoParamGroup, acc: torch.Tensor, out: list[torch.Tenso
 
 def run_moves(group: ParoParamGroup, moves: tuple[Move, ...], flat: torch.Tensor, out: list[torch.Tensor],
               into: torch.Tensor | None = None) -> Steps:
-    """Run a phase's moves on a flat buffer of the trainable tensors, each a collective (yielded)
-    between the layouts its levels need; the result, at the last move's level, is appended to
-    ``out`` (written into ``into`` where given)."""
+    """A phase's moves on a flat buffer of the trainable tensors, each between the layouts its levels need;
+    the result is appended to ``out`` (written into ``into`` where given)."""
     for i, move in enumerate(moves):
         pending = _issue(group, move, flat)
         yield pending
@@ -83,8 +76,7 @@ def run_moves(group: ParoParamGroup, moves: tuple[Move, ...], flat: torch.Tensor
 
 
 def _issue(group: ParoParamGroup, move: Move, flat: torch.Tensor) -> Work:
-    """Put one move on the wire. Global moves run on NESTED buffers (PaRO-CC's order), inter
-    reductions on the intra shard laid out [g, sum_g]."""
+    """One move on the wire: global ones on NESTED buffers, inter reductions on the I shard as [g, sum_g]."""
     layout, dt, kind, wire = group.t_layout, flat.dtype, move.kind, move.wire
     if move.dim == Dim.GLOBAL:
         if kind == Kind.REDUCE_SCATTER:
@@ -112,14 +104,10 @@ def _arrive(group: ParoParamGroup, move: Move, result: torch.Tensor, into: torch
 
 
 def set_master_grads(group: ParoParamGroup, reduced: torch.Tensor) -> None:
-    """``reduced`` (from ``reduce_to_os``) / n (or / ``grad_divide_factor``) into the parameters'
-    ``.grad`` (fp32 DTensors at the OS level), added to what an earlier reducing backward left
-    there, as FSDP2 accumulates its sharded gradients; the accumulator is freed.
-
-    ``reduced`` is the caller's to give away (a collective's result, the graph's, or the freed
-    accumulator itself): it is scaled in place and the ``.grad`` are views of it, so the step's
-    peak holds one OS-level fp32 gradient, not the accumulator and a scaled copy of it at once
-    (a whole G where every group's boundary is in flight together: III on one rank)."""
+    """``reduced`` / n (or ``grad_divide_factor``) into the parameters' ``.grad`` (OS-level fp32 DTensors),
+    added to what an earlier reducing backward left, as FSDP2 accumulates; the accumulator is freed.
+    ``reduced`` is scaled in place and the ``.grad`` view it, so the peak holds one OS-level fp32 gradient,
+    not the accumulator and a scaled copy at once."""
     layout, OS, dt = group.t_layout, group.strategy.os, group.mp.grad_dtype
     scale = 1.0 / (group.info.n if group.grad_divide_factor is None else group.grad_divide_factor)
     if group.plan.masters_whole:
@@ -144,9 +132,8 @@ def set_master_grads(group: ParoParamGroup, reduced: torch.Tensor) -> None:
 
 
 def push_params(group: ParoParamGroup) -> Steps:
-    """After the parameters changed (an optimizer step, a load): the fp32 masters to the P level in
-    param dtype (the plan's push, under ``torch.no_grad()``); nothing where P is the master
-    (``shares_p``, or ``casts_p``: gathers cast them). A P level finer than the push's result is a local slice."""
+    """The changed fp32 masters to the P level in param dtype (the plan's push, under ``torch.no_grad()``), then
+    the local slice a finer P needs; nothing where P is the master (``shares_p``, ``casts_p``)."""
     if not group.trainable or group.shares_p or group.casts_p:
         return
     layout, plan, dt = group.t_layout, group.plan, group.mp.param_dtype

@@ -1,8 +1,7 @@
 """``fully_shard``: FSDP2's API and calling pattern (each block, then the root), with a strategy.
 
-Why FSDP2's: our users' scripts are written against it (docs/fsdp2.md). Each call shards the
-module's parameters not already sharded, at once; a call on a module that holds earlier-sharded
-modules adopts them as its blocks, so the last call, on the root, leaves one engine for the model.
+Why FSDP2's: our users' scripts are written against it (docs/fsdp2.md). A call on a module holding
+earlier-sharded modules adopts them as its blocks, so the root's call leaves one engine for the model.
 """
 from __future__ import annotations
 
@@ -24,9 +23,8 @@ from .strategy import PolicyLike, resolve_policy
 
 
 def _outside_meta_default(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """FSDP2's meta-device idiom calls ``fully_shard`` inside ``with torch.device("meta")``: the
-    engine's own small tensors (DTensor's row arithmetic, index tables) must not become meta
-    tensors there, and the parameters come out as uninitialised memory to ``to_empty`` into."""
+    """FSDP2's meta-device idiom calls ``fully_shard`` under ``torch.device("meta")``: the engine's own small
+    tensors (row arithmetic, index tables) must not become meta tensors there."""
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
         if torch.get_default_device().type != "meta":
@@ -46,34 +44,28 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
                 cluster: Any = None) -> Union[nn.Module, list[nn.Module]]:
     """Shard ``module`` in place, as ``torch.distributed.fsdp.fully_shard``, and return it.
 
-    ``module``: a module, or a list of modules sharded as one group (FSDP2's: one collective for
-    them all, gathered at the first one's forward). ``mesh``: 1D (one group) or 2D (dim 0 across
-    groups, dim 1 inside a group, any names); default, a 1D mesh over the world, the same one for
-    every call. ``reshard_after_forward``: FSDP2's (``None``: a block reshards, the root keeps its
-    parameters unsharded, registered on its modules, until backward). ``strategy``: the P, G, OS
-    levels ("IIG", a ``Strategy``, or a dict of fnmatch patterns over the module's parameter names /
-    a callable, as ``paro_shard``'s policy); default, FSDP2's layout on that mesh (GGG on 1D, III
-    on 2D).
-    ``mp_policy``: torch's ``MixedPrecisionPolicy`` (``param_dtype``, ``reduce_dtype``,
-    ``cast_forward_inputs``); the parameters themselves stay fp32, as FSDP2's. ``inter_dtype``
-    ("int8", "int4"; PaRO's own, torch's policy has no such field): what crosses between groups
-    travels quantized (``MixedPrecision.inter_dtype``); None, the default, is exact.
+    ``module``: a module, or a list of modules sharded as one group (FSDP2's). ``mesh``: 1D (one group)
+    or 2D (dim 0 across groups, dim 1 inside one); default, one 1D mesh over the world for every call.
+    ``reshard_after_forward``: FSDP2's (``None``: a block reshards, the root keeps its parameters
+    unsharded until backward). ``strategy``: the P, G, OS levels, as ``paro_shard``'s policy; default,
+    FSDP2's layout on that mesh (GGG on 1D, III on 2D). ``mp_policy``: torch's ``MixedPrecisionPolicy``;
+    the parameters stay fp32, as FSDP2's. ``inter_dtype`` ("int8", "int4"; PaRO's own): what crosses
+    between groups travels quantized; None, the default, is exact.
 
-    ``strategy="auto"`` (with ``memory_budget=`` bytes per rank, ``workload=``, ``cluster=``, as
-    ``paro_shard``'s) plans the whole model at once, so it is one call on the root, with no
-    ``fully_shard`` on its blocks before it: the blocks are found as ``paro_shard`` finds them.
+    ``strategy="auto"`` (with ``memory_budget=``, ``workload=``, ``cluster=``, as ``paro_shard``'s) plans
+    the whole model at once: one call on the root, no ``fully_shard`` on its blocks before it.
     """
     modules = _modules_of(module)
-    _refuse_unsupported(modules, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy, ignored_params)
+    _refuse_unsupported(reshard_after_forward, shard_placement_fn, mp_policy, offload_policy, ignored_params)
     mesh = mesh if mesh is not None else _world_mesh()
+    if strategy is None:
+        strategy = "GGG" if mesh.ndim == 1 else "III"
     if len(modules) > 1 or module is not modules[0]:
         if is_auto(strategy):
             raise ValueError("fully_shard(strategy=\"auto\") plans a whole model: call it on the root module, not on "
                              "a list of modules")
         fully_shard_group(modules, mesh, strategy, reshard_after_forward, _mixed_precision(mp_policy, inter_dtype))
         return module
-    if strategy is None:
-        strategy = "GGG" if mesh.ndim == 1 else "III"
     mp = _mixed_precision(mp_policy, inter_dtype)
     adopted = _sharded_inside(module)
     blocks: list[nn.Module] = []
@@ -92,8 +84,6 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
     own = [(n, p) for n, p in module.named_parameters() if id(p) not in taken]
     _refuse_dtensors(own)
     strategies = resolve_policy(strategy, own) if own else {}
-    # the root's hooks on the innermost module every call passes through, as paro_shard's: a PeftModel's
-    # generate calls its base model, whose forward then gathers the root's parameters
     build(module, mesh, strategies, blocks, mp, {}, reshard_after_forward, param_init_fn=_uninitialised,
           adopted=adopted)
     _await_to_empty(module, adopted, own)
@@ -101,8 +91,7 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
 
 
 def _await_to_empty(module: nn.Module, adopted: list[Any], named: list[tuple[str, nn.Parameter]]) -> None:
-    """This call's tensors that were on the meta device hold no values until ``to_empty``: a
-    forward before it stops (``ParoState.check_params``), as FSDP2's does on meta parameters."""
+    """Meta tensors hold no values until ``to_empty``: a forward before it stops, as FSDP2's does."""
     meta = {n for n, p in named if p.is_meta}
     earlier = {id(g) for st in adopted for g in st.groups}
     for g in module._paro_state.groups:
@@ -111,21 +100,18 @@ def _await_to_empty(module: nn.Module, adopted: list[Any], named: list[tuple[str
 
 
 def _uninitialised(name: str, tensor: torch.Tensor) -> None:
-    """A meta-device parameter becomes uninitialised memory on the mesh's device, as FSDP2's
-    ``model.to_empty(device=...)``: the model's own init (``reset_parameters``, torchtitan's
-    ``init_weights``) then writes the sharded parameters in place, and the engine sees it."""
+    """A meta parameter becomes uninitialised memory, as FSDP2's ``model.to_empty``: the model's own init
+    (``reset_parameters``, ``init_weights``) then writes the sharded parameters in place."""
 
 
-def fully_shard_group(modules: list[nn.Module], mesh: DeviceMesh, strategy: Optional[PolicyLike],
+def fully_shard_group(modules: list[nn.Module], mesh: DeviceMesh, strategy: PolicyLike,
                       reshard_after_forward: Optional[bool], mp: MixedPrecision) -> None:
-    """A list of modules as one group: their parameters (a tied one once) in one block, whose
-    hooks are on each module; the root's call adopts it like any block."""
+    """A list of modules as one block (a tied parameter once), hooked on each; the root's call adopts it."""
     holder = nn.ModuleList(modules)  # names for the parameters until the root renames them; not kept
     adopted = [s for m in modules for s in _sharded_inside(m)]
     if adopted:
         raise ValueError("fully_shard on a list of modules: a module of the list holds modules sharded by earlier "
                          "calls; shard the list's modules whole, or shard the inner ones in the list")
-    strategy = strategy if strategy is not None else ("GGG" if mesh.ndim == 1 else "III")
     _refuse_dtensors(list(holder.named_parameters()))
     strategies = resolve_policy(strategy, list(holder.named_parameters()))
     build(holder, mesh, strategies, [], mp, {}, reshard_after_forward,
@@ -134,8 +120,7 @@ def fully_shard_group(modules: list[nn.Module], mesh: DeviceMesh, strategy: Opti
 
 
 def _refuse_dtensors(named: list[tuple[str, nn.Parameter]]) -> None:
-    """Parameters this call cannot shard: tensor-parallel DTensors, and tensors an earlier call
-    sharded through another module (a weight tied across calls: FSDP2 refuses it too)."""
+    """Refuses tensor-parallel DTensors and weights an earlier call sharded (tied across calls, as FSDP2)."""
     for name, p in named:
         if getattr(p, "_paro_sharded", False):
             raise ValueError(f"fully_shard: parameter {name} is already managed by another fully_shard call (a "
@@ -176,8 +161,7 @@ def _sharded_inside(module: nn.Module) -> list:
 
 
 def _world_mesh() -> DeviceMesh:
-    """FSDP2's default mesh, one per process group: every ``mesh=None`` call of a model gets the
-    same one (so the same process groups), as torch's compare equal."""
+    """FSDP2's default mesh, one per process group: every ``mesh=None`` call of a model gets the same one."""
     if not dist.is_initialized():
         raise RuntimeError("fully_shard: no process group: call torch.distributed.init_process_group() first, "
                            "or pass mesh=init_device_mesh(...)")
@@ -191,13 +175,12 @@ def _world_mesh() -> DeviceMesh:
 _WORLD_MESHES: dict[tuple, DeviceMesh] = {}
 
 
-def _refuse_unsupported(modules: list[nn.Module], reshard_after_forward: Any, shard_placement_fn: Any,
-                        mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy, ignored_params: Any) -> None:
+def _refuse_unsupported(reshard_after_forward: Any, shard_placement_fn: Any, mp_policy: MixedPrecisionPolicy,
+                        offload_policy: OffloadPolicy, ignored_params: Any) -> None:
     """FSDP2 options PaRO cannot honour stop here with the fix, rather than being ignored."""
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
         raise ValueError(f"reshard_after_forward={reshard_after_forward!r}: PaRO reshards to its P level, not to a "
                          f"smaller mesh; pass True, False or None (a strategy with P = I keeps a group's copy)")
-
     if shard_placement_fn is not None:
         raise NotImplementedError("shard_placement_fn: PaRO shards dim 0 at each tensor's level; choose levels with "
                                   "strategy= (a dict of patterns or a callable per parameter)")

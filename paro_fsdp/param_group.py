@@ -1,16 +1,7 @@
-"""One bucket of parameters that share a strategy inside one block: its storage and its micro-step moves.
-
-A group owns, per rank:
-  P     the parameters at the P level, in param dtype (the DTensor parameters are views of it);
-  full  while unsharded, padded whole tensors the block computes with (freed when resharded);
-  G     the gradient accumulator at the G level, in grad dtype, summed over micro-steps;
-  OS    the fp32 master shard at the OS level (the optimizer's parameters; its states follow).
-Trainable tensors come first in P, so its prefixes line up with the trainable-only G and OS
-buffers and master -> P is one flat copy when levels agree.
-
-Every global collective is one PaRO-CC call (``cc``) on NESTED buffers (layout.py), so no rank
-order is fixed up afterwards. Which collectives run is the plan's (plan.py); the accumulation
-boundary's and the push's are run in boundary.py.
+"""One bucket of parameters that share a strategy inside one block: its storage and its micro-step moves
+(its buffers: docs/ARCHITECTURE.md). Trainable tensors come first in P, so its prefixes line up with the
+trainable-only G and OS buffers and master -> P is one flat copy when levels agree. Every global collective
+is one PaRO-CC call (``cc``) on NESTED buffers (layout.py), so no rank order is fixed up afterwards.
 """
 from __future__ import annotations
 
@@ -34,9 +25,8 @@ from .streams import active
 
 
 class GradAccumulator:
-    """A group's G-level gradient, summed over micro-steps in the accumulate dtype: one owner for
-    the eager backward, the traced path's sink and the boundary. Allocated at the first backward
-    that leaves gradients at the G level, freed at the boundary."""
+    """A group's G-level gradient, summed over micro-steps in the accumulate dtype: one owner for the eager
+    backward, the traced path's sink and the boundary; allocated at the first backward, freed at the boundary."""
 
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
         self.numel, self.dtype, self.device = numel, dtype, device
@@ -65,8 +55,7 @@ class GradAccumulator:
             self.tensor.zero_()
 
     def free(self) -> None:
-        """Let the buffer go once its sum reached the OS level: between steps the gradients live in
-        the parameters' ``.grad`` only, as FSDP2's (the next backward allocates again)."""
+        """Between steps the gradients live in the parameters' ``.grad`` only, as FSDP2's."""
         self.tensor = None
 
 
@@ -108,15 +97,12 @@ class ParoParamGroup:
                     param_init_fn(r.fqn, originals[i])
         P, OS = strategy.p, strategy.os
         n_t = len(self.trainable)
-        # Where P and OS are one level the fp32 masters are the P storage: in fp32 they are shared
-        # (``shares_p``); in a lower param dtype, where every tensor trains, a gather sends them cast
-        # (``casts_p``, FSDP2's copy-in: a block's shard for the gather's time) and no param-dtype
-        # copy is kept beside them (2 bytes a parameter in bf16: GGG holds FSDP2's 16, not 18)
+        # P = OS: the fp32 masters are the P storage, shared in fp32, else sent cast by each gather (FSDP2's
+        # copy-in) with no param-dtype copy beside them (bf16 GGG holds FSDP2's 16 bytes a parameter, not 18)
         plan = self.plan
         self.shares_p = plan.p_at_os and mp.param_dtype == torch.float32
         self.casts_p = plan.p_shard_at_os and mp.param_dtype != torch.float32 and n_t == len(self.refs)
         with torch.no_grad():
-            # P storage: the working copies view it
             if plan.params_whole:
                 flat = None
                 working = [o.to(device=device, dtype=mp.param_dtype, copy=True) for o in originals]
@@ -129,7 +115,6 @@ class ParoParamGroup:
                     local.copy_(t.local_slice(o, P, info.k))
             self.p_flat = None if self.casts_p else flat
             self.params = [ParoParam(r, t, w) for r, t, w in zip(self.refs, layouts, working)]
-            # fp32 master at the OS level: the module's parameters, which the user's optimizer updates
             if self.shares_p or self.casts_p:  # trainable tensors come first in P: the masters are its prefix
                 self.master_flat = flat if n_t == len(self.refs) else None
                 masters = working[:n_t]
@@ -144,8 +129,7 @@ class ParoParamGroup:
             for p, m in zip(self.params, masters):
                 p.master = m
 
-        # the module's parameters: trainable ones are the fp32 masters at the OS level (FSDP2's
-        # sharded parameters), frozen ones their only copy, at the P level
+        # the module's parameters: the fp32 masters at OS (FSDP2's sharded ones); a frozen one its only copy, at P
         for p in self.params:
             local, level = (p.master, OS) if p.trainable else (p.working, P)
             dt = DTensor.from_local(local, info.param_mesh or info.mesh, param_placements(level, info), run_check=False,
@@ -170,13 +154,9 @@ class ParoParamGroup:
         self._pending_rs: Work | None = None
         self._gather_buf = self._rs_buf = None  # pooled buffers in flight (comm.BufferPool)
         self.grads = GradState.EMPTY
-        # the forward's uses of the group whose backward has not run yet (a module called twice): its
-        # step boundary waits for the last one
-        self.uses_left = 0
-        # a backward reduces to the OS level (the parameters' .grad) when both are set: FSDP2's
-        # set_requires_gradient_sync and set_is_last_backward, True by default (as FSDP2 reduces)
-        self.requires_sync = True
-        self.is_last = True
+        self.uses_left = 0  # forward uses whose backward has not run (a module called twice): the boundary waits
+        # a backward reduces to the OS level when both are set (FSDP2's requires_gradient_sync, is_last_backward)
+        self.requires_sync = self.is_last = True
         self.requires_all_reduce = True  # FSDP2's HSDP switch: False defers the reduction like requires_sync
         self.reshard_after_backward = True
         self.sink: torch.Tensor | None = None  # gradient leaves of the traced path (traced.py)
@@ -195,7 +175,6 @@ class ParoParamGroup:
     # ---- the tensors' parts, in bucket order (trainable first): views over ``params`` ----------
     @property
     def sharded_params(self) -> list[nn.Parameter]:
-        """The module's parameters."""
         return [p.param for p in self.params]
 
     @property
@@ -205,7 +184,6 @@ class ParoParamGroup:
 
     @property
     def p_locals(self) -> list[torch.Tensor]:
-        """The P-level working copies."""
         return [p.working for p in self.params]
 
     @property
@@ -214,16 +192,14 @@ class ParoParamGroup:
         return None if self.plan.params_whole else [p.whole_buf for p in self.params]
 
     @property
-    def full_params(self) -> list[torch.Tensor]:
-        """The whole tensors (valid while gathered)."""
+    def full_params(self) -> list[torch.Tensor]:  # valid while gathered
         return [p.whole for p in self.params]
 
     # ---- the micro-step's moves, one implementation for the eager hooks and traced.py ---------
     # Buffer order and padding are decided here once: FULL for the intra level, NESTED for the global one.
     def gather_params(self, parts: bool = False) -> Work:
-        """Issue the all-gather of the P-level shard: FULL (P = I, one intra all-gather) or
-        NESTED (P = G, the global PaRO-CC all-gather, whose inter phase goes first; ``parts``:
-        its chunks as they arrived, for ``copy_out``)."""
+        """Issue the all-gather of the P-level shard: FULL (P = I) or NESTED (P = G, PaRO-CC; ``parts``: its
+        chunks as they arrived, for ``copy_out``)."""
         (move,) = self.plan.gather
         if move.dim == Dim.GLOBAL:
             return self.cc.all_gather(self.p_send(), order="nested", params=True, parts=parts, wire=move.wire)
@@ -233,9 +209,8 @@ class ParoParamGroup:
         return self.comm.all_gather(self.p_send(), move.dim, params=True, out=out)
 
     def p_send(self) -> torch.Tensor:
-        """What a parameter gather sends: the P storage, or (``casts_p``) the fp32 masters cast, on
-        a GPU on the stream the gather runs on: ordered before it, and after the masters' writes
-        (``streams.params_written``, once per forward) but not the compute queued since."""
+        """The P storage, or (``casts_p``) the fp32 masters cast on the gather's stream: after the masters'
+        writes (``streams.params_written``) but not the compute queued since."""
         if not self.casts_p:
             return self.p_flat
         streams = active(self.comm.streams)
@@ -245,8 +220,7 @@ class ParoParamGroup:
             return self.master_flat.to(self.mp.param_dtype)
 
     def _take(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
-        """A pooled buffer for the eager path (comm.BufferPool); None where collectives allocate
-        their own (a GPU, the traced path)."""
+        """A pooled buffer (comm.BufferPool); None where collectives allocate their own (a GPU, tracing)."""
         pool = self.comm.pool
         return None if pool is None or torch.compiler.is_compiling() else pool.take(numel, dtype, self.device)
 
@@ -254,18 +228,13 @@ class ParoParamGroup:
         if buf is not None:
             self.comm.pool.give(buf)
 
-    def _rs_buf_ptr(self) -> int:
-        return -1 if self._rs_buf is None else self._rs_buf.untyped_storage().data_ptr()
-
     def whole_rows(self, gathered: torch.Tensor, t: TensorLayout) -> torch.Tensor:
-        """Tensor ``t``'s rows in ``gather_params``' result (a view where the layout allows):
-        read row-major, its first numel elements are the whole tensor."""
+        """Tensor ``t``'s rows in ``gather_params``' result: row-major, its first numel elements are it."""
         layout = self.p_layout
         return layout.nested_rows(gathered, t) if self.plan.runs_global("gather") else layout.full_rows(gathered, t)
 
     def copy_out(self, gathered: torch.Tensor | list, t: TensorLayout, dst: torch.Tensor) -> None:
-        """Write tensor ``t`` from ``gather_params(parts=True)``'s result into ``dst`` (its
-        padded whole buffer): one copy, chunk by chunk for a chunked global gather."""
+        """Tensor ``t`` from ``gather_params(parts=True)``'s result into its padded whole buffer, in one copy."""
         if self.plan.runs_global("gather"):
             self.p_layout.copy_out_nested(gathered, t, dst)
         else:
@@ -273,9 +242,8 @@ class ParoParamGroup:
             dst[: rows.numel()].view_as(rows).copy_(rows)
 
     def grad_buffer(self, grads: list[torch.Tensor | None], into: torch.Tensor | None = None) -> torch.Tensor:
-        """The input of the G-level reduction: the whole-tensor gradients (None: zeros) laid out
-        NESTED (G = G) or FULL (G = I or N), in the reduce dtype, padding rows zero. ``into``
-        (G = N, eager): add them into that FULL accumulator instead, nothing to send."""
+        """The whole-tensor gradients (None: zeros) laid out NESTED (G = G) or FULL, in the reduce dtype,
+        padding zero; ``into`` (G = N, eager): added into that FULL accumulator instead."""
         layout, dt = self.t_layout, self.mp.grad_dtype
         if into is not None:
             for t, grad in zip(layout.tensors, grads):
@@ -303,8 +271,7 @@ class ParoParamGroup:
         return full
 
     def _new(self, numel: int, dtype: torch.dtype, dense: bool) -> torch.Tensor:
-        """The reduction's input: pooled where eager (``_rs_buf``, handed back once it is
-        reduced), zeroed unless every element is written."""
+        """The reduction's input: pooled where eager (``_rs_buf``), zeroed unless every element is written."""
         buf = self._take(numel, dtype)
         if buf is None:  # a GPU or the traced path: nothing pooled, the group left as it is
             return (torch.empty if dense else torch.zeros)(numel, dtype=dtype, device=self.device)
@@ -312,8 +279,7 @@ class ParoParamGroup:
         return buf if dense else buf.zero_()
 
     def reduce_grad_buffer(self, buf: torch.Tensor) -> Work | None:
-        """Issue the reduction of ``grad_buffer``'s result to this rank's G-level shard: the
-        global PaRO-CC reduce-scatter (G = G), one intra reduce-scatter (G = I), none (G = N)."""
+        """Issue the reduction of ``grad_buffer``'s result to this rank's G-level shard (none for G = N)."""
         if not self.plan.reduce:
             return None
         (move,) = self.plan.reduce
@@ -323,9 +289,8 @@ class ParoParamGroup:
 
     # ---- parameters: shard <-> whole (eager) ---------------------------------------------
     def register(self, tensors: list[torch.Tensor]) -> None:
-        """Point every module attribute holding the group's parameters at ``tensors``: the whole
-        tensors while unsharded (as FSDP2 registers its unsharded parameters, so a call into an
-        inner module works), the sharded parameters otherwise."""
+        """Every module attribute holding the group's parameters set to ``tensors``: the whole tensors while
+        unsharded (as FSDP2's, so a call into an inner module works), else the sharded parameters."""
         for ref, t in zip(self.refs, tensors):
             for owner, attr in ref.owners:
                 owner._parameters[attr] = t
@@ -334,8 +299,7 @@ class ParoParamGroup:
         self.register(self.sharded_params)
 
     def issue_unshard(self) -> None:
-        """Start the all-gather (used to prefetch); a P = G gather's inter phase is in flight
-        until ``unshard`` waits."""
+        """Start the all-gather (a prefetch); it is in flight until ``unshard`` waits."""
         if self.state != ShardState.SHARDED:
             return
         self._pending = self.gather_params(parts=True)
@@ -366,8 +330,7 @@ class ParoParamGroup:
         self.state = ShardState.UNSHARDED
 
     def reshard(self) -> None:
-        """Free the whole tensors; the modules hold the sharded parameters again (never a freed
-        buffer)."""
+        """Free the whole tensors; the modules hold the sharded parameters again (never a freed buffer)."""
         self.register_sharded()
         if self.plan.params_whole or self.state == ShardState.SHARDED:
             return
@@ -383,8 +346,7 @@ class ParoParamGroup:
 
     # ---- gradients: each micro-step (eager) ------------------------------------------------
     def reduce_grads(self, grads: list[torch.Tensor | None]) -> None:
-        """Start bringing this micro-step's whole-tensor gradients to the G level; the first
-        reduce-scatter stays in flight (overlapping the next block's backward) until
+        """Start this micro-step's gradients to the G level, in flight under the next block's backward until
         ``finish_grad_reduction``."""
         acc = self.grad_acc.ensure()
         self.grads = GradState.AT_G
@@ -404,31 +366,25 @@ class ParoParamGroup:
             return
         shard = self._pending_rs.wait()  # G=G: issues the inter phase and waits for it
         self._pending_rs = None
-        if shard.untyped_storage().data_ptr() != self._rs_buf_ptr():  # not the input itself (a size-1 dim)
-            self._give(self._rs_buf)  # its input, reduced
+        if self._rs_buf is not None and shard.untyped_storage().data_ptr() != self._rs_buf.untyped_storage().data_ptr():
+            self._give(self._rs_buf)  # its input, reduced (unless the result is the input: a size-1 dim)
         self._rs_buf = None
         self.grad_acc.add(shard)  # reduce dtype on the wire, summed in the accumulate dtype
 
     def zero_grad(self) -> None:
-        """Drop the gradients not yet reduced to the OS level (the parameters' ``.grad`` are the
-        user's optimizer's to clear)."""
+        """Drop the gradients not yet reduced to the OS level (``.grad`` is the user's optimizer's to clear)."""
         self.grad_acc.zero()
         self.grads = GradState.EMPTY
 
     # ---- accounting ------------------------------------------------------------------------
     def memory_bytes(self, optimizer_states: dict | None = None) -> dict[str, int]:
-        """Bytes this rank holds for P, G, OS (persistent buffers, padding included), the fp32
-        master gradients (from the boundary to ``zero_grad``) and the boundary's full-size
-        temporaries (``boundary_grads`` while reducing G = N to the OS level, ``boundary_params``
-        while pushing to P = N), which ``memory_report`` combines."""
-        def size(dtype: torch.dtype) -> int:
-            return torch.empty((), dtype=dtype).element_size()
-
+        """Bytes this rank holds for P, G, OS (padding included), the fp32 master gradients (boundary to
+        ``zero_grad``) and the boundary's full-size temporaries (reducing G = N, pushing to P = N)."""
         p_tensors = [] if self.casts_p else [self.p_flat] if self.p_flat is not None else self.p_locals
         p_bytes = sum(t.numel() * t.element_size() for t in p_tensors)  # casts_p: the masters, counted in OS
         plan, layout = self.plan, self.t_layout
         g_numel = layout.numel(self.strategy.g) if self.trainable else 0
-        g_bytes = g_numel * size(self.mp.acc_dtype)
+        g_bytes = g_numel * self.mp.acc_dtype.itemsize
         os_numel = self.master_flat.numel() if self.master_flat is not None else sum(m_.numel() for m_ in self.master)
         os_bytes = 0 if self.shares_p else os_numel * 4  # shared: counted in P
         for param in self.sharded_params[: len(self.trainable)]:
@@ -440,10 +396,11 @@ class ParoParamGroup:
         boundary_grads = boundary_params = 0
         if self.trainable and self.info.n > 1:
             full = layout.numel(Level.N)
-            cast = size(self.mp.grad_dtype) if self.mp.acc_dtype != self.mp.grad_dtype else 0
+            gb = self.mp.grad_dtype.itemsize
+            cast = gb if self.mp.acc_dtype != self.mp.grad_dtype else 0
             if plan.grads_whole:  # the accumulator cast to the wire dtype, then (global) a FULL-size collective buffer
-                boundary_grads = full * cast + (full * size(self.mp.grad_dtype) if plan.runs_global("boundary") else 0)
+                boundary_grads = full * cast + (full * gb if plan.runs_global("boundary") else 0)
             if plan.params_whole and plan.push:  # gathered to FULL (global: NESTED, then FULL)
-                boundary_params = full * size(self.mp.param_dtype) * (2 if plan.runs_global("push") else 1)
+                boundary_params = full * self.mp.param_dtype.itemsize * (2 if plan.runs_global("push") else 1)
         return {"P": p_bytes, "G": g_bytes, "OS": os_bytes, "master_grads": os_numel * 4 if self.trainable else 0,
                 "boundary_grads": boundary_grads, "boundary_params": boundary_params}

@@ -1,11 +1,9 @@
 """PaRO-CC: global collectives run as intra-group + inter-group collectives, chunked so the
 phases overlap.
 
-Why: a flat ring over all n ranks crosses between groups on one edge per group, and that edge
-carries (n-1)/n of the data. Hierarchically, m inter rings (one per local index l) run at once,
-each on 1/m of the data, so a group sends (g-1)/g * S between groups instead of (n-1)/n * S
-(doubled for all-reduce), and the rest runs on the fast links inside the group. Chunk c's
-second phase runs on the other process group while chunk c+1's first is still on the wire.
+Why: a flat ring over all n ranks carries (n-1)/n * S across each group's one inter edge; m inter
+rings (one per local index l) on 1/m of the data each carry (g-1)/g * S, the rest on the fast intra
+links. Chunk c's second phase runs on the other process group while chunk c+1's first is on the wire.
 
 Order: "flat" is the flat collective's (rank k * m + l owns block k * m + l); "nested" is the
 engine's (block l * g + k is rank (k, l)'s: layout.py's NESTED), the hierarchy's natural output.
@@ -43,10 +41,9 @@ class HierPending:
     _advance: Callable[[], None] | None = field(default=None, repr=False)
 
     def advance(self) -> None:
-        """Wait for the first (intra) phase and issue the next one, without waiting for it: the
-        engine calls it a block after the issue, so a reduction's inter phase runs under the next
-        block's backward instead of inside ``wait()``. A no-op where the first phase is the slow
-        one (all-gather: inter first) or there is one phase."""
+        """Wait for the first (intra) phase and issue the next without waiting: called a block after the
+        issue, so a reduction's inter phase runs under the next block's backward. A no-op where the first
+        phase is the slow one (all-gather) or there is one phase."""
         if self._advance is not None and self._finish is not None:
             self._advance()
         self._advance = None
@@ -83,10 +80,8 @@ def _bounds(total: int, chunks: int) -> list[tuple[int, int]]:
 
 class ParoCC:
     """Hierarchical collectives over the mesh of ``comm``, built from its per-dimension ones.
-
-    ``chunk_bytes``: target bytes of the whole message per chunk; ``max_chunks`` caps the count,
-    since every chunk adds a latency term per phase; ``chunks`` forces one (benchmarks, tests).
-    ``flat_below_bytes``: smaller messages run flat (0, the default: never)."""
+    ``chunk_bytes``: the whole message's bytes per chunk; ``max_chunks`` caps the count (each chunk adds a
+    latency per phase); ``chunks`` forces one. ``flat_below_bytes``: smaller messages run flat (0: never)."""
 
     def __init__(self, comm: MeshComm, chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_chunks: int = DEFAULT_MAX_CHUNKS,
                  flat_below_bytes: int = 0) -> None:
@@ -94,24 +89,18 @@ class ParoCC:
             raise ValueError(f"chunk_bytes and max_chunks must be positive, got {chunk_bytes}, {max_chunks}")
         if flat_below_bytes < 0:
             raise ValueError(f"flat_below_bytes must be >= 0 (0: never flat), got {flat_below_bytes}")
-        self.comm = comm
-        self.info = comm.info
-        self.chunk_bytes = chunk_bytes
-        self.max_chunks = max_chunks
-        self.flat_below_bytes = flat_below_bytes
+        self.comm, self.info = comm, comm.info
+        self.chunk_bytes, self.max_chunks, self.flat_below_bytes = chunk_bytes, max_chunks, flat_below_bytes
         self._ag, self._rs = comm.functional_all_gather, comm.functional_reduce_scatter
         self._ar = comm.functional_all_reduce
         self._calls = {Kind.ALL_GATHER: self._ag, Kind.REDUCE_SCATTER: self._rs, Kind.ALL_REDUCE: self._ar}
 
     def _phases(self, kind: Kind, wire: str | None) -> list[Callable[..., torch.Tensor]]:
-        """The calls of a global ``kind``'s phases, each on its mesh dimension, in the order of
-        ``collectives.HIER`` (the one copy of the split, which the ledger counts); ``wire``
-        quantizes the inter phase only, the one on the slow link."""
+        """A global ``kind``'s phase calls in ``collectives.HIER``'s order; ``wire`` quantizes the inter one."""
         return [functools.partial(self._calls[k], dim=d, **self._on(d, wire)) for k, d in HIER[kind]]
 
     @staticmethod
     def _on(dim: Dim, wire: str | None) -> dict:
-        """The quantized wire of a phase over ``dim`` (inter only): keyword arguments of its call."""
         return {"wire": wire} if wire is not None and dim == Dim.INTER else {}
 
     def _nchunks(self, nbytes: int, limit: int, chunks: int | None) -> int:
@@ -133,8 +122,7 @@ class ParoCC:
 
     # ---- all-gather --------------------------------------------------------------------------
     def _issue(self, kind: str, keep: torch.Tensor, body: Callable[[], HierPending]) -> HierPending:
-        """``body()`` issues the first phase and returns the rest in ``wait()``; on a side stream
-        the rest is issued at once there, and the consumer waits on an event (streams.py)."""
+        """``body()`` issues the first phase, the rest in ``wait()``; on a side stream all at once (streams.py)."""
         streams = active(self.comm.streams)  # None: later phases are issued in wait()
         if streams is None:
             return body()
@@ -150,12 +138,10 @@ class ParoCC:
 
     def all_gather(self, shard: torch.Tensor, *, order: str = "flat", chunks: int | None = None,
                    params: bool = False, parts: bool = False, wire: str | None = None) -> HierPending:
-        """Concatenate every rank's ``shard`` along dim 0 (rank order per ``order``): inter
-        all-gather, then intra all-gather, per chunk. ``params``: see ``MeshComm.all_gather``.
-        ``parts`` (order "nested", a 1-D shard): the chunks as they arrived (``layout.NestedPart``),
-        not assembled, so the consumer copies each straight to where it goes (one buffer of the
-        whole, not the pieces, a buffer and a copy). ``wire``: the inter phase quantized (a message
-        that runs flat does not cross groups in a phase of its own, and stays in its dtype)."""
+        """Every rank's ``shard`` concatenated along dim 0 (rank order per ``order``): inter, then intra
+        all-gather, per chunk. ``params``: see ``MeshComm.all_gather``. ``parts`` (order "nested", 1-D): the
+        chunks as they arrived (``layout.NestedPart``), which the consumer copies straight to where they go.
+        ``wire``: the inter phase quantized (a message that runs flat stays in its dtype)."""
         if parts and (order != "nested" or shard.dim() != 1):
             raise ValueError("parts=True needs order='nested' and a 1-D shard")
         return self._issue("params" if params else "gather", shard,
@@ -209,8 +195,8 @@ class ParoCC:
     # ---- reduce-scatter ----------------------------------------------------------------------
     def reduce_scatter(self, full: torch.Tensor, *, op: str = "sum", order: str = "flat",
                        chunks: int | None = None, wire: str | None = None) -> HierPending:
-        """Reduce ``full`` (dim 0 = n blocks) over all ranks and keep this rank's block:
-        intra reduce-scatter, then inter reduce-scatter (``wire``: quantized), per chunk."""
+        """``full`` (dim 0 = n blocks) reduced over all ranks, this rank's block kept: intra, then inter
+        reduce-scatter (``wire``: quantized), per chunk."""
         return self._issue("reduce", full, lambda: self._reduce_scatter(full, op, order, chunks, wire))
 
     def _reduce_scatter(self, full: torch.Tensor, op: str, order: str, chunks: int | None,
@@ -263,9 +249,8 @@ class ParoCC:
     # ---- all-reduce --------------------------------------------------------------------------
     def all_reduce(self, t: torch.Tensor, *, op: str = "sum", chunks: int | None = None,
                    wire: str | None = None) -> HierPending:
-        """Reduce ``t`` over all ranks (any shape and size): intra reduce-scatter, inter
-        all-reduce of the 1/m piece (``wire``: quantized), intra all-gather, per chunk, three
-        phases pipelined."""
+        """``t`` reduced over all ranks (any shape): intra reduce-scatter, inter all-reduce of the 1/m piece
+        (``wire``: quantized), intra all-gather, per chunk, pipelined."""
         return self._issue("reduce", t, lambda: self._all_reduce(t, op, chunks, wire))
 
     def _all_reduce(self, t: torch.Tensor, op: str, chunks: int | None, wire: str | None) -> HierPending:
@@ -285,9 +270,8 @@ class ParoCC:
         if runs_flat(numel * x.element_size(), self.flat_below_bytes):
             res = self._ar(x, Dim.GLOBAL, op=op)
             return HierPending(lambda: wait(res).view(shape))
-        # chunks are whole rows of m elements (the intra reduce-scatter splits each into m
-        # pieces); only a last partial row is padded, so a tensor whose size m divides moves
-        # exactly its own bytes (the ledger stays exact) and is never copied
+        # chunks are whole rows of m elements; only a last partial row is padded, so a tensor whose size
+        # m divides moves exactly its own bytes (the ledger stays exact) and is never copied
         rows = math.ceil(numel / m)
         nchunks = self._nchunks(numel * x.element_size(), rows, chunks)
         bounds = [(a * m, min(b * m, numel)) for a, b in _bounds(rows, nchunks)]

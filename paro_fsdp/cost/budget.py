@@ -2,12 +2,10 @@
 time with the predicted per-rank peak within the budget (what is counted, how it is solved and its
 bounds: docs/advisor.md, "A memory budget").
 
-Why per block: users know how much memory a GPU has, not which of 27 strategies to run, and one
-strategy for the whole model wastes the budget: a layout between two strategies' footprints
-(sharded embeddings, replicated layers; frozen weights at one level, LoRA adapters at another)
-is often faster than either. The engine already runs per-tensor policies, so the answer is one.
-Every cost comes from the ledger (``peak_terms``, ``traffic_of``, ``Ledger``) and the plan
-(``plan_of``), never a table of its own.
+Why per block: users know a GPU's memory, not which of 27 strategies to run, and a layout between two
+strategies' footprints (sharded embeddings, replicated layers; frozen weights at one level, LoRA adapters
+at another) is often faster than either; the engine runs it as a per-tensor policy. Every cost comes
+from the ledger and the plan, never a table of its own.
 """
 from __future__ import annotations
 
@@ -40,8 +38,6 @@ _N = Level.N
 
 
 # ---- the model's items: the root and each block, trainable and frozen tensors apart ------------------------
-
-
 @dataclass(frozen=True)
 class Unit:
     """Tensors of one block that take one strategy: its trainable ones, or its frozen ones."""
@@ -60,8 +56,7 @@ class Block:
 
 
 def units_of(model: Any, block_modules: Sequence[Any]) -> list[Block]:
-    """The root and each block (``api.build``'s assignment: later blocks win, the root holds the
-    rest), each as its trainable and its frozen tensors."""
+    """The root and each block as ``api.build`` assigns them, each as its trainable and its frozen tensors."""
     names = {id(mod): n for n, mod in model.named_modules()}
     block_of: dict[int, Any] = {}
     for b in block_modules:
@@ -98,6 +93,14 @@ class _Env:
     reshard_after_forward: bool
     flat_below_bytes: int
     wire: Optional[str] = None  # MixedPrecision.inter_dtype: what crosses groups, quantized
+
+    def __post_init__(self) -> None:
+        w = self.work
+        for name, v in (("micro_batch", w.micro_batch), ("seq_len", w.seq_len), ("grad_accum", w.grad_accum)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise AdvisorError(f"Workload.{name} must be a positive integer, got {v!r}")
+        if self.n % self.m:
+            raise AdvisorError(f"group size {self.m} does not divide the world size {self.n}")
 
 
 def _seconds(env: _Env, moves, psi: float, itemsize: int) -> dict[str, float]:
@@ -171,8 +174,8 @@ def _option(env: _Env, block: Block, position: str, pick: tuple[Strategy, ...]) 
 
 
 def _picks(block: Block, strategies: Sequence[Strategy], uniform: bool) -> list[tuple[Strategy, ...]]:
-    """The block's choices: a strategy for its trainable tensors; its frozen tensors' P level (the
-    trainable strategy itself when the levels agree: one group, one collective; else P at all three)."""
+    """A strategy for the block's trainable tensors; its frozen tensors' P level (the trainable strategy
+    itself where the levels agree: one group, one collective; else P at all three levels)."""
     if not uniform and not any(u.trainable for u in block.units):  # frozen only: the three P levels are the choices
         return [tuple(Strategy.parse(p * 3) for _ in block.units) for p in "NIG"]
     out = []
@@ -204,9 +207,8 @@ class BudgetPlan:
                 for name in u.names}
 
     def policy(self) -> dict[str, str]:
-        """The plan as ``paro_shard``'s fnmatch policy: ``"prefix.*"`` where a whole block takes one
-        strategy and no other block lies under it, else its parameter names (escaped); the root's
-        by name."""
+        """The plan as a fnmatch policy: ``"prefix.*"`` where a whole block takes one strategy and no block
+        lies under it, else its parameter names (escaped)."""
         prefixes = [b.prefix for b in self.blocks if b.prefix]
         out: dict[str, str] = {}
         for b, o in zip(self.blocks, self.options):
@@ -219,9 +221,8 @@ class BudgetPlan:
         return out
 
     def table(self) -> str:
-        """Per block (runs of equal blocks folded): strategy, the memory it holds throughout (states,
-        boundary temporaries; the root's gathered parameters), its time per step; then the peak
-        against the budget, with the transient parts (gathered blocks, gradients, queues, activations)."""
+        """Per block (equal runs folded): strategy, memory held throughout, time per step; then the peak
+        against the budget with its transient parts."""
         rows, i = [], 0
         while i < len(self.blocks):
             j = i + 1
@@ -256,16 +257,6 @@ def _escape(name: str) -> str:
     return "".join(f"[{c}]" if c in "*?[" else c for c in name)
 
 
-def _env(n: int, m: int, cluster: Cluster, work: Workload, spec: Optional[ModelSpec], pb: int, gb: int, ab: int,
-         reshard_after_forward: bool, flat_below_bytes: int, wire: Optional[str]) -> _Env:
-    for name, v in (("micro_batch", work.micro_batch), ("seq_len", work.seq_len), ("grad_accum", work.grad_accum)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise AdvisorError(f"Workload.{name} must be a positive integer, got {v!r}")
-    if n % m:
-        raise AdvisorError(f"group size {m} does not divide the world size {n}")
-    return _Env(n, m, cluster, work, spec, pb, gb, ab, reshard_after_forward, flat_below_bytes, wire)
-
-
 def _items(env: _Env, blocks: Sequence[Block], strategies: Sequence[Strategy], uniform: bool) -> list[list[Option]]:
     layers = [i for i, b in enumerate(blocks) if not b.is_root]
     cache: dict[tuple, list[Option]] = {}
@@ -285,11 +276,9 @@ def plan_blocks(blocks: Sequence[Block], n: int, m: int, budget: Optional[float]
                 grad_bytes: int = 2, acc_bytes: int = 4, reshard_after_forward: bool = True,
                 flat_below_bytes: int = 0, strategies: Optional[Iterable[StrategyLike]] = None,
                 cells: int = DEFAULT_CELLS, inter_dtype: Optional[str] = None) -> BudgetPlan:
-    """The fastest plan within ``budget`` bytes per rank (a strategy per block), or, with
-    ``budget=None``, the fastest single strategy within the cluster's usable memory (what "auto"
-    meant before budgets); ``inter_dtype``: the inter phases priced quantized. Raises
-    :class:`BudgetError` when nothing fits."""
-    env = _env(n, m, cluster, workload, spec, param_bytes, grad_bytes, acc_bytes, reshard_after_forward,
+    """The fastest plan within ``budget`` bytes per rank (a strategy per block), or with ``budget=None`` the
+    fastest single strategy within the cluster's usable memory; :class:`BudgetError` when nothing fits."""
+    env = _Env(n, m, cluster, workload, spec, param_bytes, grad_bytes, acc_bytes, reshard_after_forward,
                flat_below_bytes, inter_dtype)
     cands = [Strategy.parse(s) for s in (strategies or ALL_STRATEGIES)]
     acts, inside, after = (workload.activation_bytes, workload.activations_in_backward,
@@ -313,18 +302,14 @@ def plan_blocks(blocks: Sequence[Block], n: int, m: int, budget: Optional[float]
         items = _items(env, blocks, [s], True)
         chosen = [opts[0] for opts in items]
         single.append((s.name, peak(chosen)["peak"], sum(o.t for o in chosen)))
-    if uniform:
-        fits = [x for x in single if x[1] <= limit]
-        if not fits:
-            s, f, _ = min(single, key=lambda x: x[1])
-            raise BudgetError(f"no single strategy fits in {_size(limit)} per rank ({cluster.name}'s usable "
-                              f"memory): the smallest footprint is {_size(f)}, with {s}; pass memory_budget= "
-                              f"for a plan per block, or use activation checkpointing, a smaller micro-batch or more "
-                              f"ranks")
-        s = min(fits, key=lambda x: x[2])[0]
-        items = _items(env, blocks, [Strategy.parse(s)], True)
-        idx = [0] * len(items)
-    else:
+    fits = [x for x in single if x[1] <= limit]
+    best = min(fits, key=lambda x: x[2]) if fits else None
+    if uniform and best is None:
+        s, f, _ = min(single, key=lambda x: x[1])
+        raise BudgetError(f"no single strategy fits in {_size(limit)} per rank ({cluster.name}'s usable memory): "
+                          f"the smallest footprint is {_size(f)}, with {s}; pass memory_budget= for a plan per block, "
+                          f"or use activation checkpointing, a smaller micro-batch or more ranks")
+    if not uniform:
         items = _items(env, blocks, cands, False)
         found = within(items, fp, limit, cells, lambda idx: peak([opts[i] for opts, i in zip(items, idx)])["peak"])
         if found is None:
@@ -334,14 +319,13 @@ def plan_blocks(blocks: Sequence[Block], n: int, m: int, budget: Optional[float]
                               f"budget, use activation checkpointing, a smaller micro-batch or more ranks")
         idx = list(found[0])
         plan_t = sum(opts[i].t for opts, i in zip(items, idx))
-        fits = [x for x in single if x[1] <= limit]
-        best = min(fits, key=lambda x: x[2]) if fits else None
         if best is not None and best[2] <= plan_t * MIX_GAIN:  # a mix must gain clearly, else the single
             uniform, note = True, (f" (a plan per block was predicted {best[2] / plan_t:.3f}x faster, under the "
                                    f"{MIX_GAIN:.2f}x a mix must gain)")
-            items = _items(env, blocks, [Strategy.parse(best[0])], True)
-            idx = [0] * len(items)
-    if not uniform:
+    if uniform:
+        items = _items(env, blocks, [Strategy.parse(best[0])], True)
+        idx = [0] * len(items)
+    else:
         groups: dict[int, list[int]] = {}  # identical blocks (one shared option list) cost the same in any order:
         for k, opts in enumerate(items):  # their choices sorted, so the plan reads as runs
             groups.setdefault(id(opts), []).append(k)
@@ -375,17 +359,13 @@ def _describe(blocks: Sequence[Block], items, plan: Sequence[int]) -> str:
 
 
 # ---- the API's entry: cluster, rank 0's plan for every rank, printed ----------------------------------------
-
-
 def auto_policy(model: Any, mesh: Any, block_modules: Sequence[Any], memory_budget: Optional[float],
                 mp: Any, workload: Optional[Workload] = None, cluster: Union[Cluster, str, os.PathLike, None] = None,
                 reshard_after_forward: bool = True, flat_below_bytes: int = 0,
                 log: Optional[Callable[[str], None]] = None) -> dict[str, str]:
-    """``strategy="auto"`` for ``paro_shard`` / ``fully_shard``: the plan for ``model`` on ``mesh``
-    as a per-tensor policy. ``cluster``: a ``Cluster``, a TOML file or preset name, or None for this
-    mesh's calibration, kept between runs (``calibration_cache.cached_calibration``; collective: every
-    rank calls it; rank 0's cluster is used by all). Rank 0 prints the plan (``log``, default
-    ``print``), after a line saying where a calibrated cluster came from."""
+    """``strategy="auto"``: the plan for ``model`` on ``mesh`` as a per-tensor policy. ``cluster``: a
+    ``Cluster``, TOML file or preset, or None for this mesh's cached calibration (collective; rank 0's for
+    all). Rank 0 prints the plan (``log``, default ``print``)."""
     import torch.distributed as dist
 
     if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float))

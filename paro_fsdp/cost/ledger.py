@@ -1,24 +1,20 @@
 """The method's ledger and memory formula as code, exact for this engine.
 
-Why: arithmetic on parameter counts only, so that what the engine *counts* (``model.comm_stats()``,
-``memory_report``) can be checked against what the method *says* it costs, by tests on real ranks
-and by ``tools/estimate.py`` on a fake 64-rank world.
+Why: arithmetic on parameter counts only, so what the engine *counts* (``model.comm_stats()``,
+``memory_report``) is checked against what the method *says* it costs, on real ranks and on a fake
+64-rank world (``tools/estimate.py``).
 
 Notation: n ranks, m per group, g = n / m groups; Psi = all parameters, Psi' = trainable ones;
-``param_bytes`` / ``grad_bytes`` = element size of P and its all-gathers / of G and its reductions;
-``os_bytes`` per trainable element of OS (AdamW: 12 = K). Which collectives run is the plan's
-(``plan.py``): per micro-step ``gather`` (twice for a block, forward and again in backward; once
-for the root, which stays gathered) and ``reduce``; once per step ``boundary`` and ``push``, on
-Psi'. A global collective is counted as PaRO-CC's phases (``collectives.HIER``), or flat below
-``flat_below_bytes``; the ledger sizes a message by the bucket's Psi, the engine by its padded
-buffer. A quantized inter move (``Move.wire``) is counted as the collectives it runs
-(``collectives.QUANTIZED``) on its bytes on the wire (``wire_bytes``: codes and scales). The
-clip's scalar all-reduce is DTensor's (``clip=True``: one flat fp32 all-reduce).
+``param_bytes`` / ``grad_bytes`` = element size of P / of G and their collectives; ``os_bytes`` per
+trainable element of OS (AdamW: 12 = K). The collectives are the plan's: per micro-step ``gather``
+(twice for a block, once for the root) and ``reduce``; once per step ``boundary`` and ``push``, on
+Psi'. A global one counts as PaRO-CC's phases (``collectives.HIER``), or flat below
+``flat_below_bytes``, sized by the bucket's Psi (the engine: its padded buffer); a quantized inter
+move as ``collectives.QUANTIZED`` on its ``wire_bytes``; the clip as one flat fp32 all-reduce.
 
 Memory per rank: M = param_bytes Psi/d(P) + grad_bytes Psi'/d(G) + os_bytes Psi'/d(OS), d(N) = 1,
-d(I) = m, d(G) = n; where fp32 P and OS share a level the parameter is the master (one copy, as
-FSDP2's fp32 sharded parameter), so OS holds the optimizer's states only (os_bytes - 4). Exact
-when n divides dim 0 of every tensor, else the engine's padding makes its numbers slightly larger.
+d(I) = m, d(G) = n; where fp32 P and OS share a level the parameter is the master, so OS holds the
+optimizer's states only (os_bytes - 4). Exact when n divides dim 0 of every tensor (else padding).
 """
 from __future__ import annotations
 
@@ -48,9 +44,8 @@ class Ledger:
 
     def add(self, kind: str, dim: str, full_numel: float, itemsize: int, times: float = 1,
             wire: Optional[str] = None) -> None:
-        """Record ``times`` collectives of ``kind`` over ``dim`` on a buffer of ``full_numel``
-        elements (the gathered size for an all-gather, the input for a reduction); ``wire``: an
-        inter one quantized, k pieces of codes and scales."""
+        """Record ``times`` collectives of ``kind`` over ``dim`` on ``full_numel`` elements (an all-gather's
+        output, a reduction's input); ``wire``: an inter one quantized, k pieces of codes and scales."""
         k = {Dim.INTRA: self.m, Dim.INTER: self.g, Dim.GLOBAL: self.n}[dim]
         if k == 1 or times == 0:
             return
@@ -61,9 +56,8 @@ class Ledger:
         self.stats.record(kind, dim, times * ring_bytes(kind, full_numel * itemsize, k), times)
 
     def count(self, moves: Iterable[Move], psi: float, itemsize: int, times: float = 1) -> None:
-        """Record ``times`` runs of a phase of the plan on a bucket of ``psi`` elements; a global move
-        is one PaRO-CC call: its phases, or one flat collective (below the threshold, or on a mesh
-        of one dimension)."""
+        """Record ``times`` runs of a plan phase on ``psi`` elements; a global move is one PaRO-CC call: its
+        phases, or one flat collective (below the threshold, or on a mesh of one dimension)."""
         for move in moves:
             if move.dim != Dim.GLOBAL:
                 self.add(move.kind, move.dim, move.numel(psi, self.m), itemsize, times, move.wire)
@@ -77,10 +71,8 @@ class Ledger:
 
 @dataclass(frozen=True)
 class Bucket:
-    """Parameters that move together under one strategy (one ``ParoParamGroup`` of the engine).
-
-    ``gathers`` per micro-step: 2 for a block (forward, and backward after it was freed), 1 for
-    the root or with ``reshard_after_forward=False``, 0 when P = N."""
+    """Parameters that move together under one strategy (one ``ParoParamGroup``). ``gathers`` per
+    micro-step: 2 for a block, 1 for the root or with ``reshard_after_forward=False``, 0 when P = N."""
 
     strategy: Strategy
     numel: int  # Psi of the bucket
@@ -91,11 +83,9 @@ class Bucket:
 def traffic_of(buckets: Iterable[Bucket], n: int, m: int, grad_accum: int = 1, param_bytes: int = 2,
                grad_bytes: int = 2, clip: bool = False, flat_below_bytes: int = 0,
                inter_dtype: Optional[str] = None) -> CommStats:
-    """Collectives per rank for one optimizer step of ``grad_accum`` micro-steps (forward,
-    backward; then, if ``clip``, ``clip_grad_norm_``; then ``step``), bucket by bucket, so that
-    counts as well as bytes match ``model.comm_stats()`` (use ``buckets_of(model)``, and the
-    model's ``flat_below_bytes``, ``model._paro_state.cc.flat_below_bytes``; ``inter_dtype``:
-    its ``MixedPrecision``'s)."""
+    """Collectives per rank for one optimizer step of ``grad_accum`` micro-steps (and ``clip_grad_norm_`` if
+    ``clip``), bucket by bucket, so counts and bytes match ``model.comm_stats()`` given ``buckets_of(model)``
+    and the model's ``flat_below_bytes`` (``model._paro_state.cc``) and ``inter_dtype``."""
     t = Ledger(n, m, flat_below_bytes)
     for b in buckets:
         plan = plan_of(b.strategy, inter_dtype)
@@ -111,8 +101,8 @@ def traffic_of(buckets: Iterable[Bucket], n: int, m: int, grad_accum: int = 1, p
 
 def memory_of(buckets: Iterable[Bucket], n: int, m: int, param_bytes: int = 2, grad_bytes: int = 2,
               os_bytes: int = 12) -> dict[str, float]:
-    """Per-rank bytes of P, G, OS and their total, summed over buckets, and the fp32 master
-    gradients beside them (``memory_report`` keys; ``grad_bytes``: the accumulator's dtype)."""
+    """Per-rank bytes of P, G, OS, their total and the fp32 master gradients (``memory_report`` keys;
+    ``grad_bytes``: the accumulator's dtype)."""
     out = {"P": 0.0, "G": 0.0, "OS": 0.0, "master_grads": 0.0}
     for b in buckets:
         s = b.strategy
@@ -128,9 +118,8 @@ def memory_of(buckets: Iterable[Bucket], n: int, m: int, param_bytes: int = 2, g
 
 def peak_terms(b: Bucket, n: int, m: int, param_bytes: int, grad_bytes: int, acc_bytes: int, kept: bool,
                root: bool = False) -> dict:
-    """One bucket's parts of the per-rank peak (``peak_of``); ``kept``: gathered from forward to
-    backward (the root's; every block's with ``reshard_after_forward=False``); ``root``: the root's
-    bucket, whose gradient's reduction buffer is there at the peak too."""
+    """One bucket's parts of the per-rank peak (``peak_of``); ``kept``: gathered from forward to backward;
+    ``root``: the root's bucket, whose gradient's reduction buffer is there at the peak too."""
     s, tr = b.strategy, b.trainable
     mem = memory_of([b], n, m, param_bytes, acc_bytes)
     gathered = param_bytes * b.numel if s.p != _N else 0.0
@@ -154,16 +143,13 @@ PEAK_MAX = ("gathered", "reducing", "nested", "reduced", "root_grads")
 
 def backward_moments(activations: float, checkpoint: bool, in_backward: Optional[float] = None,
                      after_backward: Optional[float] = None) -> tuple[tuple[float, tuple[float, ...]], ...]:
-    """The backward's moments, each (the activations held then, the multiples of ``PEAK_MAX``'s
-    max terms), measured on CPU ranks (``tools.bench.memory_peak``, ``tools.bench.auto_budget``).
-    Without checkpointing: at the loss (``activations``, the peak, no block gathered); inside a
-    block's backward (``in_backward``: the block re-gathered and the next one prefetched); a block's
-    backward done (``after_backward``: both blocks, its whole gradients, their reduction's input and
-    the copy gloo's reduce-scatter makes of it, the NESTED copy, the previous block's reduction still
-    in flight, the root's whole gradients made before the blocks' (the head's)), where a model whose parameters are
-    about its activations' size peaks. With checkpointing the peak is mid-backward, the recomputed
-    block's gather in flight too. Unmeasured (None): the peak, which the formula's Llama reaches at
-    the loss."""
+    """The backward's moments, each (the activations held then, the multiples of ``PEAK_MAX``'s max terms),
+    measured on CPU ranks (``tools.bench.memory_peak``, ``tools.bench.auto_budget``). Without checkpointing:
+    at the loss (``activations``, no block gathered); inside a block's backward (``in_backward``: it
+    re-gathered, the next prefetched); a block's backward done (``after_backward``: both blocks, its whole
+    gradients, their reduction's input and gloo's copy of it, the NESTED copy, the previous reduction in
+    flight, the head's whole gradients), where a model with parameters about its activations' size peaks.
+    With checkpointing: mid-backward, the recomputed block's gather in flight too. None: ``activations``."""
     inside = activations if in_backward is None else in_backward
     after = (activations if after_backward is None else after_backward, (2.0, 3.0, 1.0, 1.0, 1.0))
     if checkpoint:
@@ -173,12 +159,11 @@ def backward_moments(activations: float, checkpoint: bool, in_backward: Optional
 
 def peak_of(terms: list[dict], activations: float, checkpoint: bool, cap: float, in_backward: Optional[float] = None,
             after_backward: Optional[float] = None) -> dict[str, float]:
-    """The predicted per-rank peak of a step from its buckets' ``peak_terms``, as the max of three
-    moments: ``backward`` (the last micro-step's backward: states, the root's gathered parameters,
-    the largest of ``backward_moments``, and with checkpointing overlap's boundary reductions in
-    flight, within ``cap``), ``boundary`` (the end of backward: G = N's full-size reduction input,
-    the copy gloo's reduce-scatter makes of the largest, and overlap's queue) and ``push`` (after the
-    optimizer step: master gradients, P = N's gathered push); ``peak`` their max."""
+    """A step's predicted per-rank peak from its buckets' ``peak_terms``, the max of three moments:
+    ``backward`` (states, the root's gathered parameters, the largest of ``backward_moments``; with
+    checkpointing the boundary reductions in flight, within ``cap``), ``boundary`` (G = N's full-size
+    reduction input, gloo's copy of the largest, overlap's queue) and ``push`` (master gradients, P = N's
+    gathered push)."""
     add = lambda k: sum(t[k] for t in terms)  # noqa: E731
     top = [max((t[k] for t in terms), default=0.0) for k in PEAK_MAX]
     states = add("states")
@@ -202,8 +187,7 @@ def _whole_model(strategy: StrategyLike, psi: int, psi_trainable: int, psi_kept:
 
 def formula_bytes(strategy: StrategyLike, psi: int, psi_trainable: int, n: int, m: int, grad_accum: int = 1,
                   psi_kept: int = 0, param_bytes: int = 2, grad_bytes: int = 2, clip: bool = False) -> dict[str, float]:
-    """The method's ledger for a whole model under one strategy: per-rank bytes per optimizer step,
-    ``{"intra", "inter", "global", "total"}`` ("global": the clip-norm all-reduce, with ``clip=True``)."""
+    """Per-rank bytes per step of a whole model under one strategy: ``{"intra", "inter", "global", "total"}``."""
     buckets = _whole_model(strategy, psi, psi_trainable, psi_kept)
     t = traffic_of(buckets, n, m, grad_accum, param_bytes, grad_bytes, clip)
     out = {str(dim): t.bytes(dim=dim) for dim in Dim}
@@ -213,17 +197,13 @@ def formula_bytes(strategy: StrategyLike, psi: int, psi_trainable: int, n: int, 
 
 def formula_memory(strategy: StrategyLike, psi: int, psi_trainable: int, n: int, m: int, param_bytes: int = 2,
                    grad_bytes: int = 2, os_bytes: int = 12) -> dict[str, float]:
-    """The method's per-rank model-state memory M = 2Psi/d(P) + 2Psi'/d(G) + K Psi'/d(OS), with the
-    dtype sizes as parameters: ``{"P", "G", "OS", "total"}`` in bytes."""
+    """The method's per-rank model-state memory M (module docstring): ``{"P", "G", "OS", "total"}``."""
     return memory_of(_whole_model(strategy, psi, psi_trainable, 0), n, m, param_bytes, grad_bytes, os_bytes)
 
 
 def buckets_of(model: Any) -> list[Bucket]:
-    """The buckets of a model returned by ``paro_shard``, read from the engine's groups.
-
-    Assumes every non-root block runs backward in each micro-step (true whenever some parameter
-    before it, or its own, is trainable); a block that never runs backward is gathered once.
-    """
+    """The engine's buckets of a sharded model, assuming every block runs backward each micro-step (true
+    when it, or a parameter before it, trains); a block that never does is gathered once."""
     state = getattr(model, "_paro_state", None)
     if state is None:
         raise ValueError("buckets_of needs a model returned by paro_shard")

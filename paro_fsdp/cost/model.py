@@ -1,8 +1,6 @@
-"""The model the cost model prices: a Llama's shapes and parameter counts, its activation memory,
-its FLOPs, and the buckets the engine makes of it.
-
-Why separate from the cluster and the time model: facts about the model alone, checked against
-the engine's buckets and against what autograd saves (tests/test_advisor.py).
+"""The model the cost model prices: a Llama's shapes and parameter counts, its activation memory, its FLOPs
+and the engine's buckets of it. Why apart from the time model: facts about the model alone, checked against
+the engine's buckets and what autograd saves (tests/test_advisor.py).
 """
 from __future__ import annotations
 
@@ -17,16 +15,11 @@ from .cluster import AdvisorError
 
 __all__ = ["ModelSpec", "activation_bytes", "buckets", "flops_per_token", "model_spec"]
 
-
-
 @dataclass(frozen=True)
 class ModelSpec:
-    """The shapes and parameter counts the cost model needs, for a Llama-shaped model.
-
-    ``root``: parameters outside the layers (embeddings, final norm, output), one engine block
-    gathered once per micro-step; ``layer``: parameters of one layer. The first
-    ``trainable_layers`` layers are trainable; the root is trainable only when all layers are
-    (as ``train.estimate`` counts)."""
+    """A Llama-shaped model's shapes and parameter counts. ``root``: parameters outside the layers, gathered
+    once per micro-step; ``layer``: one layer's. The first ``trainable_layers`` train; the root trains only
+    when all layers do (as ``train.estimate`` counts)."""
 
     name: str
     dim: int
@@ -104,15 +97,11 @@ def model_spec(model: Union[str, LlamaArgs, ModelSpec], trainable_fraction: floa
 
 def activation_bytes(spec: ModelSpec, micro_batch: int, seq_len: int, act_bytes: int = 2,
                      checkpoint: bool = False) -> dict[str, float]:
-    """Activation memory of one micro-step, per GPU, in bytes.
-
-    ``saved``: the tensors autograd keeps from forward to backward for this Llama, counted from
-    its code and checked against saved-tensor hooks on CPU (tests/test_advisor.py) for 2- and
-    4-byte activations; ``peak``: saved + the transient at the peak, measured on CPU ranks
-    (``tools.bench.memory_peak``): the loss's fp32 gradients of the logits at the start of backward,
-    or, with checkpointing, mid-backward, the recomputed layer less what its backward has freed
-    (0.8 of it); ``held``: saved when the last block's backward has finished (its layer and the
-    root's log-softmax freed), the activations of ``ledger.peak_of``'s ``reduction`` moment."""
+    """Activation bytes of one micro-step per GPU. ``saved``: what autograd keeps for this Llama, counted from
+    its code (checked against saved-tensor hooks, tests/test_advisor.py); ``peak``: saved + the transient
+    measured on CPU ranks (``tools.bench.memory_peak``): the logits' fp32 gradients at the start of backward,
+    or with checkpointing 0.8 of the recomputed layer; ``held``: saved once the last block's backward is done
+    (its layer and the root's log-softmax freed)."""
     h, f, nh, V, L = spec.dim, spec.ffn_dim, spec.n_heads, spec.vocab_size, spec.n_layers
     tokens = micro_batch * seq_len
     a = act_bytes

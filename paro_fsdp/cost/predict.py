@@ -1,13 +1,11 @@
 """The strategy advisor's time model: the method's guideline as a calibrated cost model.
 
-Why: PaRO's benefit depends on the model, the cluster and the batch, so the user (and the
-trainer's ``paro_strategy = "auto"``) needs to know which of the 27 strategies to run before
-renting GPUs. Plain arithmetic; model states and bytes are the ledger's, exact for the engine.
+Why: PaRO's benefit depends on the model, the cluster and the batch, so the user (and ``"auto"``)
+needs to know which of the 27 strategies to run before renting GPUs. Model states and bytes are the
+ledger's, exact for the engine.
 
-Memory per GPU = the peak of a step, ``ledger.peak_of`` (the max of three moments: the last
-  backward's, with the activations of ``model.activation_bytes``, the boundary's, the push's;
-  ``cost.budget`` prices a plan per block with the same terms); it fits when at most
-  ``memory_gib x usable_memory_fraction``.
+Memory per GPU = the peak of a step, ``ledger.peak_of``, with ``model.activation_bytes``; it fits
+  when at most ``memory_gib x usable_memory_fraction``.
 Step time = A x (compute_fwd + compute_bwd + exposed_fwd + exposed_bwd) + boundary + optimizer.
   Compute: ``model.flops_per_token`` / ``achieved_tflops``. Communication: hops x latency + ring
   bytes / bandwidth on the links each mesh dimension's rings use (``cluster.link_for``).
@@ -130,10 +128,8 @@ def optimizer_seconds(psi_trainable: float, s: Strategy, n: int, m: int, grad_by
 
 
 def exposed_seconds(by_dim: dict[str, float], compute: float, cluster: Cluster) -> float:
-    """What of the collectives in ``by_dim`` (seconds per mesh dimension) does not hide behind
-    ``compute`` seconds: each dimension hides up to its ``cluster.overlap_of`` of the compute, the
-    slow (inter, flat) traffic first, the intra traffic in the compute it leaves. With one overlap
-    for both: max(0, total - overlap x compute)."""
+    """What of ``by_dim`` (seconds per mesh dimension) does not hide behind ``compute``: each dimension hides
+    up to its ``cluster.overlap_of`` of it, the slow (inter, flat) traffic first, intra in what it leaves."""
     slow, fast = by_dim.get(Dim.INTER, 0.0) + by_dim.get(Dim.GLOBAL, 0.0), by_dim.get(Dim.INTRA, 0.0)
     phi_slow, phi_fast = cluster.overlap_of(Dim.INTER), cluster.overlap_of(Dim.INTRA)
     hid_slow = min(slow, phi_slow * compute)
@@ -146,13 +142,10 @@ def predict(model: Union[str, LlamaArgs, ModelSpec], strategy: StrategyLike, n: 
             reduce_dtype: Optional[str] = None, activation_checkpoint: str = "none",
             reshard_after_forward: bool = True, accumulate_dtype: Optional[str] = "fp32",
             inter_dtype: Optional[str] = None) -> Prediction:
-    """Predicted memory and step time of one strategy (see the module docstring for the model).
-
-    ``activation_checkpoint``: "none", "full" or "auto" (full only if needed to fit).
-    ``dtype`` / ``reduce_dtype``: parameter / gradient dtype (bf16, fp16, fp32);
-    ``accumulate_dtype``: the G-level accumulator's (None: the reduce dtype); ``inter_dtype``:
-    what crosses groups, quantized ("int8", "int4": ``MixedPrecision.inter_dtype``), priced on its
-    bytes on the wire (the quantization's own arithmetic is not priced)."""
+    """Predicted memory and step time of one strategy (the module docstring's model).
+    ``activation_checkpoint``: "none", "full" or "auto" (full only if needed to fit); ``dtype`` /
+    ``reduce_dtype`` / ``accumulate_dtype`` (None: the reduce dtype): of P / the gradients / G;
+    ``inter_dtype``: priced on its bytes on the wire (not the quantization's arithmetic)."""
     if inter_dtype is not None and inter_dtype not in WIRES:
         raise AdvisorError(f"inter_dtype must be one of {sorted(WIRES)} or None, got {inter_dtype!r}")
     spec = model_spec(model, trainable_fraction)
@@ -237,8 +230,7 @@ def rank_strategies(model: Union[str, LlamaArgs, ModelSpec], n: int, m: int, mic
 
 
 def format_table(preds: Sequence[Prediction], cluster: Optional[Cluster] = None, header: str = "") -> str:
-    """The ranked predictions as a fixed-width table (the advisor's output). Memory in GiB and
-    traffic in GB per GPU per step, or MiB / MB when the model is too small to read in those."""
+    """The ranked predictions as the advisor's table: GiB and GB per GPU per step, or MiB / MB when small."""
     base = next((p for p in preds if p.strategy == "GGG"), None)
     big_mem = max((p.memory["total"] for p in preds), default=0) >= GiB / 8
     big_comm = max((p.intra_bytes + p.inter_bytes for p in preds), default=0) >= GB / 8
@@ -270,11 +262,8 @@ def choose_strategy(model_args: Union[str, LlamaArgs, ModelSpec], n: int, m: int
                     activation_checkpoint: str = "none", reshard_after_forward: bool = True,
                     strategies: Optional[Iterable[StrategyLike]] = None,
                     inter_dtype: Optional[str] = None) -> tuple[Strategy, str]:
-    """The fastest strategy that fits, and the ranked table to log (the trainer's ``auto``).
-
-    ``activation_checkpoint``/``reshard_after_forward``: what the run will actually do (the
-    trainer passes its config; "auto" is not used there). Raises :class:`AdvisorError` when no
-    candidate fits, naming the smallest memory need."""
+    """The fastest strategy that fits and the ranked table to log (the trainer's ``auto``, which passes what
+    the run will do); :class:`AdvisorError` when none fits, naming the smallest memory need."""
     c = load_cluster(cluster) if not isinstance(cluster, Cluster) else cluster
     spec = model_spec(model_args, trainable_fraction)
     preds = rank_strategies(spec, n, m, micro_batch, grad_accum, seq_len, c, trainable_fraction, dtype,

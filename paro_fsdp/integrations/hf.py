@@ -1,10 +1,9 @@
-"""Hugging Face causal LMs, and peft LoRA adapters on them, under ``paro_shard`` (extra
-``paro-fsdp[hf]``): a model folder in, the trained weights out as a folder transformers loads
-(the order of the calls: docs/huggingface.md).
+"""Hugging Face causal LMs, and peft LoRA adapters on them, under ``paro_shard`` (extra ``paro-fsdp[hf]``):
+a model folder in, the trained weights out as a folder transformers loads (docs/huggingface.md).
 
-Why built on the meta device and loaded in place: ``from_pretrained`` on every rank holds the
-model n times; here each rank reads its safetensors slices straight into the parameters (through
-``checkpoint_files.safe_load``), so no rank holds the whole model and the fp32 masters are exact.
+Why built on the meta device and loaded in place: ``from_pretrained`` on every rank holds the model n
+times; here each rank reads its safetensors slices straight into the parameters (``safe_load``), so no
+rank holds the whole model and the fp32 masters are exact.
 """
 from __future__ import annotations
 
@@ -114,11 +113,8 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
 # ---- LoRA -------------------------------------------------------------------------------------
 def _linear_names(model: nn.Module) -> list[str]:
     """Distinct last names of the modules LoRA could wrap (for error messages)."""
-    seen: dict[str, None] = {}
-    for name, m in model.named_modules():
-        if name and (isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"):
-            seen.setdefault(name.rpartition(".")[2], None)
-    return list(seen)
+    return list(dict.fromkeys(name.rpartition(".")[2] for name, m in model.named_modules()
+                              if name and (isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D")))
 
 
 def add_lora(model: nn.Module, rank: int, alpha: float = 16.0, dropout: float = 0.0,
@@ -224,8 +220,8 @@ def load_weights(model: nn.Module, path: str, key: Callable[[str], Optional[str]
 # ---- the export -------------------------------------------------------------------------------
 def _export(values: dict[str, DTensor], out_dir: str, dtype: torch.dtype, max_bytes: int,
             finish: Callable[[str], None]) -> str:
-    """Every rank writes its shards into ``out_dir.tmp``; rank 0 joins them into the files and index,
-    calls ``finish`` and renames it into place (a crash leaves only ``.tmp``). Collective."""
+    """Every rank's shards into ``out_dir.tmp``; rank 0 joins them into files and index, calls ``finish`` and
+    renames it into place (a crash leaves only ``.tmp``). Collective."""
     tmp = out_dir.rstrip("/") + ".tmp"
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     barrier = dist.barrier if dist.is_initialized() else lambda: None
@@ -255,8 +251,7 @@ def _export(values: dict[str, DTensor], out_dir: str, dtype: torch.dtype, max_by
 
 
 def architecture(model: nn.Module) -> Optional[str]:
-    """The model's transformers class, as ``save_pretrained`` writes it into ``architectures``; None
-    for a model that is not a ``PreTrainedModel`` (the trainer's own Llama)."""
+    """The model's transformers class for ``architectures``, as ``save_pretrained``'s; None for another model."""
     from transformers import PreTrainedModel
 
     from torch.distributed.fsdp import FSDPModule

@@ -3,12 +3,11 @@
     python -m torchtitan.train --module paro_fsdp.integrations.torchtitan \\
         --config llama3_8b_paro --paro.strategy IIG --paro.group_size 8
 
-Why so little: the sharded model keeps FSDP2's contract (docs/fsdp2.md), so torchtitan's model,
-data, loss, optimizers, clipping, LR schedule, checkpoint states and loop stay its own. What
-changes: ``parallelize_paro`` in place of FSDP2's, ``ParoTrainer`` (gradients reduced on the last
-micro-batch only, the chunked loss unchunked, checkpoints read through ``safe_load``: torchtitan's
-``dcp.load`` would unpickle a crafted folder on every rank). Tensor, pipeline, context and expert
-parallelism and HSDP replicate degrees stop at start-up (PaRO's group size replaces HSDP).
+Why so little: the sharded model keeps FSDP2's contract (docs/fsdp2.md), so torchtitan's model, data,
+loss, optimizers, clipping, LR schedule, checkpoint states and loop stay its own. What changes:
+``parallelize_paro``, and ``ParoTrainer`` (gradients reduced on the last micro-batch only, the chunked
+loss unchunked, checkpoints read through ``safe_load``: ``dcp.load`` would unpickle a crafted folder).
+Other parallelisms and HSDP replicate degrees stop at start-up (PaRO's group size replaces HSDP).
 """
 from __future__ import annotations
 
@@ -58,9 +57,8 @@ class ParoConfig:
 
 
 class _TitanParoModel:
-    """Mixed into the sharded model's class: torchtitan calls ``to_empty`` and ``init_weights``
-    after its parallelize function, but the parameters were materialised inside ``paro_shard`` and
-    re-allocating them would detach them from the engine's storage: only buffers are made."""
+    """Mixed into the sharded model's class: torchtitan's ``to_empty`` / ``init_weights`` after parallelizing
+    would detach the parameters ``paro_shard`` materialised from the engine's storage: only buffers are made."""
 
     def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> nn.Module:
         for module in self.modules():
@@ -78,9 +76,8 @@ class _TitanParoModel:
 
 
 def _param_init_fn(model: nn.Module, seed: int) -> Callable[[str, torch.Tensor], None]:
-    """``paro_shard``'s ``param_init_fn`` from torchtitan's own initialisers (the owner's
-    ``param_init`` entry, or its ``reset_parameters`` on a stand-in holding only this tensor),
-    seeded by (seed, canonical name) so every rank draws the same values in any order."""
+    """torchtitan's own initialisers (``param_init``, or ``reset_parameters`` on a stand-in holding only this
+    tensor), seeded by (seed, canonical name) so every rank draws the same values in any order."""
     modules = dict(model.named_modules())
 
     def init(fqn: str, tensor: torch.Tensor) -> None:
@@ -106,20 +103,16 @@ def _param_init_fn(model: nn.Module, seed: int) -> Callable[[str, torch.Tensor],
 
 
 def _unwrap(block: nn.Module) -> nn.Module:
-    """The module inside torchtitan's activation-checkpoint wrapper: the engine's hooks go on
-    it, so they run (again) inside the recomputation."""
+    """The module inside an AC wrapper: the engine's hooks go on it, so they run inside the recomputation."""
     return getattr(block, "_checkpoint_wrapped_module", block)
 
 
 def parallelize_paro(model: nn.Module, *, parallel_dims: Any, training: Any, parallelism: Any,
                      compile_config: Any, ac_config: Any, dump_folder: str, paro: ParoConfig) -> nn.Module:
-    """torchtitan's ``parallelize_fn`` contract (``ModelSpec.parallelize_fn``) with PaRO in
-    place of FSDP2: activation checkpointing, ``paro_shard``, then torchtitan's per-block compile.
-    Why compile last, unlike FSDP2's order: a sharded block's ``compile()`` puts the engine's hooks
-    in its graph (``ParoModule.compile``), so the gather is a graph node and backward re-gathers;
-    torch's ``nn.Module.compile`` would leave the hooks out and keep the gathered tensors for
-    backward. A checkpoint-wrapped block compiles as torch's: its hooks are on the module inside,
-    which dynamo inlines from the wrapper's forward."""
+    """torchtitan's ``ModelSpec.parallelize_fn`` with PaRO in place of FSDP2: AC, ``paro_shard``, then the
+    per-block compile. Why compile last: a sharded block's ``compile()`` (``ParoModule.compile``) puts the
+    hooks in its graph, so backward re-gathers instead of keeping the gathered tensors; an AC-wrapped block
+    compiles as torch's, and dynamo inlines the hooks of the module inside from the wrapper's forward."""
     from torchtitan.distributed.compile import apply_compile
 
     check_supported(parallelism)
@@ -169,9 +162,8 @@ def check_supported(parallelism: Any) -> None:
 
 def safe_dcp_load(checkpointer: Any, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool,
                   from_quantized: bool) -> None:
-    """torchtitan 0.3's ``CheckpointManager.dcp_load``, step for step, with ``safe_load`` in place
-    of ``dcp.load``: DCP folders through the safe reader and planner, Hugging Face safetensors
-    through torch's ``HuggingFaceStorageReader`` (tensors and a JSON header) with the safe planner."""
+    """torchtitan 0.3's ``CheckpointManager.dcp_load``, step for step, with ``safe_load`` in place of
+    ``dcp.load`` (HF safetensors through ``HuggingFaceStorageReader`` with the safe planner)."""
     from torchtitan.components.checkpointer.base import MODEL
 
     if from_hf:
@@ -209,8 +201,7 @@ class ParoTrainer(Trainer):
             from torchtitan.components.loss import ChunkedLossWrapper
 
             if isinstance(config.loss, ChunkedLossWrapper.Config):
-                # the chunked loss calls lm_head outside the model's forward, where PaRO has
-                # not gathered its weight: compute the same loss unchunked
+                # it calls lm_head outside the model's forward, where its weight is not gathered
                 config.loss = config.loss.loss_fn
         super().__init__(config)
         self._read_checkpoints_safely()
@@ -226,9 +217,7 @@ class ParoTrainer(Trainer):
 
     def forward_backward_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.config.paro.enable:
-            # FSDP2 reduces every micro-batch; PaRO keeps the gradients at the G level until the
-            # last one, whose backward reduces them into the parameters' .grad for torchtitan's
-            # clip_grad_norm_ and optimizers
+            # gradients stay at the G level until the last micro-batch reduces them into the .grad
             self._micro += 1
             for m in self.model_parts:
                 m.set_requires_gradient_sync(self._micro == self.gradient_accumulation_steps)

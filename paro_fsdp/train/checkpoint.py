@@ -1,11 +1,10 @@
 """Checkpoints with torch.distributed.checkpoint (DCP): atomic saves, pruning, resume.
 
-A ``step-<N>`` folder's keys: docs/trainer.md. Why DTensors by name (as FSDP2's): DCP reads the
-pieces the *loading* run's placements need, so IIG on 4 ranks loads under GGG on 2, and the folder
-interchanges with FSDP2's (torchtitan's). Why atomic: ``step-<N>.tmp`` is renamed into place once
-every rank finished (pruning renames first too). Why verified: a manifest of sizes and CRC32s and
-a shape check stop a damaged file or another model's checkpoint with one line. Why damage is moved
-aside (``step-<N>.damaged``): skipping it would resume earlier and overwrite the evidence.
+A ``step-<N>`` folder's keys: docs/trainer.md. Why DTensors by name (as FSDP2's): DCP reads what the
+*loading* run's placements need (IIG on 4 ranks loads under GGG on 2), and folders interchange with
+torchtitan's. Why atomic: ``step-<N>.tmp`` is renamed into place once every rank finished. Why verified: a
+manifest of sizes and CRC32s and a shape check stop a damaged or foreign checkpoint with one line. Why
+damage is moved aside (``step-<N>.damaged``): skipping it would resume earlier and overwrite the evidence.
 """
 from __future__ import annotations
 
@@ -20,9 +19,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
-from torch.optim.lr_scheduler import LambdaLR
-
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.optim.lr_scheduler import LambdaLR
 
 from ..checkpoint_files import (MANIFEST, CheckpointError, SafeReader, disk_failure, first_line, safe_load,
                                shape_problem, verify, write_manifest)
@@ -102,8 +100,7 @@ class TrainState:
 
 
 def scan_checkpoints(folder: str) -> tuple[dict[int, str], dict[int, tuple[str, str]]]:
-    """``step-<N>`` entries: (complete: step -> path, damaged: step -> (path, why)). Complete: DCP's ``.metadata``
-    is there; whether its files are intact is ``verify``'s question."""
+    """``step-<N>`` entries: (complete, with DCP's ``.metadata``: step -> path; damaged: step -> (path, why))."""
     complete: dict[int, str] = {}
     damaged: dict[int, tuple[str, str]] = {}
     if os.path.isdir(folder):
@@ -256,9 +253,8 @@ def build_checkpointer(cfg: Any, model: torch.nn.Module, optimizer: torch.optim.
 
 
 def start_afresh(cfg: Any, rank: int) -> list[str]:
-    """``job.fresh``: rank 0 deletes what a previous run wrote in the dump folder (checkpoint, TensorBoard and
-    trace folders, compile schedules, metrics.jsonl), and nothing else. A folder that is the dump folder or holds
-    it is never deleted (``checkpoint.folder = "."`` must not wipe a home directory). Returns what it removed."""
+    """``job.fresh``: rank 0 deletes what a previous run wrote in the dump folder, and nothing else: never the
+    dump folder or one holding it (``checkpoint.folder = "."`` must not wipe a home). Returns what it removed."""
     removed = []
     if rank == 0:
         dump = os.path.realpath(cfg.job.dump_folder)
@@ -282,9 +278,8 @@ _MODEL_KEYS = "model.flavor, model.tokenizer, model.vocab_size"  # what decides 
 
 def load_model_weights(model: torch.nn.Module, path: str, verify_files: bool = True,
                        warn: Optional[Callable[[str], None]] = None) -> str:
-    """Model weights from this trainer's ``step-N`` folder (``model.<fqn>``), one written before the FSDP2
-    contract (``optimizer.master.<fqn>``), or a DCP folder keyed by parameter names (torchtitan's model-only
-    ones); returns which. A folder without a manifest loads after one ``warn`` line. Collective."""
+    """Model weights from a ``step-N`` folder (``model.<fqn>``, or the legacy ``optimizer.master.<fqn>``) or one
+    keyed by parameter names (torchtitan's model-only); returns which. No manifest: one ``warn`` line. Collective."""
     if not os.path.isfile(os.path.join(path, ".metadata")):
         raise CheckpointError(f"checkpoint.initial_load_path = {path!r} is not a DCP checkpoint folder (no .metadata); "
                               f"valid: a folder written by torch.distributed.checkpoint, e.g. a step-N folder")
@@ -341,8 +336,7 @@ def _checked_load(path: str, target: Callable[[Any], tuple[Any, str]], verify_fi
     except CheckpointError as exc:
         raise CheckpointError(f"{what} is refused: {exc}{damage_fix}") from None
     state, scope = target(metadata)
-    # only the states under ``scope`` have their shapes compared: asking every Stateful for its state
-    # would initialise a fresh optimizer's (a step), which the load does anyway
+    # only the states under ``scope`` are shape-checked: asking a fresh optimizer for its state would initialise it
     top = scope.split(".")[0]
     problem = shape_problem(metadata, {top: state[top]} if top and top in state else {} if top else state, scope)
     if problem:

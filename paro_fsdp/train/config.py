@@ -292,8 +292,6 @@ def grad_accum_steps(cfg: JobConfig, world_size: int) -> int:
     return gbs // (t.local_batch_size * world_size)
 
 
-
-
 def _toml_value(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
@@ -324,5 +322,4 @@ def to_toml(cfg: JobConfig) -> str:
             lines.extend(f"{json.dumps(k)} = {_toml_value(val)}" for k, val in table.items())
         lines.append("")
     return "\n".join(lines)
-
 

@@ -1,6 +1,5 @@
 """Reading the trainer's config (``config.py``'s schema): defaults, the TOML file, then CLI overrides
 ``--section.key value`` (booleans also bare; lists ``a,b,c``; ``paro_policy`` as ``pattern=STRATEGY,...``).
-
 Why so strict: a typo in a long job's config must stop it at start-up, not hours later: every unknown key,
 wrong type and impossible combination is one ConfigError line naming the key and the valid choices (exit 2).
 No torch import: parsing and ``--print-config`` stay fast.
@@ -240,7 +239,9 @@ def _is_strategy(text: str) -> bool:
 def validate(cfg: JobConfig, world_size: Optional[int], local_world_size: Optional[int] = None) -> None:
     """Raise ConfigError for well-typed but impossible values (``world_size`` None skips the checks needing it)."""
 
-    def positive(key: str, value: float, allow_zero: bool = False) -> None:
+    def positive(key: str, allow_zero: bool = False) -> None:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
         if value < 0 or (value == 0 and not allow_zero):
             raise ConfigError(f"{key} = {_show(value)} must be {'>= 0' if allow_zero else '> 0'}")
 
@@ -248,6 +249,10 @@ def validate(cfg: JobConfig, world_size: Optional[int], local_world_size: Option
         if value is not None and not (0.0 <= value < 1.0 if top_open else 0.0 <= value <= 1.0):
             bound = ")" if top_open else "]"
             raise ConfigError(f"{key} = {value} is out of range; valid: {unset}a number in [0, 1{bound}")
+
+    def invalid(key: str, value: Any, bad: bool, valid: str) -> None:
+        if bad:
+            raise ConfigError(f"{key} = {value} is invalid; valid: {valid}")
 
     m, t, p, pf = cfg.model, cfg.training, cfg.parallelism, cfg.peft
     if m.name not in MODEL_NAMES:
@@ -263,22 +268,18 @@ def validate(cfg: JobConfig, world_size: Optional[int], local_world_size: Option
     if m.name == "hf" and m.vocab_size != -1:
         raise ConfigError(f"model.vocab_size = {m.vocab_size}: a Hugging Face model's vocabulary is its config.json's; "
                           f"valid: -1 with model.name = \"hf\"")
-    if pf.lora_rank < 0:
-        raise ConfigError(f"peft.lora_rank = {pf.lora_rank} is invalid; valid: 0 (no LoRA) or a positive rank, e.g. 8")
+    invalid("peft.lora_rank", pf.lora_rank, pf.lora_rank < 0, "0 (no LoRA) or a positive rank, e.g. 8")
     if pf.lora_rank and m.name != "hf":
         raise ConfigError("peft.lora_rank > 0 fine-tunes a Hugging Face model; valid: --model.name hf "
                           "--model.hf_path DIR, or peft.lora_rank = 0")
-    positive("peft.lora_alpha", pf.lora_alpha)
+    positive("peft.lora_alpha")
     within("peft.lora_dropout", pf.lora_dropout, top_open=True)
-    if m.vocab_size != -1 and m.vocab_size < 1:
-        raise ConfigError(f"model.vocab_size = {m.vocab_size} is invalid; valid: -1 (from flavor and tokenizer) or a "
-                          f"positive integer")
-    for key in ("local_batch_size", "seq_len", "steps"):
-        positive(f"training.{key}", getattr(t, key))
-    for key, zero in (("lr", False), ("eps", False), ("weight_decay", True)):
-        positive(f"optimizer.{key}", getattr(cfg.optimizer, key), allow_zero=zero)
-    positive("lr_scheduler.warmup_steps", cfg.lr_scheduler.warmup_steps, allow_zero=True)
-    positive("training.max_consecutive_skips", t.max_consecutive_skips, allow_zero=True)
+    invalid("model.vocab_size", m.vocab_size, m.vocab_size != -1 and m.vocab_size < 1,
+            "-1 (from flavor and tokenizer) or a positive integer")
+    for key in ("training.local_batch_size", "training.seq_len", "training.steps", "optimizer.lr", "optimizer.eps"):
+        positive(key)
+    for key in ("optimizer.weight_decay", "lr_scheduler.warmup_steps", "training.max_consecutive_skips"):
+        positive(key, allow_zero=True)
     within("lr_scheduler.min_lr_factor", cfg.lr_scheduler.min_lr_factor)
     within("lr_scheduler.decay_ratio", cfg.lr_scheduler.decay_ratio, unset="unset or ")
     if t.dataset in ("text", "jsonl") and not t.dataset_path:
@@ -315,15 +316,13 @@ def validate(cfg: JobConfig, world_size: Optional[int], local_world_size: Option
         if not _is_strategy(strategy):
             raise ConfigError(f"parallelism.paro_policy.{pattern} = {_show(strategy)} is not a PaRO strategy; valid: "
                               "three letters of N, I, G, e.g. IIG")
-    if not p.memory_budget_gib >= 0 or p.memory_budget_gib == float("inf"):
-        raise ConfigError(f"parallelism.memory_budget_gib = {p.memory_budget_gib} is invalid; valid: 0 (no budget: "
-                          f"one strategy that fits) or the memory per rank in GiB, e.g. 40")
-    if p.paro_flat_below_mb < 0:
-        raise ConfigError(f"parallelism.paro_flat_below_mb = {p.paro_flat_below_mb} is invalid; valid: 0 (never flat) "
-                          "or a positive size in MiB")
-    if p.paro_group_size != -1 and p.paro_group_size < 1:
-        raise ConfigError(f"parallelism.paro_group_size = {p.paro_group_size} is invalid; valid: -1 (ranks per node) "
-                          f"or a positive divisor of the world size")
+    invalid("parallelism.memory_budget_gib", p.memory_budget_gib,
+            not p.memory_budget_gib >= 0 or p.memory_budget_gib == float("inf"),
+            "0 (no budget: one strategy that fits) or the memory per rank in GiB, e.g. 40")
+    invalid("parallelism.paro_flat_below_mb", p.paro_flat_below_mb, p.paro_flat_below_mb < 0,
+            "0 (never flat) or a positive size in MiB")
+    invalid("parallelism.paro_group_size", p.paro_group_size, p.paro_group_size != -1 and p.paro_group_size < 1,
+            "-1 (ranks per node) or a positive divisor of the world size")
     if p.paro_group_size != -1 and world_size is not None and world_size % p.paro_group_size:
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
         raise ConfigError(f"parallelism.paro_group_size = {p.paro_group_size} does not divide the world size "
@@ -335,24 +334,21 @@ def validate(cfg: JobConfig, world_size: Optional[int], local_world_size: Option
     unknown = [name for name in cfg.compile.passes if name not in GRAPH_PASSES]
     if unknown:
         raise ConfigError(f"compile.passes has unknown pass(es) {unknown}; valid: any of {list(GRAPH_PASSES)}")
-    if cfg.compile.backend not in ("inductor", "aot_eager", "eager"):
-        raise ConfigError(f"compile.backend = {cfg.compile.backend!r} is invalid; valid: inductor, aot_eager, eager")
-    if cfg.compile.max_prefetch_mb < 0 and cfg.compile.max_prefetch_mb != -1:
-        raise ConfigError(f"compile.max_prefetch_mb = {cfg.compile.max_prefetch_mb} is invalid; valid: -1 (no bound) "
-                          f"or >= 0")
+    c = cfg.compile
+    invalid("compile.backend", repr(c.backend), c.backend not in ("inductor", "aot_eager", "eager"),
+            "inductor, aot_eager, eager")
+    invalid("compile.max_prefetch_mb", c.max_prefetch_mb, c.max_prefetch_mb < 0 and c.max_prefetch_mb != -1,
+            "-1 (no bound) or >= 0")
     for key, zero in (("metrics.log_freq", False), ("profiling.profile_freq", False), ("profiling.keep_latest_k", True),
                       ("checkpoint.interval", False), ("checkpoint.keep_latest_k", True)):
-        section, name = key.split(".")
-        positive(key, getattr(getattr(cfg, section), name), allow_zero=zero)
-    if cfg.profiling.traced_micro_steps < 0:
-        raise ConfigError(f"profiling.traced_micro_steps = {cfg.profiling.traced_micro_steps} is invalid; valid: 0 "
-                          "(trace every micro-step) or a count >= 1 (the first ones and the last, which holds the step "
-                          "boundary)")
-    if cfg.checkpoint.load_step < -1:
-        raise ConfigError(f"checkpoint.load_step = {cfg.checkpoint.load_step} is invalid; valid: -1 (latest) or a "
-                          f"saved step")
-    positive("comm.init_timeout_seconds", cfg.comm.init_timeout_seconds)
-    positive("comm.train_timeout_seconds", cfg.comm.train_timeout_seconds)
+        positive(key, allow_zero=zero)
+    steps = cfg.profiling.traced_micro_steps
+    invalid("profiling.traced_micro_steps", steps, steps < 0, "0 (trace every micro-step) or a count >= 1 (the first "
+            "ones and the last, which holds the step boundary)")
+    invalid("checkpoint.load_step", cfg.checkpoint.load_step, cfg.checkpoint.load_step < -1,
+            "-1 (latest) or a saved step")
+    positive("comm.init_timeout_seconds")
+    positive("comm.train_timeout_seconds")
 
 
 # ---- what the trainer's builders raise, as one line naming the key ------------------------------------

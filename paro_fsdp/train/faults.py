@@ -49,14 +49,12 @@ _PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken p
 # lower case: gloo's "Timed out waiting ... for recv" and "Application timeout caused pair closure",
 # NCCL's "Watchdog caught collective operation timeout"
 _TIMED_OUT = ("timed out", "timeout")
-
-
 _RESTART = "under torchrun --max-restarts N the group restarts and resumes from the latest checkpoint"
 
 
 def collective_failure(exc: BaseException, rank: int, step: int, timeout_s: float) -> Optional[str]:
-    """One line for a collective that lost its peers or timed out, where every survivor would print a long backend
-    traceback; else None (a bug: its traceback must show)."""
+    """One line for a collective that lost its peers or timed out (not every survivor's backend traceback); else
+    None (a bug: its traceback must show)."""
     causes = dcp_causes(exc)  # a failure inside DCP: the lowest rank's error
     if causes:
         exc = causes[0][1]
@@ -75,11 +73,10 @@ def collective_failure(exc: BaseException, rank: int, step: int, timeout_s: floa
 # ---- SIGTERM / SIGINT: finish the step, save it, exit 0 -------------------------------------------
 class GracefulStop:
     """SIGTERM / SIGINT noted, not acted on: ``votes()`` ride the loss all-reduce. A daemon thread watches the
-    wakeup fd (a main thread in a C++ wait runs no Python handler) and enforces reaching the agreed step (5 s + 3
-    longest steps: a dead peer must not hold up torchrun's restart) and the save (``hard_s``: torchrun's grace less
-    5 s); a missed deadline, or the signal again after 2 s, writes ``describe(signum)`` once and ``os._exit(1)``s (a
-    group with a failed peer cannot be torn down). ``said()``: True: write your own last line; False: a signal's
-    line is being written."""
+    wakeup fd (a main thread in a C++ wait runs no Python handler) and enforces deadlines for the agreed step (5 s
+    + 3 longest steps: a dead peer must not hold up torchrun's restart) and the save (torchrun's grace less 5 s); a
+    missed one, or the signal again after 2 s, writes ``describe(signum)`` once and ``os._exit(1)``s (a group with
+    a failed peer cannot be torn down). ``said()`` False: a signal's line is being written."""
 
     def __init__(self, describe: Callable[[int], str], write_line: Callable[[str], None],
                  hard_s: Optional[float] = None) -> None:
@@ -106,8 +103,8 @@ class GracefulStop:
         return (float(self.signum == signal.SIGTERM), float(self.signum == signal.SIGINT))
 
     def agreed(self, votes: tuple[int, int], world: int, step_s: float) -> Optional[str]:
-        """After a step: the signal every rank agreed to stop at (``votes``: how many ranks got SIGTERM, SIGINT), or
-        None; the step's time sets the deadline for reaching the next one."""
+        """After a step: the signal the ranks agreed to stop at (``votes``: ranks that got SIGTERM, SIGINT), or None;
+        the step's time sets the deadline for the next one."""
         term, interrupt = votes
         if not term + interrupt:
             self.longest_step_s = max(self.longest_step_s, step_s)
@@ -155,8 +152,8 @@ class GracefulStop:
 
 
 def reduce_with_votes(loss_sum: torch.Tensor, stop: Optional[GracefulStop]) -> tuple[torch.Tensor, Any]:
-    """The loss sum and this rank's stop vote in one all-reduce, so every rank reads the same vote count at the
-    same step: (the loss summed over ranks, the (SIGTERM, SIGINT) vote counts, or None without a ``stop``)."""
+    """The loss sum and this rank's stop vote in one all-reduce, so every rank reads the same votes at the same
+    step: (the summed loss, the (SIGTERM, SIGINT) counts or None without a ``stop``)."""
     packed = torch.zeros(3, device=loss_sum.device)  # loss sum, ranks that got SIGTERM, ranks that got SIGINT
     packed[0] = loss_sum
     if stop is not None and stop.requested:
@@ -177,9 +174,9 @@ def stuck_line(rank: int, step: int, signum: int, waited_s: float) -> str:
 
 # ---- non-finite loss or gradient norm ----------------------------------------------------------
 class NonFiniteGuard:
-    """Whether the optimizer may step: "skip" skips a NaN/inf loss or norm (stopping after ``max_consecutive`` in a
-    row, 0 = never), "stop" stops at the first; one device-to-host copy per step. Why: one bad batch must not poison
-    the fp32 masters; loss and norm are global, so every rank decides alike without a collective."""
+    """Whether the optimizer may step ("skip": a NaN/inf loss or norm is skipped, ``max_consecutive`` in a row stop,
+    0 = never; "stop": the first stops). Why: one bad batch must not poison the fp32 masters; loss and norm are
+    global, so every rank decides alike without a collective, by one device-to-host copy per step."""
 
     def __init__(self, mode: str, max_consecutive: int) -> None:
         if mode not in ("skip", "stop"):
@@ -260,8 +257,8 @@ def _first_flagged(source, tensor_of) -> Optional[str]:
 
 # ---- train.py's exit status ------------------------------------------------------------------------
 def error_line(message: str) -> None:
-    """``train.py: error: <message>`` on stderr in one ``write`` of under PIPE_BUF (4096) bytes, never interleaved:
-    survivors of a lost peer all report at once, and ``print``'s two writes let ranks' lines run together."""
+    """``train.py: error: <message>`` on stderr in one ``write`` under PIPE_BUF (4096) bytes: survivors of a lost
+    peer all report at once, and ``print``'s two writes let ranks' lines run together."""
     sys.stdout.flush()
     sys.stderr.flush()
     line = " ".join(f"train.py: error: {message}".split("\n"))[:3000] + "\n"
@@ -284,10 +281,9 @@ def stopped_line(signal_name: str, step: int, steps: int, saved: Optional[str], 
 
 
 def exit_status(body: Callable[[Any], int], as_script: bool) -> int:
-    """``body(run)``'s exit status; it sets ``run.trainer`` (closed here) and gets ``run.stop`` (with
-    ``as_script``, a ``GracefulStop``). A config error: 2; a decision every rank made alike (a stop, a
-    checkpoint problem, a collective order mismatch): rank 0's line, 1; a lost or hung peer: each
-    rank's line, 1; a bug: its traceback."""
+    """``body(run)``'s exit status (it sets ``run.trainer``, closed here, and gets ``run.stop``, a ``GracefulStop``
+    with ``as_script``). A config error: 2; a decision every rank made alike: rank 0's line, 1; a lost or hung
+    peer: each rank's line, 1; a bug: its traceback."""
     rank = int(os.environ.get("RANK", "0"))
     had_process_group = dist.is_initialized()
     run = SimpleNamespace(trainer=None, stop=None)

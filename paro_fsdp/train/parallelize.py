@@ -1,9 +1,9 @@
 """The model and its parallelism for a config: the process group and device, Llama args (or a Hugging Face folder,
 ``hf_model``), the strategy (``auto``: the advisor's), activation checkpointing, then PaRO sharding.
 
-Activation checkpointing wraps each block's whole ``__call__``, engine hooks included, so the
-recomputation in backward re-runs the pre-forward hook, which hands the block its gathered
-parameters again (hooks outside a checkpointed ``forward`` would save other tensors than forward).
+Activation checkpointing wraps each block's whole ``__call__``, engine hooks included, so the recomputation
+re-runs the pre-forward hook, which gathers the parameters again (hooks outside a checkpointed ``forward``
+would save other tensors than forward).
 """
 from __future__ import annotations
 
@@ -190,8 +190,7 @@ def advise(cfg: JobConfig, args: LlamaArgs, world: int, group: int, accum: int, 
 
     t = cfg.training
     return choose_strategy(args, world, group, t.local_batch_size, accum, t.seq_len,
-                           short_name(t.mixed_precision_param),
-                           cluster, trainable_fraction=trainable_fraction,
+                           short_name(t.mixed_precision_param), cluster, trainable_fraction=trainable_fraction,
                            reduce_dtype=short_name(t.mixed_precision_reduce),
                            activation_checkpoint=cfg.activation_checkpoint.mode,
                            reshard_after_forward=cfg.parallelism.paro_reshard_after_forward,
@@ -200,9 +199,8 @@ def advise(cfg: JobConfig, args: LlamaArgs, world: int, group: int, accum: int, 
 
 def auto_strategy(cfg: JobConfig, args: LlamaArgs, mesh: Any, accum: int, device: torch.device,
                   log: Callable[[str], None]) -> str:
-    """``paro_strategy = "auto"``: the advisor's choice on the given cluster file, or on this mesh's calibration (kept
-    between runs: ``cost.calibration_cache``, as ``strategy="auto"`` in ``paro_shard``); the table is logged, and rank
-    0's choice broadcast so every rank shards the same way."""
+    """``paro_strategy = "auto"``: the advisor's choice on the cluster file, or this mesh's cached calibration; the
+    table is logged and rank 0's choice broadcast, so every rank shards the same way."""
     from paro_fsdp.cost.calibration_cache import cached_calibration
     from paro_fsdp.cost.cluster import AdvisorError, load_cluster
 
@@ -234,9 +232,8 @@ def auto_strategy(cfg: JobConfig, args: LlamaArgs, mesh: Any, accum: int, device
 
 def _budgeted(cfg: JobConfig, args: LlamaArgs, mesh: Any, accum: int, device: torch.device,
               log: Callable[[str], None], cluster: Any, source: str) -> str:
-    """``memory_budget_gib``: a strategy per block (``cost.budget``) on the model as built (meta device: LoRA
-    adapters and frozen weights as they will be), set as ``paro_policy``; rank 0's plan for every rank. Returns the
-    most used strategy, the policy's default."""
+    """``memory_budget_gib``: rank 0's plan per block (``cost.budget``) for the model as built (meta device: LoRA
+    and frozen weights as they will be) set as ``paro_policy``; returns its most used strategy, the default."""
     from collections import Counter
 
     from paro_fsdp.cost.budget import Workload, plan_blocks, units_of

@@ -1,10 +1,9 @@
-"""Each profiled step's timeline as a TensorBoard image: per rank, when compute and the intra-,
-inter-group and global collectives ran, from that step's torch.profiler trace (docs/trainer.md).
+"""Each profiled step's timeline as a TensorBoard image: per rank, when compute and the intra-, inter-group
+and global collectives ran, from the step's torch.profiler trace (rows, fractions, cuts: docs/trainer.md).
 
-Why: PaRO's schedules exist to run collectives under compute and keep the slow inter link busy,
-and the TensorBoard profiler plugin no longer renders. A collective's group: on NCCL, the kernels'
-"Process Group Name" args (``group_dims``); on gloo, its fixed worker threads (``gloo_threads``).
-Rows, fractions and the cut of untraced time (``paro::pause#<n>`` to ``paro::resume``): docs/trainer.md.
+Why: PaRO's schedules exist to run collectives under compute and keep the slow inter link busy, and the
+TensorBoard profiler plugin no longer renders. A collective's group: on NCCL, the kernels' "Process Group
+Name" args (``group_dims``); on gloo, its fixed worker threads (``gloo_threads``).
 """
 from __future__ import annotations
 
