@@ -15,7 +15,7 @@ The planted bugs prove that the tests fail when the engine's stream protocol is 
   tensor as it is (on CPU without ``wait_tensor``, on CUDA without making the consumer's stream
   wait for the side stream's event), and ``streams.CommStreams.wait`` does nothing (on CUDA the
   consumer's wait of every PaRO-CC result too); on CPU, where PaRO-CC waits each phase on the
-  host, its phases skip ``wait_tensor`` (``paro_cc._wait``). The stand-in then hands the consumer
+  host, its phases skip ``wait_tensor`` (``paro_cc.wait``, ``comm.wait``). The stand-in then hands the consumer
   a poisoned (NaN) buffer: on CPU always, on CUDA while its result stream still sleeps. (NNN and
   GGG move everything through PaRO-CC; the clip's all-reduce, which once caught them on CPU, is
   DTensor's now: torch's ``clip_grad_norm_`` over the parameters.)
@@ -298,7 +298,7 @@ def planted(name: Optional[str], device: str) -> Iterator[None]:
             stack.enter_context(mock.patch.object(comm.Pending, "wait", _pending_without_wait))
             stack.enter_context(mock.patch.object(streams.CommStreams, "wait", staticmethod(lambda event: None)))
             if device != "cuda":  # on CUDA the side streams' waits above are the consumer's
-                stack.enter_context(mock.patch.object(paro_cc, "_wait", lambda t: t))
+                stack.enter_context(mock.patch.object(paro_cc, "wait", lambda t: t))
         else:
             stack.enter_context(mock.patch.object(streams.CommStreams, "issue", _issue_without_wait))
         yield
