@@ -102,6 +102,9 @@ def rank_main(payload: dict[str, Any]) -> dict[str, Any]:
             with torch.no_grad():
                 logits = model(probe).logits
             out[(strategy, wire)] = {"losses": losses, "params": full_params(model), "logits": logits}
+    for how in (None, {"scope": "blocks", "backend": "aot", "passes": []}):  # the compiled path: the same wire
+        _, _, losses = train_paro("GGG", 2, 2, mp=MixedPrecision(inter_dtype="int8"), compile=how)
+        out[("compiled" if how else "eager", "GGG")] = losses
     mesh = init_paro_mesh(2)
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(dist.get_rank()))
     for strategy in payload["strategies"]:
@@ -240,3 +243,10 @@ def test_the_engine_runs_the_quantized_plan(strategy, monkeypatch):
     plan = plan_of(strategy, "int8")
     g, r, b, p = (_expand(plan.phase(name)) for name in ("gather", "reduce", "boundary", "push"))
     assert log == g + r + g + r + b + p + g, plan
+
+
+def test_a_compiled_model_sends_the_same_wire(world):
+    """The traced path runs the eager path's moves (traced.py), the quantized ones included."""
+    eager, compiled = world[0][("eager", "GGG")], world[0][("compiled", "GGG")]
+    for (a, _), (b, _) in zip(eager, compiled):
+        assert abs(a - b) <= 1e-5 * abs(a), (a, b)
