@@ -18,6 +18,8 @@ from paro_fsdp.plan import plan_of
 from paro_fsdp.quantize import pack, unpack
 from workloads import batch, full_params, make_model, reference, train_paro
 
+pytestmark = pytest.mark.compat  # torch 2.11's functional all-to-all and gloo's alltoall too (make test-compat)
+
 # every inter path: P=G gather (GGG, GNN), G=G reduce-scatter (GGG, IGG), inter reduce-scatter at the
 # boundary (IIG), inter all-reduce (NII, NIN), global all-reduce (NNN), global / inter all-gather of
 # gradients at the boundary (NGN, NGI) and of the push (NNG, IIG)
