@@ -241,12 +241,15 @@ def startup_lines(trainer: Any) -> list[str]:
         what = f"{cfg.model.name}/{cfg.model.flavor}"
     lora = (f", LoRA rank {cfg.peft.lora_rank} on {cfg.peft.target_modules or 'peft default targets'}"
             if cfg.peft.lora_rank else "")
+    q = cfg.parallelism.inter_dtype
+    wire = "" if q == "none" else f", between groups {q} ({'grads int4, params int8' if q == 'int4' else 'quantized'})"
     lines = [f"{cfg.job.description} | world {world} = {world // group} groups x {group} | strategy "
              f"{', '.join(strategies)} | {dist.get_backend()} on {trainer.device.type}",
              f"model {what}: {n_params / 1e6:,.2f}M params, {trainable:,} of them trained "
              f"({100 * trainable / n_params:.2f}%{lora}), vocab {a.vocab_size}, seq {t.seq_len} | params "
              f"{t.mixed_precision_param}, grads {t.mixed_precision_reduce} (accumulated in "
-             f"{t.mixed_precision_accumulate}), master fp32 | activation checkpoint {cfg.activation_checkpoint.mode}",
+             f"{t.mixed_precision_accumulate}), master fp32{wire} | activation checkpoint "
+             f"{cfg.activation_checkpoint.mode}",
              f"batch {t.local_batch_size} per rank x {world} ranks x {trainer.grad_accum} accumulation = "
              f"{t.local_batch_size * world * trainer.grad_accum} sequences = {trainer.tokens_per_step:,} tokens per "
              f"step",
