@@ -13,8 +13,8 @@ from __future__ import annotations
 import enum
 from collections import defaultdict
 
-__all__ = ["DIMS", "HIER", "KINDS", "QBLOCK", "QUANTIZED", "WIRES", "CommStats", "Dim", "Kind", "hops", "ring_bytes",
-           "runs_flat", "wire_bytes"]
+__all__ = ["DIMS", "HIER", "KINDS", "QBLOCK", "QUANTIZED", "WIRES", "CommStats", "Dim", "Kind", "check_wire", "hops",
+           "ring_bytes", "runs_flat", "wire_bytes"]
 
 
 class _Name(str, enum.Enum):
@@ -69,6 +69,12 @@ QUANTIZED: dict[Kind, tuple[Kind, ...]] = {
 #: bits per element of each quantized wire dtype; one fp32 scale per ``QBLOCK`` elements
 WIRES = {"int8": 8, "int4": 4}
 QBLOCK = 256
+
+
+def check_wire(wire: object, what: str = "inter_dtype") -> None:
+    """The one check of a quantized wire's name (None: the working dtype, exact)."""
+    if wire is not None and wire not in WIRES:
+        raise ValueError(f"{what} must be one of {sorted(WIRES)} or None (exact), got {wire!r}")
 
 
 def wire_bytes(wire: str, numel: float) -> float:

@@ -108,8 +108,6 @@ class MeshComm:
         self.streams = streams  # side streams for collectives on a GPU (None on CPU): streams.py
         self.pool = BufferPool() if streams is None else None
 
-    wait = staticmethod(wait)
-
     def _issue(self, kind: str, dim: str, keep: torch.Tensor, issue: Callable[[], Any]) -> Pending:
         if self.info.size(dim) == 1:  # nothing to exchange: the input is the result
             return Pending(keep, False)

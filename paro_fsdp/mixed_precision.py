@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from .collectives import WIRES
+from .collectives import check_wire
 
 
 @dataclass(frozen=True)
@@ -41,9 +41,7 @@ class MixedPrecision:
             raise ValueError(f"MixedPrecision: gradients would be reduced in float16 ({given}), "
                              "a plain sum over all ranks "
                              f"that overflows at scale; set reduce_dtype=torch.bfloat16 (or torch.float32)")
-        if self.inter_dtype is not None and self.inter_dtype not in WIRES:
-            raise ValueError(f"MixedPrecision.inter_dtype must be one of {sorted(WIRES)} or None, "
-                             f"got {self.inter_dtype!r}")
+        check_wire(self.inter_dtype, "MixedPrecision.inter_dtype")
         if self.accumulate_dtype == torch.float16:
             raise ValueError("MixedPrecision: accumulate_dtype=torch.float16 sums undivided gradients "
                              "and overflows at scale; "

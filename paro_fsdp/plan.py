@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Optional
 
-from .collectives import WIRES, Dim, Kind
+from .collectives import Dim, Kind, check_wire
 from .strategy import Level, Strategy, StrategyLike
 
 __all__ = ["PHASES", "Move", "Plan", "plan_of"]
@@ -155,9 +155,7 @@ def plan_of(strategy: StrategyLike, inter_dtype: Optional[str] = None) -> Plan:
     phases = {"gather": _GATHER[s.p], "reduce": _REDUCE[s.g], "boundary": _BOUNDARY[(s.g, s.os)],
               "push": _PUSH.get((s.os, s.p), ())}
     if inter_dtype is not None:
-        if inter_dtype not in WIRES:
-            raise ValueError(f"inter_dtype must be one of {sorted(WIRES)} (or None: the working dtype), "
-                             f"got {inter_dtype!r}")
+        check_wire(inter_dtype)
         for name, moves in phases.items():
             wire = "int8" if name in _PARAM_PHASES else inter_dtype
             phases[name] = tuple(replace(m, wire=wire) if m.dim != _INTRA else m for m in moves)

@@ -21,6 +21,8 @@ import torch.nn.functional as F
 
 from .collectives import QBLOCK, WIRES
 
+_wait = torch.ops._c10d_functional.wait_tensor  # what this module issues is plain functional collectives
+
 __all__ = ["Deferred", "all_gather", "all_reduce", "pack", "reduce_scatter", "unpack"]
 
 
@@ -81,7 +83,7 @@ def all_gather(comm: Any, shard: torch.Tensor, dim: str, wire: str) -> Deferred:
     """Every rank's 1-D ``shard`` over ``dim``, concatenated in rank order, through ``wire``."""
     k, s = comm.info.size(dim), shard.numel()
     codes = comm.functional_all_gather(pack(shard.view(1, s), wire).view(-1), dim)
-    return Deferred(lambda: unpack(comm.wait(codes), k, s, wire, shard.dtype).reshape(-1))
+    return Deferred(lambda: unpack(_wait(codes), k, s, wire, shard.dtype).reshape(-1))
 
 
 def _exchange(comm: Any, full: torch.Tensor, dim: str, wire: str) -> tuple[Any, int]:
@@ -96,7 +98,7 @@ def _exchange(comm: Any, full: torch.Tensor, dim: str, wire: str) -> tuple[Any, 
 
 def _summed(comm: Any, codes: Any, k: int, s: int, wire: str) -> torch.Tensor:
     """What the all-to-all brought (one piece from each rank), dequantized and summed in fp32."""
-    return unpack(comm.wait(codes), k, s, wire, torch.float32).sum(dim=0)
+    return unpack(_wait(codes), k, s, wire, torch.float32).sum(dim=0)
 
 
 def reduce_scatter(comm: Any, full: torch.Tensor, dim: str, wire: str) -> Deferred:
@@ -115,6 +117,6 @@ def all_reduce(comm: Any, t: torch.Tensor, dim: str, wire: str) -> Deferred:
     def finish() -> torch.Tensor:
         piece = _summed(comm, codes, k, s, wire)
         whole = comm.functional_all_gather(pack(piece.view(1, s), wire).view(-1), dim)
-        return unpack(comm.wait(whole), k, s, wire, t.dtype).reshape(-1)[: t.numel()].view(t.shape)
+        return unpack(_wait(whole), k, s, wire, t.dtype).reshape(-1)[: t.numel()].view(t.shape)
 
     return Deferred(finish)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Iterable, Optional, Sequence, Union
 
-from ..collectives import WIRES, CommStats, Dim, Kind, hops
+from ..collectives import CommStats, Dim, Kind, check_wire, hops
 from ..dtypes import dtype_of
 from .ledger import Ledger, memory_of, peak_of, peak_terms, traffic_of
 from ..models.llama import LlamaArgs
@@ -146,8 +146,10 @@ def predict(model: Union[str, LlamaArgs, ModelSpec], strategy: StrategyLike, n: 
     ``activation_checkpoint``: "none", "full" or "auto" (full only if needed to fit); ``dtype`` /
     ``reduce_dtype`` / ``accumulate_dtype`` (None: the reduce dtype): of P / the gradients / G;
     ``inter_dtype``: priced on its bytes on the wire (not the quantization's arithmetic)."""
-    if inter_dtype is not None and inter_dtype not in WIRES:
-        raise AdvisorError(f"inter_dtype must be one of {sorted(WIRES)} or None, got {inter_dtype!r}")
+    try:
+        check_wire(inter_dtype)
+    except ValueError as exc:  # the advisor's callers expect its one error type
+        raise AdvisorError(str(exc)) from None
     spec = model_spec(model, trainable_fraction)
     _check_sizes(n, m, micro_batch, grad_accum, seq_len)
     if activation_checkpoint not in ACTIVATION_CHECKPOINT_MODES:
