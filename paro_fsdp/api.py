@@ -148,6 +148,7 @@ def build(model: nn.Module, mesh: DeviceMesh, strategies: dict[str, Strategy], b
         ]
         make_sinks_on_compile(groups)
         block = ParoBlock(name, [module], groups, state, raf)
+        block.cast_output = block_mp.output_dtype
         if module is model:
             block.is_root = True
             block.modules = list(root_hooks_on) if root_hooks_on is not None else [_entry_module(model)]

@@ -144,7 +144,8 @@ def _modules_of(module: Any) -> list[nn.Module]:
 
 def _mixed_precision(mp_policy: MixedPrecisionPolicy, inter_dtype: Optional[str]) -> MixedPrecision:
     return MixedPrecision(param_dtype=mp_policy.param_dtype or torch.float32, reduce_dtype=mp_policy.reduce_dtype,
-                          cast_forward_inputs=mp_policy.cast_forward_inputs, inter_dtype=inter_dtype)
+                          cast_forward_inputs=mp_policy.cast_forward_inputs, inter_dtype=inter_dtype,
+                          output_dtype=mp_policy.output_dtype)
 
 
 def _sharded_inside(module: nn.Module) -> list:
@@ -189,8 +190,6 @@ def _refuse_unsupported(reshard_after_forward: Any, shard_placement_fn: Any, mp_
     if ignored_params:
         raise NotImplementedError("ignored_params: not supported; set requires_grad=False on frozen parameters "
                                   "(they are sharded at their P level) or keep the module out of fully_shard")
-    if mp_policy.output_dtype is not None:
-        raise NotImplementedError("MixedPrecisionPolicy.output_dtype is not supported by paro_fsdp; cast the output")
     if mp_policy.param_dtype == torch.float16:
         raise ValueError("MixedPrecisionPolicy(param_dtype=torch.float16): use torch.bfloat16 (fp16 needs a loss "
                          "scaler, which paro_fsdp does not have)")

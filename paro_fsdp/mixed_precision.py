@@ -23,6 +23,8 @@ class MixedPrecision:
     ``inter_dtype``: what crosses between groups, quantized: "int8" (parameters and gradients) or
     "int4" (gradients; parameters int8), block-wise scaled, gradients summed in fp32 where they
     arrive (quantize.py); None, the default: the dtypes above, exact. Inside a group nothing changes.
+    ``output_dtype``: floating-point outputs of each sharded module cast to it after its forward, as
+    FSDP2's (None: left as computed).
     """
 
     param_dtype: torch.dtype = torch.float32
@@ -30,6 +32,7 @@ class MixedPrecision:
     accumulate_dtype: Optional[torch.dtype] = torch.float32
     cast_forward_inputs: bool = True
     inter_dtype: Optional[str] = None
+    output_dtype: Optional[torch.dtype] = None
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype", "accumulate_dtype"):
@@ -41,6 +44,9 @@ class MixedPrecision:
             raise ValueError(f"MixedPrecision: gradients would be reduced in float16 ({given}), "
                              "a plain sum over all ranks "
                              f"that overflows at scale; set reduce_dtype=torch.bfloat16 (or torch.float32)")
+        if self.output_dtype is not None and not (isinstance(self.output_dtype, torch.dtype)
+                                                  and self.output_dtype.is_floating_point):
+            raise ValueError(f"MixedPrecision.output_dtype must be a floating torch dtype, got {self.output_dtype!r}")
         check_wire(self.inter_dtype, "MixedPrecision.inter_dtype")
         if self.accumulate_dtype == torch.float16:
             raise ValueError("MixedPrecision: accumulate_dtype=torch.float16 sums undivided gradients "

@@ -42,6 +42,7 @@ class ParoBlock:
         self.reshard_after_forward = reshard_after_forward
         self.unshard_in_backward = True  # FSDP2's set_unshard_in_backward
         self.cast_inputs: torch.dtype | None = None  # floating inputs cast at its forward (paro_shard: root only)
+        self.cast_output: torch.dtype | None = None  # floating outputs cast after its forward (FSDP2's output_dtype)
         self.traced = False  # set once torch.compile has traced this block: no eager prefetch into it
         # FSDP2's set_modules_to_forward/backward_prefetch (None: the next block in the recorded order)
         self.forward_prefetch: list[ParoBlock] | None = None
@@ -122,6 +123,11 @@ class ParoBlock:
         return args, kwargs
 
     def post_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any):
+        output = self._post_forward(module, output)
+        # after each module of the group, past the pre-backward hooks, as FSDP2's
+        return output if self.cast_output is None else _cast_floating(output, self.cast_output)
+
+    def _post_forward(self, module: nn.Module, output: Any):
         if torch.compiler.is_compiling():
             for g in self.groups:
                 g.register(g.sharded_params)

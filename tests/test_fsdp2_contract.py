@@ -77,9 +77,10 @@ def _fully_shard(impl: str):
 
 
 def build(impl: str, mesh_shape: tuple[int, ...] | None, tied: bool = False, twice: str = "",
-          strategy: str | None = None, flat: bool = True, meta: bool = False) -> Net:
+          strategy: str | None = None, flat: bool = True, meta: bool = False, mp: Any = None,
+          inner: bool = True) -> Net:
     """accelerate's recipe: each block's inner module, the block, the tail as one list, the root;
-    ``mesh_shape`` None: no mesh given (each call's default)."""
+    ``mesh_shape`` None: no mesh given (each call's default); ``inner``: each block's inner module too."""
     from torch.distributed.device_mesh import init_device_mesh
 
     shard = _fully_shard(impl)
@@ -88,11 +89,14 @@ def build(impl: str, mesh_shape: tuple[int, ...] | None, tied: bool = False, twi
         kw["mesh"] = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
     if impl == "paro" and strategy:
         kw["strategy"] = strategy
+    if mp is not None:
+        kw["mp_policy"] = mp
     torch.manual_seed(0)
     with torch.device("meta" if meta else "cpu"):  # meta: sharded inside the context too, as FSDP2's tests do
         model = Net(tied, twice, flat, inplace=flat or impl == "paro")
         for layer in model.layers:
-            shard(layer.a, **kw)
+            if inner:
+                shard(layer.a, **kw)
             shard(layer, **kw)
         shard([model.emb, model.norm, model.head] if tied else [model.norm, model.head], **kw)
         shard(model, **kw)
@@ -361,6 +365,24 @@ def forward_mode(impl: str) -> list[torch.Tensor]:
     return [out.detach(), tangent.detach()]
 
 
+def output_dtype(impl: str) -> dict[str, Any]:
+    """``MixedPrecisionPolicy(output_dtype=)``: bf16 compute, fp32 out of every sharded module; the
+    dtypes seen after each module's forward, the output, and one backward's reduced gradients."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    model = build(impl, None, mp=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                                      output_dtype=torch.float32), inner=False)
+    seen: dict[str, str] = {}
+    for name, m in [("inner", model.layers[0].a), ("block", model.layers[0]), ("norm", model.norm),
+                    ("tail", model.head), ("root", model)]:
+        m.register_forward_hook(lambda m, args, out, name=name: seen.__setitem__(name, str(out.dtype)) and None)
+    x = tokens(0, 0)
+    out = model(x[:, :-1])
+    nn.functional.cross_entropy(out.flatten(0, 1), x[:, 1:].flatten()).backward()
+    grads = {n: full(p.grad) for n, p in model.named_parameters()}
+    return {"dtypes": seen, "out": out.detach().clone(), "grads": grads}
+
+
 def rank_main(_: Any = None) -> dict[str, Any]:
     from torch.distributed.fsdp import FSDPModule
 
@@ -380,6 +402,7 @@ def rank_main(_: Any = None) -> dict[str, Any]:
         model.set_gradient_divide_factor(8.0)  # the root's own parameters only, as FSDP2's
         out[impl, "divide"] = train(model)
         out[impl, "surface"] = surface(impl)
+        out[impl, "output_dtype"] = output_dtype(impl)
         out[impl, "tied_across_calls"] = tied_across_calls(impl)
         out[impl, "meta_uneven"] = meta_uneven(impl)
         out[impl, "meta_forgotten"] = meta_forgotten(impl)
@@ -421,6 +444,19 @@ def test_training_equals_fsdp2(runs, case):
     assert got["state_dict"].keys() == ref["state_dict"].keys()
     for name, value in ref["state_dict"].items():
         torch.testing.assert_close(got["state_dict"][name], value, rtol=1e-5, atol=2e-6, msg=name)
+
+
+def test_output_dtype_as_fsdp2s(runs):
+    """Each sharded module's floating output in ``output_dtype`` (FSDP2 casts after every module it
+    shards, each module of a list too), the same values, and the cast's backward into bf16 compute: the same
+    gradients."""
+    ref, got = runs["torch", "output_dtype"], runs["paro", "output_dtype"]
+    assert got["dtypes"] == ref["dtypes"]
+    assert ref["dtypes"] == {"inner": "torch.bfloat16", "block": "torch.float32", "norm": "torch.float32",
+                             "tail": "torch.float32", "root": "torch.float32"}
+    torch.testing.assert_close(got["out"], ref["out"], rtol=0, atol=0)
+    for name, value in ref["grads"].items():
+        torch.testing.assert_close(got["grads"][name], value, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_modules_look_like_fsdp2s(runs):
