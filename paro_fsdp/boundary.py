@@ -127,6 +127,10 @@ def set_master_grads(group: ParoParamGroup, reduced: torch.Tensor) -> None:
                                             shape=param.shape, stride=param.stride())
         else:
             param.grad._local_tensor.add_(grad)
+        # its gradient is final: the post-accumulate-grad hooks run now, as FSDP2 runs them after its
+        # reduce-scatter (an optimizer in backward steps here; optimizer_hooks defers the push)
+        for hook in (getattr(param, "_post_accumulate_grad_hooks", None) or {}).values():
+            hook(param)
     group.grad_acc.free()
     group.grads = GradState.EMPTY
 

@@ -28,16 +28,18 @@ def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: A
         mine = [stepped[id(p)] for g in state.groups for p in g.sharded_params[: len(g.trainable)] if id(p) in stepped]
         if mine:
             torch.autograd.graph.increment_version(mine)
-            state.refresh_params()
+            if in_backward():  # an optimizer in backward (a post-accumulate-grad hook): the blocks still
+                state.refresh_after_backward = True  # gathered for backward reshard at its end, then push
+            else:
+                state.refresh_params()
 
 
 def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """A step over parameters whose gradients are still at the G level (every backward since the
-    last step ran with ``set_requires_gradient_sync(False)``) would silently skip them: refuse."""
-    if in_backward() and any(s.running_backward for s in list(_watched)):
-        raise RuntimeError("optimizer.step() inside backward (an optimizer in a gradient hook) is not supported by "
-                           "paro_fsdp: the sharded parameters' .grad are written at the end of backward; step after "
-                           "backward() returns")
+    last step ran with ``set_requires_gradient_sync(False)``) would silently skip them: refuse. Inside
+    backward (an optimizer in a post-accumulate-grad hook) the other groups are still reducing: allowed."""
+    if in_backward():
+        return
     pending = [g for state in list(_watched) for g in state.groups if g.grads is GradState.AT_G]
     if not pending:
         return

@@ -226,6 +226,7 @@ class ParoState:
         self.compiled_push = None  # traced._compile_push: the pushes as one compiled graph
         self.applying = False  # inside ParoModule._apply (module.to(...)): nested sharded modules leave it alone
         self.post_optim_event: torch.Event | None = None  # FSDP2's set_post_optim_event, for the next forward
+        self.refresh_after_backward = False  # an optimizer stepped inside backward: push at its end
 
     @property
     def groups(self) -> list[ParoParamGroup]:
@@ -304,6 +305,9 @@ class ParoState:
                 b.release(g)
         if (streams := active(self.comm.streams)) is not None:
             streams.release()  # the kept gather results, once the gather stream has waited for their reads
+        if self.refresh_after_backward:
+            self.refresh_after_backward = False
+            self.refresh_params()
 
     def check_params(self) -> None:
         """Refuse a tensor frozen when sharded and trained later (it has no gradient buffers), and
