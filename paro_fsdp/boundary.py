@@ -109,7 +109,7 @@ def set_master_grads(group: ParoParamGroup, reduced: torch.Tensor) -> None:
     ``reduced`` is scaled in place and the ``.grad`` view it, so the peak holds one OS-level fp32 gradient,
     not the accumulator and a scaled copy at once."""
     layout, OS, dt = group.t_layout, group.strategy.os, group.mp.grad_dtype
-    scale = 1.0 / (group.info.n if group.grad_divide_factor is None else group.grad_divide_factor)
+    scale = group.predivide / group.divide  # fp16: the part of the division not made before the sums
     if group.plan.masters_whole:
         grads = []
         for master, t in zip(group.master, layout.tensors):

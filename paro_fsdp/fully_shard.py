@@ -190,6 +190,3 @@ def _refuse_unsupported(reshard_after_forward: Any, shard_placement_fn: Any, mp_
     if ignored_params:
         raise NotImplementedError("ignored_params: not supported; set requires_grad=False on frozen parameters "
                                   "(they are sharded at their P level) or keep the module out of fully_shard")
-    if mp_policy.param_dtype == torch.float16:
-        raise ValueError("MixedPrecisionPolicy(param_dtype=torch.float16): use torch.bfloat16 (fp16 needs a loss "
-                         "scaler, which paro_fsdp does not have)")

@@ -12,9 +12,10 @@ from .collectives import check_wire
 @dataclass(frozen=True)
 class MixedPrecision:
     """``param_dtype``: dtype of P (stored shard, all-gathers, compute).
-    ``reduce_dtype``: dtype gradients travel in (defaults to ``param_dtype``). Never float16: every
-    gradient reduction is a plain sum over the ranks, divided only at the step, and an fp16 sum
-    overflows at scale; bf16 has fp32's range.
+    ``reduce_dtype``: dtype gradients travel in (defaults to ``param_dtype``). In float16 (FSDP2's
+    fp16, with a loss scaler) each rank's gradient is divided by ``predivide(n)`` before its first
+    reduction and the rest of 1/n at the step, as FSDP2 divides, so the sum over the ranks stays
+    in fp16's range; every other dtype is summed and divided once, at the step.
     ``accumulate_dtype``: dtype of the G-level sum over micro-steps; fp32 by default, as FSDP2's
     sharded gradients, since the running sum outgrows each addend and bf16 rounds late micro-steps
     away (docs/api.md). ``None``: the reduce dtype (half the G memory).
@@ -39,11 +40,6 @@ class MixedPrecision:
             value = getattr(self, name)
             if value is not None and value not in (torch.float32, torch.bfloat16, torch.float16):
                 raise ValueError(f"MixedPrecision.{name} must be torch.float32, bfloat16 or float16, got {value}")
-        if self.grad_dtype == torch.float16:
-            given = "reduce_dtype" if self.reduce_dtype is not None else "param_dtype (reduce_dtype defaults to it)"
-            raise ValueError(f"MixedPrecision: gradients would be reduced in float16 ({given}), "
-                             "a plain sum over all ranks "
-                             f"that overflows at scale; set reduce_dtype=torch.bfloat16 (or torch.float32)")
         if self.output_dtype is not None and not (isinstance(self.output_dtype, torch.dtype)
                                                   and self.output_dtype.is_floating_point):
             raise ValueError(f"MixedPrecision.output_dtype must be a floating torch dtype, got {self.output_dtype!r}")
@@ -57,6 +53,17 @@ class MixedPrecision:
     def input_dtype(self) -> Optional[torch.dtype]:
         """What the model's floating-point inputs are cast to (None: left as they are)."""
         return self.param_dtype if self.cast_forward_inputs and self.param_dtype != torch.float32 else None
+
+    def predivide(self, divide: float) -> float:
+        """The part of the division by ``divide`` (the world size, or ``set_gradient_divide_factor``'s)
+        applied before the reduction, about its square root: FSDP2's pre-divide factor for fp16 (the
+        same doubling rule, so the sums match FSDP2's); 1 in other dtypes."""
+        if self.grad_dtype != torch.float16:
+            return 1.0
+        factor = 1
+        while divide % factor == 0 and divide / factor > factor:
+            factor *= 2
+        return float(factor)
 
     @property
     def grad_dtype(self) -> torch.dtype:

@@ -164,6 +164,16 @@ class ParoParamGroup:
         self.grad_divide_factor: float | None = None  # None: the world size (set_gradient_divide_factor)
 
     @property
+    def divide(self) -> float:
+        """What the summed gradient is divided by: the world size, or ``set_gradient_divide_factor``'s."""
+        return float(self.info.n if self.grad_divide_factor is None else self.grad_divide_factor)
+
+    @property
+    def predivide(self) -> float:
+        """The part of ``divide`` applied before the first reduction (fp16 only; the rest at the step)."""
+        return self.mp.predivide(self.divide)
+
+    @property
     def last_backward(self) -> bool:
         """Whether the next backward reduces the gradients to the OS level (the step boundary)."""
         return self.requires_sync and self.is_last and self.requires_all_reduce
@@ -244,7 +254,9 @@ class ParoParamGroup:
     def grad_buffer(self, grads: list[torch.Tensor | None], into: torch.Tensor | None = None) -> torch.Tensor:
         """The whole-tensor gradients (None: zeros) laid out NESTED (G = G) or FULL, in the reduce dtype,
         padding zero; ``into`` (G = N, eager): added into that FULL accumulator instead."""
-        layout, dt = self.t_layout, self.mp.grad_dtype
+        layout, dt, pre = self.t_layout, self.mp.grad_dtype, self.predivide
+        if pre != 1.0:  # fp16: each rank's part divided before any sum (MixedPrecision.predivide)
+            grads = [g_ if g_ is None else g_.to(dt) / pre for g_ in grads]
         if into is not None:
             for t, grad in zip(layout.tensors, grads):
                 if grad is not None:

@@ -94,13 +94,13 @@ def test_every_bad_input_is_one_line(files, capsys, fresh_env):
 
 
 @pytest.mark.parametrize("kwargs, names", [
-    (dict(param_dtype="float16"), "param_dtype (reduce_dtype defaults to it)"),
-    (dict(param_dtype="bfloat16", reduce_dtype="float16"), "reduce_dtype"),
     (dict(param_dtype="bfloat16", accumulate_dtype="float16"), "accumulate_dtype=torch.float16"),
+    (dict(param_dtype="float16", accumulate_dtype="float16"), "accumulate_dtype=torch.float16"),
 ])
 def test_float16_gradient_sums_are_refused_naming_bf16(kwargs, names):
-    """Gradients are summed undivided over the ranks; in fp16 that overflows at scale, so an
-    fp16 reduce or accumulate dtype is one line that names the dtype to use instead."""
+    """The G accumulator sums undivided micro-step gradients; in fp16 that overflows, so an fp16
+    accumulate dtype is one line that names the dtype to use instead (an fp16 reduce is pre-divided
+    as FSDP2's: tests/test_fp16.py)."""
     import torch
 
     from paro_fsdp import MixedPrecision

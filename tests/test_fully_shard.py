@@ -234,14 +234,6 @@ def test_fp32_ggg_holds_zero3_bytes():
             "offload",
         ),
         ({"ignored_params": {torch.nn.Parameter(torch.zeros(1))}}, "requires_grad=False"),
-        (
-            {
-                "mp_policy": __import__(
-                    "torch.distributed.fsdp", fromlist=["MixedPrecisionPolicy"]
-                ).MixedPrecisionPolicy(param_dtype=torch.float16)
-            },
-            "torch.bfloat16",
-        ),
     ],
 )
 def test_fsdp2_options_paro_cannot_honour_fail_in_one_line(kwargs, fix):
