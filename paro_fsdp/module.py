@@ -210,8 +210,8 @@ class ParoModule(FSDPModule):
 
     # ---- PaRO's own -------------------------------------------------------------------------
     def comm_stats(self) -> CommStats:
-        """Count and ring bytes per (kind, mesh dim) so far, the queued pushes issued first."""
-        self._paro_state.pushes.finish()
+        """Count and ring bytes per (kind, mesh dim) of the collectives issued so far (a step's push
+        is issued by the next forward, or by ``wait_for_params()``, which every rank calls)."""
         return self._paro_state.comm.stats
 
     def memory_report(self, optimizer: Any = None) -> dict[str, int]:

@@ -1,8 +1,10 @@
-"""The engine's hooks on torch's optimizer step and on ``dist.destroy_process_group``.
+"""The engine's hooks on torch's optimizer step.
 
 The user's optimizer is a plain torch.optim one over the parameters, so the engine learns of the
-update from torch's global step hooks and starts the pushes to P as the step ends (the root's
-pre-forward checks again, for writes no optimizer made: loads, in-place edits).
+update from torch's global step hooks and queues the pushes to P as the step ends; the next
+forward's root starts them (the root's pre-forward checks again, for writes no optimizer made:
+loads, in-place edits). Nothing is left in flight after a step, so ``dist.destroy_process_group``
+and a rank that exits early meet no collective of the engine's.
 """
 from __future__ import annotations
 
@@ -10,7 +12,6 @@ import weakref
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .hooks import in_backward
@@ -52,30 +53,12 @@ def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: 
                                f"model.set_requires_gradient_sync(True) before the last micro-step's backward")
 
 
-def _landing_pushes_first(destroy):
-    """``dist.destroy_process_group``, landing the last step's pushes first (collectives a script's
-    last step never waits; NCCL may hang). On gloo, a barrier after: a rank may still be sending to
-    a peer, whose gloo thread aborts when the pairs go (SIGABRT at exit, 1 run in 6-8)."""
-    def destroy_process_group(*args: Any, **kwargs: Any) -> None:
-        states = list(_watched)
-        for state in states:
-            state.pushes.finish()
-        whole = not args and not kwargs.get("group")  # the default group: every group goes
-        if states and whole and dist.is_initialized() and dist.get_backend() == "gloo":
-            dist.barrier()
-        return destroy(*args, **kwargs)
-
-    destroy_process_group.__wrapped__ = destroy
-    return destroy_process_group
-
-
 def watch(state) -> None:
     global _hook_handle
     _watched.add(state)
     if _hook_handle is None:
         _hook_handle = (register_optimizer_step_pre_hook(_before_optimizer_step),
                         register_optimizer_step_post_hook(_after_optimizer_step))
-        dist.destroy_process_group = _landing_pushes_first(dist.destroy_process_group)
 
 
 def unwatch(state) -> None:

@@ -4,13 +4,14 @@ last backward, and the pushes of the updated parameters under the next forward.
 Why: PaRO's headline strategies (IIG, NIG, NII) move their inter-group bytes once per step, at the
 boundary, where nothing computes under them (FSDP2's HSDP hides its all-reduce under the last
 backward). So each block's reduction to the OS level starts as its gradient becomes final, and
-after the update each push starts and the block's next pre-forward waits for it, like a prefetch.
+after the update each push is queued: the next forward's root starts them and each block's
+pre-forward waits for its own, like a prefetch (nothing stays in flight between steps).
 
 Bounds: a queue holds at most ``limit_bytes`` of started sequences (at least one). Order: every
 rank starts, advances and finishes entries at the same hooks in FIFO order, so collectives match
 across ranks. A push is deferred only where no forward collective shares its process group
-(``push_dims``), so a read on one rank alone (``state_dict``), which finishes every push, cannot
-reorder them.
+(``push_dims``), so one rank that starts them early (``wait_for_params``) cannot reorder them
+against the forward's gathers.
 """
 from __future__ import annotations
 

@@ -93,6 +93,7 @@ class ParoBlock:
         if self.is_root and not in_backward():
             state.check_params()
             state.refresh_params()
+            state.pushes.fill()  # the step's pushes go on the wire with the forward that reads them
         for g in self.groups:
             state.land_push(g)
         if in_backward():
@@ -328,7 +329,9 @@ class ParoState:
     @torch.no_grad()
     def refresh_params(self) -> None:
         """Push the groups whose parameters' versions changed (a step, a load) to P; called after
-        every optimizer step and at the root's pre-forward. Deferred to the next forward where safe."""
+        every optimizer step and at the root's pre-forward. Where safe, queued for the next forward,
+        whose root starts them: nothing is in flight between steps, so a finished run exits with no
+        collective pending (and none is issued at teardown)."""
         changed = [g for g in self.groups if g.trainable and g.params_version() != g.pushed_version]
         if not changed:
             return
@@ -344,7 +347,6 @@ class ParoState:
         drive([push_params(g) for g in changed if g not in deferred])  # local copies, or every push
         for g in deferred:  # root first: the order the next forward needs them
             self.pushes.queue(g, push_params(g), push_bytes(g))
-        self.pushes.fill()
 
     def _can_defer_push(self) -> bool:
         """Eager blocks only (a traced one reads P in its graph), once a forward showed the order,

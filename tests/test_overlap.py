@@ -1,7 +1,7 @@
 """The step boundary under compute (paro_fsdp/overlap.py), on 4 gloo ranks as 2 x 2: the last
 micro-step's reductions to the OS level are issued during backward, in the order blocks finish,
-and bounded; the push to P is issued at the step and waited at each block's next pre-forward,
-root first, bounded; reads of the parameters (the optimizer's, at the OS level) never wait for it;
+and bounded; the push to P is queued at the step (nothing in flight between steps), issued by the
+next forward's root and waited at each block's pre-forward, root first, bounded; reads of the parameters (the optimizer's, at the OS level) never wait for it;
 a second reducing backward adds to ``.grad``, as FSDP2's.
 Exactness of every strategy on both boundaries is test_paro_shard_strategies.py's grid."""
 from __future__ import annotations
@@ -102,15 +102,19 @@ def rank_main(payload: dict) -> dict:
                     case["pushes_started"] = sum(e.started for e in state.pushes.entries)
                     case["p_stale"] = torch.equal(working_copy(model), before)
                     seen: list[int] = []
+                    in_flight: list[int] = []  # pushes started, at each layer's pre-forward
+
+                    def sample(*_):
+                        seen.append(len(state.pushes))
+                        in_flight.append(sum(e.started for e in state.pushes.entries))
+
                     model.set_requires_gradient_sync(False)
-                    hooks = [
-                        b.register_forward_pre_hook(lambda *_: seen.append(len(state.pushes)), prepend=True)
-                        for b in model.layers
-                    ]
+                    hooks = [b.register_forward_pre_hook(sample, prepend=True) for b in model.layers]
                     model(batch(rank, 9, 0)).loss.backward()  # an extra micro-step: the pushes land in its forward
                     for h in hooks:
                         h.remove()
                     case["queued_at_layers"] = seen
+                    case["started_at_layers"] = in_flight
                     case["p_fresh"] = not torch.equal(working_copy(model), before)
                     for g in state.groups:
                         g.zero_grad()  # drop that micro-step's G-level gradients
@@ -168,7 +172,8 @@ def test_the_boundary_runs_under_the_last_backward(results, strategy):
 @pytest.mark.parametrize("strategy", ["IIG", "NIG", "NII"])
 def test_the_push_lands_at_the_next_forward_root_first(results, strategy):
     case = results[(strategy, None)]
-    assert case["pushes_queued"] == 3 and case["pushes_started"] == 3 and case["p_stale"]
+    assert case["pushes_queued"] == 3 and case["pushes_started"] == 0 and case["p_stale"]  # none in flight
+    assert case["started_at_layers"] == case["queued_at_layers"]  # the root's pre-forward started them all
     # at each layer's pre-forward: the root's push has landed, and with P = I the prefetch of the
     # layer about to run has waited for its push too
     assert case["queued_at_layers"] == ([1, 0] if strategy == "IIG" else [2, 1])
@@ -186,7 +191,8 @@ def test_reading_the_parameters_does_not_wait_for_the_push(results, strategy):
 def test_bytes_in_flight_are_bounded(results, strategy):
     case = results[(strategy, 1)]
     assert case["max_started"] == 1
-    assert case["pushes_queued"] == 3 and case["pushes_started"] == 1
+    assert case["pushes_queued"] == 3 and case["pushes_started"] == 0
+    assert max(case["started_at_layers"]) == 1  # in the forward that lands them, one at a time
     assert case["p_fresh"]
 
 

@@ -61,6 +61,7 @@ def rank_main(_: Any = None) -> dict[str, Any]:
         stats = model.comm_stats()
         stats.reset()
         losses = train_steps(model, opt, STEPS)
+        model.wait_for_params()  # the last step's push (else issued by the next forward)
         ledger = traffic_of(buckets_of(model), world, 2, 1, param_bytes=4, grad_bytes=4, flat_below_bytes=1 << 30)
         out["flat"][s] = {"losses": losses, "params": full_params(model), "comm": stats.as_dict(),
                           "ledger": {k: {"count": v["count"] * STEPS, "bytes": v["bytes"] * STEPS}

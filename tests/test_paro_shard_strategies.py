@@ -44,6 +44,7 @@ PROFILED = [(s, 4, 2) for s in ("GGG", "IIG", "NIG", "IGG", "ING", "NNG")]  # 2x
 
 def _trained(model, losses) -> dict[str, Any]:
     """Losses, final full parameters, and the ledger per step (bytes) and in all (counts)."""
+    model.wait_for_params()  # the last step's push (else issued by the next forward)
     stats = model.comm_stats()
     return {
         "losses": losses,

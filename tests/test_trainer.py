@@ -114,6 +114,7 @@ def world4_first(tmp: str) -> dict[str, Any]:
                             "--training.steps", "3"] + extra)
         inter_before_clip = _count_inter_before_clip(trainer)
         losses = trainer.train()
+        trainer.model.wait_for_params()  # the last step's push (else issued by a next forward)
         trainer.close()
         out[f"family/{s}"] = {"losses": losses, "comm": trainer.model.comm_stats().as_dict(),
                               "memory": trainer.model.memory_report(trainer.optimizer),
