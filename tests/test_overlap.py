@@ -1,8 +1,9 @@
 """The step boundary under compute (paro_fsdp/overlap.py), on 4 gloo ranks as 2 x 2: the last
 micro-step's reductions to the OS level are issued during backward, in the order blocks finish,
 and bounded; the push to P is queued at the step (nothing in flight between steps), issued by the
-next forward's root and waited at each block's pre-forward, root first, bounded; reads of the parameters (the optimizer's, at the OS level) never wait for it;
-a second reducing backward adds to ``.grad``, as FSDP2's.
+next forward's root and waited at each block's pre-forward, root first, bounded; reads of the
+parameters (the optimizer's, at the OS level) never wait for it; a second reducing backward adds
+to ``.grad``, as FSDP2's.
 Exactness of every strategy on both boundaries is test_paro_shard_strategies.py's grid."""
 from __future__ import annotations
 
