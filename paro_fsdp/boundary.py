@@ -119,20 +119,30 @@ def set_master_grads(group: ParoParamGroup, reduced: torch.Tensor) -> None:
     else:
         flat = reduced.to(torch.float32).mul_(scale)  # one fp32 buffer per group; grads are views
         grads = [layout.local_view(flat, t, OS) for t in layout.tensors]
-    for param, grad in zip(group.sharded_params, grads):
+    unused, group.unused = group.unused, None
+    # the traced path tracks nothing: its tensors count as used (zeros, not None, under torch.compile)
+    group.used_here = [True] * len(grads) if unused is None else [not u for u in unused]
+    for i, (param, grad) in enumerate(zip(group.sharded_params, grads)):
         if not param.requires_grad:  # frozen after sharding (requires_grad_(False)): no gradient, as FSDP2's
             continue
+        none_here = unused is not None and unused[i]
+        if none_here:  # no gradient on this rank: on another? ParoState.used_grads decides, then its hooks
+            group.undecided.append((i, param, param.grad is None))
         if param.grad is None:
             param.grad = DTensor.from_local(grad, param.device_mesh, param.placements, run_check=False,
                                             shape=param.shape, stride=param.stride())
         else:
             param.grad._local_tensor.add_(grad)
-        # its gradient is final: the post-accumulate-grad hooks run now, as FSDP2 runs them after its
-        # reduce-scatter (an optimizer in backward steps here; optimizer_hooks defers the push)
-        for hook in (getattr(param, "_post_accumulate_grad_hooks", None) or {}).values():
-            hook(param)
+        if not none_here:  # its gradient is final: the post-accumulate-grad hooks run now, as FSDP2 runs
+            run_grad_hooks(param)  # them after its reduce-scatter (an optimizer in backward steps here)
     group.grad_acc.free()
     group.grads = GradState.EMPTY
+
+
+def run_grad_hooks(param: torch.Tensor) -> None:
+    """``param``'s post-accumulate-grad hooks (optimizer_hooks defers a push a step in them starts)."""
+    for hook in (getattr(param, "_post_accumulate_grad_hooks", None) or {}).values():
+        hook(param)
 
 
 def push_params(group: ParoParamGroup) -> Steps:

@@ -66,6 +66,10 @@ QUANTIZED: dict[Kind, tuple[Kind, ...]] = {
     Kind.REDUCE_SCATTER: (Kind.ALL_TO_ALL,),
     Kind.ALL_REDUCE: (Kind.ALL_TO_ALL, Kind.ALL_GATHER),
 }
+#: the end of a syncing backward's question, a byte per trainable tensor OR-ed (MAX) over all ranks:
+#: which tensors some rank used (``ParoState.used_grads``: FSDP2's None for the rest)
+USED: tuple[Kind, Dim] = (Kind.ALL_REDUCE, Dim.GLOBAL)
+
 #: bits per element of each quantized wire dtype; one fp32 scale per ``QBLOCK`` elements
 WIRES = {"int8": 8, "int4": 4}
 QBLOCK = 256

@@ -35,20 +35,20 @@ class Unshard(torch.autograd.Function):
         ctx.on_grads = on_grads
         # a frozen tensor's whole copy (LoRA's base) needs no gradient: differentiable, it made autograd
         # keep every frozen layer's inputs and compute its weight gradient (5.75 MiB for 4.32 on a LoRA
-        # Llama). A trainable one that got none (unused in this forward) gets zeros.
+        # Llama). A trainable one that got none (unused in this forward) is passed on as None: the
+        # engine sums it as zeros and tells FSDP2's None apart at the step (ParoState.used_grads).
         ctx.mark_non_differentiable(*[o for o, s in zip(output, sharded) if not s.requires_grad])
         ctx.set_materialize_grads(False)
-        ctx.like = [(p.shape, p.dtype, p.device) if s.requires_grad else None for p, s in zip(full, sharded)]
+        ctx.n = len(full)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None):  # type: ignore[override]
-        ctx.on_grads([torch.zeros(like[0], dtype=like[1], device=like[2]) if g is None and like is not None else g
-                      for g, like in zip(grads, ctx.like)])
+        ctx.on_grads(list(grads))
         return (None, None) + (None,) * len(grads)
 
     @staticmethod
     def jvp(ctx, *tangents: Any) -> tuple:  # type: ignore[override]
-        return tuple(None for _ in ctx.like)
+        return tuple(None for _ in range(ctx.n))
 
 
 class OnBackward(torch.autograd.Function):

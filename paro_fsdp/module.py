@@ -130,7 +130,8 @@ class ParoModule(FSDPModule):
         """Accepted: PaRO's gradient collectives always sum, and divide afterwards."""
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
-        """Accepted: a parameter with no gradient is always reduced as zeros, FSDP2's ``True``."""
+        """Accepted: a parameter with no gradient on this rank is always reduced as zeros, FSDP2's ``True``
+        (its ``.grad`` is None after backward where no rank used it, as FSDP2's)."""
 
     def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
         """The blocks whose gathers this block's forward issues ahead (FSDP2's explicit prefetch)."""

@@ -162,6 +162,13 @@ class ParoParamGroup:
         self.sink: torch.Tensor | None = None  # gradient leaves of the traced path (traced.py)
         self.os_sink: torch.Tensor | None = None
         self.grad_divide_factor: float | None = None  # None: the world size (set_gradient_divide_factor)
+        # per trainable tensor, since the last boundary: no micro-step's backward gave it a gradient here
+        # (None: nothing tracked, the traced path); at the boundary, whether it did (used_here), which the
+        # end of backward asks the other ranks (ParoState.used_grads) for the tensors still undecided:
+        # (index, parameter, .grad made by this boundary)
+        self.unused: list[bool] | None = None
+        self.used_here: list[bool] | None = None
+        self.undecided: list[tuple[int, torch.Tensor, bool]] = []
 
     @property
     def divide(self) -> float:
@@ -362,6 +369,8 @@ class ParoParamGroup:
         ``finish_grad_reduction``."""
         acc = self.grad_acc.ensure()
         self.grads = GradState.AT_G
+        none = [g_ is None for g_ in grads]
+        self.unused = none if self.unused is None else [a and b for a, b in zip(self.unused, none)]
         self.finish_grad_reduction()  # the group used again in this backward: one reduction in flight per group
         if self.plan.grads_whole:  # nothing on the wire: add straight into the accumulator
             self.grad_buffer(grads, into=acc)
@@ -387,6 +396,7 @@ class ParoParamGroup:
         """Drop the gradients not yet reduced to the OS level (``.grad`` is the user's optimizer's to clear)."""
         self.grad_acc.zero()
         self.grads = GradState.EMPTY
+        self.unused = None
 
     # ---- accounting ------------------------------------------------------------------------
     def memory_bytes(self, optimizer_states: dict | None = None) -> dict[str, int]:

@@ -7,13 +7,16 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd import Variable
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_map
 
 from .comm import MeshComm
 from .hooks import Unshard, in_backward, register_post_backward, register_pre_backward
-from .boundary import drive, finalize_grads, push_params
+from .boundary import drive, finalize_grads, push_params, run_grad_hooks
+from .collectives import USED
 from .mesh import MeshInfo
 from .optimizer_hooks import unwatch as unwatch, watch as watch
 from .overlap import InFlight, boundary_bytes, forward_dims, has_boundary_traffic, push_bytes, push_dims
@@ -228,6 +231,7 @@ class ParoState:
         self.applying = False  # inside ParoModule._apply (module.to(...)): nested sharded modules leave it alone
         self.post_optim_event: torch.Event | None = None  # FSDP2's set_post_optim_event, for the next forward
         self.refresh_after_backward = False  # an optimizer stepped inside backward: push at its end
+        self.flags_group = None  # on a GPU mesh: the CPU group used_grads asks the other ranks through
 
     @property
     def groups(self) -> list[ParoParamGroup]:
@@ -299,6 +303,7 @@ class ParoState:
         self.in_flight.clear()
         self.boundary.finish()  # the boundary's reductions started under backward (overlap.py)
         drive([finalize_grads(g) for g in self.groups if g.last_backward and g.grads is GradState.AT_G])
+        self.used_grads()
         if self.comm.pool is not None:
             self.comm.pool.clear()  # nothing held between micro-steps (comm.BufferPool)
         for b in self.blocks:
@@ -309,6 +314,47 @@ class ParoState:
         if self.refresh_after_backward:
             self.refresh_after_backward = False
             self.refresh_params()
+
+    def used_grads(self) -> None:
+        """FSDP2's ``.grad`` of a parameter no rank used in the step is None (torch's optimizers then skip
+        it: no decay, no move by its moments), not zeros. One MAX all-reduce over all ranks of a byte per
+        tensor of the groups that reached their boundary in this backward decides for the tensors this rank
+        did not use; the used ones' hooks then run. Every rank's backward reached the same groups, so it
+        is issued everywhere or nowhere (the traced path tracks nothing: its tensors count as used)."""
+        groups = [g for g in self.groups if g.used_here is not None]
+        if not groups:
+            return
+        anywhere = [u for g in groups for u in g.used_here]
+        if self.info.n > 1:  # alone, this rank's own flags decide
+            anywhere = self._used_anywhere(anywhere, groups[0].device)
+        offset = 0
+        for g in groups:
+            for i, param, fresh in g.undecided:
+                if anywhere[offset + i]:
+                    run_grad_hooks(param)
+                elif fresh:  # no rank used it: no gradient, as FSDP2's (a zero would still decay it)
+                    param.grad = None
+            offset += len(g.used_here)
+        self._clear_used()
+
+    def _used_anywhere(self, here: list[bool], device: torch.device) -> list[bool]:
+        """``here`` OR-ed over all ranks. On the host: a GPU mesh's bytes go through a CPU (gloo) group
+        made for them the first time, so reading the answer never waits for the GPU."""
+        flags = torch.tensor(here, dtype=torch.uint8)
+        if device.type == "cpu":
+            flags = self.comm.all_reduce(flags, USED[1], op="max").wait()
+        else:
+            if self.flags_group is None:
+                ranks = self.info.mesh.mesh.flatten().tolist()
+                self.flags_group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+            self.comm._count(*USED, flags.numel(), flags)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.flags_group)
+        # train.estimate's fake world counts it and has no values to decide by: all used
+        return [True] * len(here) if is_fake(flags) else [bool(x) for x in flags.tolist()]
+
+    def _clear_used(self) -> None:
+        for g in self.groups:
+            g.used_here, g.undecided = None, []
 
     def check_params(self) -> None:
         """Refuse a tensor frozen when sharded and trained later (it has no gradient buffers), and
@@ -383,6 +429,7 @@ class ParoState:
             g.reshard()
             g.zero_grad()
             g.uses_left = 0
+        self._clear_used()
         for b in self.blocks:
             b.to_run = set()
         self.forward_order = []

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from paro_fsdp import Strategy
+from paro_fsdp.collectives import ring_bytes
 from paro_fsdp.cost.ledger import Bucket, formula_bytes, formula_memory, traffic_of
 from paro_fsdp.models.llama import LlamaArgs
 from paro_fsdp.train.estimate import estimate, release_fake_world
@@ -34,8 +35,8 @@ def _buckets(strategy: str, trainable_layers: int) -> list[Bucket]:
     s = Strategy.parse(strategy)
     once, twice = (0, 0) if s.p.value == "N" else (1, 2)
     root_t = ROOT if trainable_layers == ARGS.n_layers else 0
-    return [Bucket(s, ROOT, root_t, once)] + [
-        Bucket(s, LAYER, LAYER if i < trainable_layers else 0, twice) for i in range(ARGS.n_layers)
+    return [Bucket(s, ROOT, root_t, once, 3)] + [  # 3 and 9 tensors: the end of backward asks about each
+        Bucket(s, LAYER, LAYER if i < trainable_layers else 0, twice, 9) for i in range(ARGS.n_layers)
     ]
 
 
@@ -50,6 +51,8 @@ def _check_against_ledger(
     for k in ("P", "G", "OS", "total"):
         assert row[f"mem_{k}"] == mem[k], (strategy, k)
     fb = formula_bytes(strategy, psi, psi_t, N, M, accum, psi_kept=ROOT, param_bytes=2, grad_bytes=2)
+    tensors = 9 * trainable_layers + (3 if trainable_layers == ARGS.n_layers else 0)
+    fb["global"] += ring_bytes("all_reduce", tensors, N)  # which tensors some rank used, a byte each
     for dim in ("intra", "inter", "global") if not flat_below_bytes else ():  # the spec's: all hierarchical
         assert row[f"{dim}_bytes"] == pytest.approx(fb[dim], rel=1e-12, abs=1e-9), (strategy, dim)
     # counts too, bucket by bucket: every collective the engine issued, of each kind and dim

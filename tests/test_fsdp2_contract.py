@@ -396,6 +396,57 @@ def optimizer_in_backward(impl: str, mesh_shape: tuple[int, ...] | None, strateg
     return {"losses": losses, "params": {n: full(p) for n, p in model.named_parameters()}, "grads_left": grads_left}
 
 
+class Partial(nn.Module):
+    """A block whose ``spare`` Linear runs only when asked, and a head never called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.spare = nn.Linear(D, D), nn.Linear(D, D)  # sharded as one group (a list)
+        self.head = nn.Linear(D, D)
+        self.never = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor, spare: bool = False) -> torch.Tensor:
+        h = self.used(x)
+        if spare:
+            h = h + self.spare(x)
+        return self.head(torch.relu(h))
+
+
+def unused_parameters(impl: str, spare_on_rank0: bool = False) -> dict[str, Any]:
+    """FSDP2's rule for a parameter the step never used: ``.grad`` None after backward, so AdamW leaves
+    it alone (no decay). ``spare_on_rank0``: the spare Linear runs on rank 0 only (PaRO alone: FSDP2's
+    reduce-scatter would differ in size across ranks), and every rank gets its reduced gradient."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shard = _fully_shard(impl)
+    kw: dict[str, Any] = {"mesh": init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))}
+    if impl == "paro":
+        kw["strategy"] = "IIG"
+    torch.manual_seed(0)
+    model = Partial()
+    ref = Partial()
+    ref.load_state_dict(model.state_dict())
+    shard([model.used, model.spare], **kw)
+    shard(model.never, **kw)
+    shard(model, **kw)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    out: dict[str, Any] = {"grad_is_none": [], "params": {}}
+    for step in range(STEPS):
+        x = torch.randn(4, D, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+        spare = spare_on_rank0 and dist.get_rank() == 0
+        model(x, spare).pow(2).mean().backward()
+        out["grad_is_none"].append(sorted(n for n, p in model.named_parameters() if p.grad is None))
+        if spare_on_rank0 and step == 0:  # the reference: rank 0's spare gradient, over the 4 ranks
+            x0 = torch.randn(4, D, generator=torch.Generator().manual_seed(0))
+            ref(x0, True).pow(2).mean().backward()
+            out["spare_grad"] = full(model.spare.weight.grad)
+            out["spare_ref"] = ref.spare.weight.grad / dist.get_world_size()
+        opt.step()
+        opt.zero_grad()
+    out["params"] = {n: full(p) for n, p in model.named_parameters()}
+    return out
+
+
 def rank_main(_: Any = None) -> dict[str, Any]:
     from torch.distributed.fsdp import FSDPModule
 
@@ -417,6 +468,7 @@ def rank_main(_: Any = None) -> dict[str, Any]:
         out[impl, "surface"] = surface(impl)
         out[impl, "output_dtype"] = output_dtype(impl)
         out[impl, "optim_in_backward"] = optimizer_in_backward(impl, None)
+        out[impl, "unused"] = unused_parameters(impl)
         out[impl, "optim_in_backward_2d"] = optimizer_in_backward(impl, (2, 2), strategy="IIG")
         out[impl, "tied_across_calls"] = tied_across_calls(impl)
         out[impl, "meta_uneven"] = meta_uneven(impl)
@@ -432,6 +484,7 @@ def rank_main(_: Any = None) -> dict[str, Any]:
         out["forward_mode"]["torch"] = forward_mode("torch")
     except NotImplementedError:
         pass
+    out["paro", "spare_on_rank0"] = unused_parameters("paro", spare_on_rank0=True)
     out["refusals"] = refusals()
     out["meta"] = meta_init()
     return out
@@ -484,6 +537,21 @@ def test_optimizer_in_backward_as_fsdp2s(runs, case):
     for name, value in ref["params"].items():
         torch.testing.assert_close(got["params"][name], value, rtol=1e-5, atol=2e-6, msg=name)
     assert got["grads_left"] == ref["grads_left"] == []
+
+
+def test_a_parameter_no_rank_used_has_no_gradient_as_fsdp2s(runs):
+    """None, not zeros: AdamW then skips it (no weight decay), so the parameters equal FSDP2's."""
+    ref, got = runs["torch", "unused"], runs["paro", "unused"]
+    assert ref["grad_is_none"][0] == ["never.bias", "never.weight", "spare.bias", "spare.weight"]
+    assert got["grad_is_none"] == ref["grad_is_none"]
+    for name, value in ref["params"].items():
+        torch.testing.assert_close(got["params"][name], value, rtol=1e-5, atol=2e-6, msg=name)
+
+
+def test_a_parameter_one_rank_used_has_its_gradient_everywhere(runs):
+    got = runs["paro", "spare_on_rank0"]
+    assert got["grad_is_none"][0] == ["never.bias", "never.weight"]
+    torch.testing.assert_close(got["spare_grad"], got["spare_ref"], rtol=1e-5, atol=1e-7)
 
 
 def test_modules_look_like_fsdp2s(runs):

@@ -189,18 +189,21 @@ def check_against_reference(got: dict, ref: dict) -> None:
         torch.testing.assert_close(got["params"][name], value, rtol=0, atol=2e-5, msg=name)
 
 
-def model_sizes() -> tuple[int, int, int]:
-    """Psi, Psi' and the root block's parameters (gathered once per micro-step)."""
+def model_sizes() -> tuple[int, int, int, int]:
+    """Psi, Psi', the root block's parameters (gathered once per micro-step) and the trainable tensors."""
     model = make_model()
     psi = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     in_blocks = sum(p.numel() for p in model.layers.parameters())
-    return psi, trainable, psi - in_blocks
+    return psi, trainable, psi - in_blocks, sum(p.requires_grad for p in model.parameters())
 
 
 def check_ledger(got: dict, strategy: str, n: int, m: int, accum: int) -> None:
-    psi, trainable, kept = model_sizes()
+    from paro_fsdp.collectives import ring_bytes
+
+    psi, trainable, kept, tensors = model_sizes()
     want = formula_bytes(strategy, psi, trainable, n, m, accum, psi_kept=kept, param_bytes=4, grad_bytes=4)
+    want["global"] += ring_bytes("all_reduce", tensors, n)  # which tensors some rank used: a byte each, a step
     for dim in ("intra", "inter", "global"):
         measured = sum(v for key, v in got["comm"].items() if key.endswith("/" + dim))
         assert measured == pytest.approx(want[dim], rel=1e-12, abs=1e-9), (dim, measured, want[dim])
@@ -267,7 +270,7 @@ def test_one_collective_per_block_and_phase(results, strategy):
 @compat
 @pytest.mark.parametrize("strategy", ALL_STRATEGIES)
 def test_memory_follows_the_formula(results, strategy):
-    psi, trainable, _ = model_sizes()
+    psi, trainable, _, _ = model_sizes()
     want = formula_memory(strategy, psi, trainable, 4, 2, param_bytes=4, grad_bytes=4, os_bytes=12)
     got = results[0][(strategy, 2, 1)]["memory"]
     for key in ("P", "G", "OS", "total"):

@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from dist_harness import run_world
 from paro_fsdp import ALL_STRATEGIES, MixedPrecision, init_paro_mesh, paro_shard
-from paro_fsdp.collectives import HIER, QBLOCK, QUANTIZED, CommStats, Dim, Kind, wire_bytes
+from paro_fsdp.collectives import HIER, QBLOCK, QUANTIZED, USED, CommStats, Dim, Kind, wire_bytes
 from paro_fsdp.cost.ledger import Bucket, traffic_of
 from paro_fsdp.plan import plan_of
 from paro_fsdp.quantize import pack, unpack
@@ -159,7 +159,7 @@ def test_the_engine_sends_what_the_ledger_counts(world, strategy):
     got = world[0][(strategy, "bytes", "int8")]
     exact = world[0][(strategy, "bytes", None)]
     plan = plan_of(strategy)
-    buckets = [Bucket(plan.strategy, 4096, 4096, gathers=0 if plan.params_whole else 2) for _ in range(3)]
+    buckets = [Bucket(plan.strategy, 4096, 4096, gathers=0 if plan.params_whole else 2, tensors=1) for _ in range(3)]
     want = traffic_of(buckets, 4, 2, grad_accum=2, param_bytes=4, grad_bytes=4, inter_dtype="int8").as_dict()
     assert got == want
     inter = sum(v["bytes"] for k, v in got.items() if k.endswith("/inter"))
@@ -244,7 +244,7 @@ def test_the_engine_runs_the_quantized_plan(strategy, monkeypatch):
         release_fake_world()
     plan = plan_of(strategy, "int8")
     g, r, b, p = (_expand(plan.phase(name)) for name in ("gather", "reduce", "boundary", "push"))
-    assert log == g + r + g + r + b + p + g, plan
+    assert log == g + r + g + r + b + [USED] + p + g, plan  # + which tensors were used
 
 
 def test_a_compiled_model_sends_the_same_wire(world):

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
-from ..collectives import HIER, QUANTIZED, CommStats, Dim, Kind, ring_bytes, runs_flat, wire_bytes
+from ..collectives import HIER, QUANTIZED, USED, CommStats, Dim, Kind, ring_bytes, runs_flat, wire_bytes
 from ..plan import Move, plan_of
 from ..strategy import Level, Strategy, StrategyLike
 
@@ -78,6 +78,7 @@ class Bucket:
     numel: int  # Psi of the bucket
     trainable: int  # Psi' of the bucket
     gathers: int = 2
+    tensors: int = 0  # trainable tensors the end of backward asks about (ParoState.used_grads); 0: not counted
 
 
 def traffic_of(buckets: Iterable[Bucket], n: int, m: int, grad_accum: int = 1, param_bytes: int = 2,
@@ -86,7 +87,7 @@ def traffic_of(buckets: Iterable[Bucket], n: int, m: int, grad_accum: int = 1, p
     """Collectives per rank for one optimizer step of ``grad_accum`` micro-steps (and ``clip_grad_norm_`` if
     ``clip``), bucket by bucket, so counts and bytes match ``model.comm_stats()`` given ``buckets_of(model)``
     and the model's ``flat_below_bytes`` (``model._paro_state.cc``) and ``inter_dtype``."""
-    t = Ledger(n, m, flat_below_bytes)
+    t, buckets = Ledger(n, m, flat_below_bytes), list(buckets)
     for b in buckets:
         plan = plan_of(b.strategy, inter_dtype)
         t.count(plan.gather, b.numel, param_bytes, times=grad_accum * b.gathers)
@@ -94,6 +95,9 @@ def traffic_of(buckets: Iterable[Bucket], n: int, m: int, grad_accum: int = 1, p
             t.count(plan.reduce, b.trainable, grad_bytes, times=grad_accum)
             t.count(plan.boundary, b.trainable, grad_bytes)
             t.count(plan.push, b.trainable, param_bytes)
+    flags = sum(b.tensors for b in buckets if b.trainable)
+    if flags:  # which tensors some rank used: a byte each, once a step (ParoState.used_grads)
+        t.add(*USED, flags, 1)
     if clip:
         t.add(Kind.ALL_REDUCE, Dim.GLOBAL, 1, 4)  # the fp32 squared-norm scalar
     return t.stats
@@ -211,6 +215,6 @@ def buckets_of(model: Any) -> list[Bucket]:
     for block in state.blocks:
         for g in block.groups:
             gathers = 0 if g.plan.params_whole else (2 if g.reshard_after_forward and not block.is_root else 1)
-            out.append(Bucket(g.strategy, sum(r.numel for r in g.refs),
-                              sum(r.numel for r in g.trainable), gathers))
+            out.append(Bucket(g.strategy, sum(r.numel for r in g.refs), sum(r.numel for r in g.trainable),
+                              gathers, len(g.trainable)))
     return out

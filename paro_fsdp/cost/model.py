@@ -39,6 +39,11 @@ class ModelSpec:
     def root(self) -> int:
         return 2 * self.vocab_size * self.dim + self.dim
 
+    #: tensors of a layer (wq, wk, wv, wo, w1, w2, w3, two norms) and of the root (embedding, norm, output):
+    #: the end of backward asks, a byte each, which of them some rank used (ParoState.used_grads)
+    layer_tensors = 9
+    root_tensors = 3
+
     @property
     def root_trainable(self) -> bool:
         return self.trainable_layers == self.n_layers
@@ -123,8 +128,8 @@ def buckets(spec: ModelSpec, strategy: StrategyLike, reshard_after_forward: bool
     s = Strategy.parse(strategy)
     once = 0 if plan_of(s).params_whole else 1
     twice = 2 * once if reshard_after_forward else once
-    out = [Bucket(s, spec.root, spec.root if spec.root_trainable else 0, once)]
-    out += [Bucket(s, spec.layer, spec.layer, twice)] * spec.trainable_layers
+    out = [Bucket(s, spec.root, spec.root if spec.root_trainable else 0, once, spec.root_tensors)]
+    out += [Bucket(s, spec.layer, spec.layer, twice, spec.layer_tensors)] * spec.trainable_layers
     out += [Bucket(s, spec.layer, 0, twice)] * (spec.n_layers - spec.trainable_layers)
     return out
 
