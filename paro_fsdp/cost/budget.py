@@ -313,15 +313,15 @@ def plan_blocks(blocks: Sequence[Block], n: int, m: int, budget: Optional[float]
     if not uniform:
         items = _items(env, blocks, cands, False)
         search = PlanPeaks(items, acts, ckpt, float(IN_FLIGHT_BYTES), inside, after)
-        small, plan = search.smallest([min_footprint(items, fp)[1]])  # every moment priced: the refusal is true
-        if limit < small:
-            raise BudgetError(f"memory_budget = {_size(limit)} per rank is too small: the smallest footprint "
-                              f"possible is {_size(small)}, with {_describe(blocks, items, plan)}; raise the "
-                              f"budget, use activation checkpointing, a smaller micro-batch or more ranks", small)
         found = within(items, fp, limit, cells, search.peak)  # the knapsack's, where the backward's moment binds
         if found is not None:
             idx = list(found[0])
-        else:  # from the knapsack's fastest and the smallest plan, which fits any budget at or above it
+        else:  # every moment priced: the smallest plan fits any budget at or above it, and a refusal names it
+            small, plan = search.smallest([min_footprint(items, fp)[1]])
+            if limit < small:
+                raise BudgetError(f"memory_budget = {_size(limit)} per rank is too small: the smallest footprint "
+                                  f"possible is {_size(small)}, with {_describe(blocks, items, plan)}; raise the "
+                                  f"budget, use activation checkpointing, a smaller micro-batch or more ranks", small)
             fastest = solve(items, limit, fp, cells)
             idx = search.fastest(limit, ([fastest[0]] if fastest else []) + [plan]) or plan
         plan_t = search.time(idx)
@@ -414,4 +414,9 @@ def auto_policy(model: Any, mesh: Any, block_modules: Sequence[Any], memory_budg
     watch_first_step(model, work.micro_batch, work.seq_len, work.grad_accum, announce=rank == 0)
     if rank == 0:
         (log or print)(source + plan.table())
-    return plan.policy()
+    policy = plan.policy()
+    if dist.is_initialized() and dist.get_world_size() == n > 1:  # rank 0's plan for every rank: a measurement
+        box = [policy]  # that differs by a byte (a real forward's) must not give ranks different collectives
+        dist.broadcast_object_list(box, src=0)
+        policy = box[0]
+    return policy
