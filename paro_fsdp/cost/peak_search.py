@@ -29,7 +29,7 @@ __all__ = ["PlanPeaks"]
 
 _SWEEPS = 64
 _EPS = 1e-3  # bytes: sums in another order differ by float noise, not by a move
-_G = SUMMED.index("G")  # the one part the peak subtracts (the push holds master gradients, not G)
+_ACC_COLUMN = SUMMED.index("G")  # the one part the peak subtracts (the push holds master gradients, not G)
 _WEIGHTS = ((1, 0, 0), (0, 1, 0), (0, 0, 1), (1, 1, 0), (1, 0, 1), (0, 1, 1), (1, 1, 1))
 
 
@@ -46,7 +46,8 @@ class PlanPeaks:
                 sums = np.array([[o.detail[k] for k in SUMMED] for o in opts], dtype=float).reshape(len(opts), -1)
                 tops = np.array([[o.detail[k] for k in TOPPED] for o in opts], dtype=float).reshape(len(opts), -1)
                 times = np.array([o.t for o in opts], dtype=float)
-                keys = np.hstack([sums * np.where(np.arange(len(SUMMED)) == _G, -1.0, 1.0), tops, times[:, None]])
+                sign = np.where(np.arange(len(SUMMED)) == _ACC_COLUMN, -1.0, 1.0)
+                keys = np.hstack([sums * sign, tops, times[:, None]])
                 keep = _pareto(keys)
                 shared[id(opts)] = (keep, keys, (sums, tops, times), (sums[keep], tops[keep], times[keep]))
         self.keep, self.keys, full, pruned = (list(x) for x in zip(*(shared[id(o)] for o in items)))
