@@ -120,6 +120,86 @@ def test_a_hugging_face_model_with_lora_is_measured_from_its_batch():
     assert all(not p.is_meta and p.device.type == "cpu" for p in model.parameters())  # the model is untouched
 
 
+class Branchy(Mine):
+    """``Mine`` with control flow on a tensor's values, which a fake forward cannot trace, and a
+    BatchNorm and a dropout whose statistics and random draws a real measurement must not move."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.drop = nn.BatchNorm1d(64), nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(self.norm(self.emb(x).transpose(1, 2)).transpose(1, 2))
+        for b in self.blocks:
+            h = h + b(h) if h.sum() > -1e30 else h  # data-dependent: always true
+        return self.out(h)
+
+
+class Plain(Branchy):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(self.norm(self.emb(x).transpose(1, 2)).transpose(1, 2))
+        for b in self.blocks:
+            h = h + b(h)
+        return self.out(h)
+
+
+def test_tied_weights_are_measured_once():
+    """GPT-2 and T5 tie their head to the token embedding: each parameter passed once (they were
+    passed under every name, which ``functional_call`` refuses for tied ones), by the fake forward."""
+    pytest.importorskip("transformers")
+    from hf_models import make
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    ids = torch.randint(0, 256, (2, 16))
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=272, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4,
+                                             dropout_rate=0.0, decoder_start_token_id=0))
+    for model in (make("gpt2"), t5):
+        got = measure_activations(model, {"input_ids": ids, "labels": ids}, torch.float32)
+        assert got.method == "a fake forward" and got.activation_bytes >= saved_bytes(model, input_ids=ids, labels=ids)
+
+
+def test_a_forward_the_fake_mode_cannot_run_is_measured_for_real():
+    """Control flow on a tensor's values: one real forward and backward measures what the fake one
+    measures of the same model without the branch, and says so; the model's buffers (BatchNorm's
+    running statistics), random state (dropout) and ``.grad`` are as before."""
+    torch.manual_seed(0)
+    model, x = Branchy(), torch.randint(0, 100, (2, 32))
+    plain = Plain()
+    plain.load_state_dict(model.state_dict())
+    want = measure_activations(plain, x, torch.float32, list(plain.blocks))
+    stats, rng = model.norm.running_mean.clone(), torch.get_rng_state()
+    got = measure_activations(model, x, torch.float32, list(model.blocks))
+    assert got.method.startswith("a real forward and backward (the fake one failed: ") and "\n" not in got.method
+    assert (got.activation_bytes, got.in_backward, got.after_backward) == (
+        want.activation_bytes, want.in_backward, want.after_backward)
+    assert torch.equal(model.norm.running_mean, stats) and torch.equal(torch.get_rng_state(), rng)
+    assert int(model.norm.num_batches_tracked) == 0 and all(p.grad is None for p in model.parameters())
+
+
+def test_a_mixture_of_experts_whose_fake_kernel_refuses_fp32_is_measured_for_real():
+    """transformers' Mixtral runs torch's ``grouped_mm``, whose fake kernel takes bf16 only, while the
+    eager fp32 forward runs: the real measurement, at least what autograd saves."""
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(MixtralConfig(
+        vocab_size=272, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64))
+    ids = torch.randint(0, 256, (2, 16))
+    got = measure_activations(model, {"input_ids": ids, "labels": ids}, torch.float32)
+    assert got.method.startswith("a real forward and backward (the fake one failed: ")
+    assert got.activation_bytes >= saved_bytes(model, input_ids=ids, labels=ids) > 0
+
+
+def test_a_meta_model_the_fake_mode_cannot_run_is_asked_for_its_activations():
+    with torch.device("meta"):
+        model = Branchy()
+    with pytest.raises(ValueError, match=r"Branchy's fake forward failed .* pass Workload\(activation_bytes=") as info:
+        measure_activations(model, torch.randint(0, 100, (2, 32)), torch.float32)
+    assert "\n" not in str(info.value)
+
+
 @pytest.fixture(scope="module")
 def mesh():
     yield fake_mesh(4, 2)

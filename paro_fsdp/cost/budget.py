@@ -23,6 +23,7 @@ from .cluster import AdvisorError, Cluster, load_cluster
 from .knapsack import DEFAULT_CELLS, BudgetError, Footprint, Option, _size, min_footprint, solve, within
 from .ledger import PEAK_MAX, Bucket, backward_moments, peak_of, peak_terms, traffic_of
 from .model import ModelSpec, activation_bytes
+from .peak_search import PlanPeaks
 from .predict import exposed_seconds, moves_seconds, optimizer_seconds, traffic_time
 from .workload import Workload, seen_workload, spec_of
 
@@ -311,14 +312,19 @@ def plan_blocks(blocks: Sequence[Block], n: int, m: int, budget: Optional[float]
                           f"or use activation checkpointing, a smaller micro-batch or more ranks")
     if not uniform:
         items = _items(env, blocks, cands, False)
-        found = within(items, fp, limit, cells, lambda idx: peak([opts[i] for opts, i in zip(items, idx)])["peak"])
-        if found is None:
-            small, plan = min_footprint(items, fp)
-            raise BudgetError(f"memory_budget = {_size(limit)} per rank is too small: the smallest footprint "
-                              f"possible is {_size(small)}, with {_describe(blocks, items, plan)}; raise the "
-                              f"budget, use activation checkpointing, a smaller micro-batch or more ranks")
-        idx = list(found[0])
-        plan_t = sum(opts[i].t for opts, i in zip(items, idx))
+        search = PlanPeaks(items, acts, ckpt, float(IN_FLIGHT_BYTES), inside, after)
+        found = within(items, fp, limit, cells, search.peak)  # the knapsack's, where the backward's moment binds
+        if found is not None:
+            idx = list(found[0])
+        else:  # every moment priced: the smallest plan fits any budget at or above it, and a refusal names it
+            small, plan = search.smallest([min_footprint(items, fp)[1]])
+            if limit < small:
+                raise BudgetError(f"memory_budget = {_size(limit)} per rank is too small: the smallest footprint "
+                                  f"possible is {_size(small)}, with {_describe(blocks, items, plan)}; raise the "
+                                  f"budget, use activation checkpointing, a smaller micro-batch or more ranks", small)
+            fastest = solve(items, limit, fp, cells)
+            idx = search.fastest(limit, ([fastest[0]] if fastest else []) + [plan]) or plan
+        plan_t = search.time(idx)
         if best is not None and best[2] <= plan_t * MIX_GAIN:  # a mix must gain clearly, else the single
             uniform, note = True, (f" (a plan per block was predicted {best[2] / plan_t:.3f}x faster, under the "
                                    f"{MIX_GAIN:.2f}x a mix must gain)")
@@ -408,4 +414,9 @@ def auto_policy(model: Any, mesh: Any, block_modules: Sequence[Any], memory_budg
     watch_first_step(model, work.micro_batch, work.seq_len, work.grad_accum, announce=rank == 0)
     if rank == 0:
         (log or print)(source + plan.table())
-    return plan.policy()
+    policy = plan.policy()
+    if dist.is_initialized() and dist.get_world_size() == n > 1:  # rank 0's plan for every rank: a measurement
+        box = [policy]  # that differs by a byte (a real forward's) must not give ranks different collectives
+        dist.broadcast_object_list(box, src=0)
+        policy = box[0]
+    return policy

@@ -20,7 +20,12 @@ DEFAULT_CELLS = 1 << 14
 
 
 class BudgetError(AdvisorError):
-    """Nothing fits the budget: one line, naming the smallest footprint and what gives it."""
+    """Nothing fits the budget: one line, naming the smallest footprint and what gives it (``smallest``:
+    its bytes, a plan accepted at any budget at or above them; None where no plan was priced)."""
+
+    def __init__(self, message: str, smallest: Optional[float] = None) -> None:
+        super().__init__(message)
+        self.smallest = smallest
 
 
 def _size(x: float) -> str:

@@ -18,6 +18,7 @@ optimizer's states only (os_bytes - 4). Exact when n divides dim 0 of every tens
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
@@ -26,7 +27,7 @@ from ..plan import Move, plan_of
 from ..strategy import Level, Strategy, StrategyLike
 
 __all__ = ["Bucket", "Ledger", "backward_moments", "buckets_of", "formula_bytes", "formula_memory", "memory_of",
-           "peak_of", "peak_terms", "traffic_of"]
+           "peak_from", "peak_of", "peak_terms", "traffic_of"]
 
 _N = Level.N
 
@@ -161,23 +162,40 @@ def backward_moments(activations: float, checkpoint: bool, in_backward: Optional
     return (activations, (0.0, 0.0, 0.0, 0.0, 0.0)), (inside, (2.0, 0.0, 0.0, 0.0, 0.0)), after
 
 
+#: what the peak sums over the buckets, and what it takes the largest of (``peak_from``)
+SUMMED = ("states", "queue", "kept", "boundary", "G", "master_grads", "push")
+TOPPED = (*PEAK_MAX, "boundary")
+
+
 def peak_of(terms: list[dict], activations: float, checkpoint: bool, cap: float, in_backward: Optional[float] = None,
             after_backward: Optional[float] = None) -> dict[str, float]:
-    """A step's predicted per-rank peak from its buckets' ``peak_terms``, the max of three moments:
+    """A step's predicted per-rank peak from its buckets' ``peak_terms``: ``peak_from`` of their sums and
+    largest terms."""
+    sums = {k: sum(t[k] for t in terms) for k in SUMMED}
+    tops = {k: max((t[k] for t in terms), default=0.0) for k in TOPPED}
+    return {k: float(v) for k, v in peak_from(sums, tops, activations, checkpoint, cap, in_backward,
+                                              after_backward).items()}
+
+
+def peak_from(sums: dict, tops: dict, activations: float, checkpoint: bool, cap: float,
+              in_backward: Optional[float] = None, after_backward: Optional[float] = None) -> dict:
+    """The peak from the buckets' sums (``SUMMED``) and largest terms (``TOPPED``), the max of three moments:
     ``backward`` (states, the root's gathered parameters, the largest of ``backward_moments``; with
     checkpointing the boundary reductions in flight, within ``cap``), ``boundary`` (G = N's full-size
     reduction input, gloo's copy of the largest, overlap's queue) and ``push`` (master gradients, P = N's
-    gathered push)."""
-    add = lambda k: sum(t[k] for t in terms)  # noqa: E731
-    top = [max((t[k] for t in terms), default=0.0) for k in PEAK_MAX]
-    states = add("states")
-    queue = min(cap, add("queue"))
+    gathered push). Elementwise on arrays (``cost.peak_search`` prices every option of a block at once)."""
+    import numpy as np
+
+    queue = np.minimum(cap, sums["queue"])
     moments = backward_moments(activations, checkpoint, in_backward, after_backward)
-    backward = states + add("kept") + max(a + sum(c * x for c, x in zip(coefs, top)) for a, coefs in moments)
-    backward += queue if checkpoint else 0.0  # the boundary's reductions in flight mid-backward
-    boundary = states + add("boundary") + max((t["boundary"] for t in terms), default=0.0) + top[1] + queue
-    push = states - add("G") + add("master_grads") + add("push")
-    return {"backward": backward, "boundary": boundary, "push": push, "peak": max(backward, boundary, push)}
+    held = [a + sum(c * tops[k] for c, k in zip(coefs, PEAK_MAX)) for a, coefs in moments]
+    backward = sums["states"] + sums["kept"] + functools.reduce(np.maximum, held)
+    if checkpoint:
+        backward = backward + queue  # the boundary's reductions in flight mid-backward
+    boundary = sums["states"] + sums["boundary"] + tops["boundary"] + tops["reducing"] + queue
+    push = sums["states"] - sums["G"] + sums["master_grads"] + sums["push"]
+    return {"backward": backward, "boundary": boundary, "push": push,
+            "peak": np.maximum(np.maximum(backward, boundary), push)}
 
 
 def _whole_model(strategy: StrategyLike, psi: int, psi_trainable: int, psi_kept: int) -> list[Bucket]:

@@ -48,7 +48,7 @@ def seen_workload(model: Any, workload: Optional[Workload], spec: Optional[Model
         work = replace(work, activation_bytes=seen.activation_bytes, activations_in_backward=seen.in_backward,
                        activations_after_backward=seen.after_backward, micro_batch=seen.micro_batch,
                        seq_len=seen.seq_len, example_inputs=None, loss_fn=None)
-        return work, f"; activations {_size(seen.activation_bytes)} measured from example_inputs"
+        return work, f"; activations {_size(seen.activation_bytes)} measured from example_inputs ({seen.method})"
     if work.activation_bytes is not None:
         return work, f"; activations {_size(work.activation_bytes)} as given"
     fix = "workload=Workload(example_inputs=<one micro-batch>, grad_accum=<micro-steps per step>)"
