@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from auto_families import ViT
 from paro_fsdp.api import _default_blocks
 from paro_fsdp.cost.budget import Block, BudgetError, Unit, Workload, _Env, _items, plan_blocks, units_of
 from paro_fsdp.cost.cluster import load_cluster
@@ -90,33 +91,12 @@ def test_the_smallest_footprint_is_the_brute_force_minimum(seed):
     assert small == pytest.approx(best, rel=1e-9) and peak(plan) == pytest.approx(small, rel=1e-9)
 
 
-class ViT(nn.Module):
-    """A vision transformer of torch's layers: a convolution's patches, a class token and positions at
-    the root, encoder layers, a head; its loss outside it."""
-
-    def __init__(self, dim: int = 64, depth: int = 4, image: int = 32, patch: int = 8, classes: int = 10) -> None:
-        super().__init__()
-        self.patch = nn.Conv2d(3, dim, patch, patch)
-        self.pos = nn.Parameter(torch.randn(1, (image // patch) ** 2 + 1, dim) * 0.02)
-        self.cls = nn.Parameter(torch.zeros(1, 1, dim))
-        self.layers = nn.ModuleList(nn.TransformerEncoderLayer(dim, 4, 4 * dim, dropout=0.0, batch_first=True)
-                                    for _ in range(depth))
-        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.patch(x).flatten(2).transpose(1, 2)
-        h = torch.cat([self.cls.expand(h.shape[0], -1, -1), h], 1) + self.pos
-        for layer in self.layers:
-            h = layer(h)
-        return self.head(self.norm(h[:, 0]))
-
-
 def test_every_budget_from_a_vits_smallest_footprint_up_gets_a_plan():
     """The issue's shape: 2 images of 32 x 32, measured from the batch. Every budget on a grid from the
     named smallest footprint to the unbudgeted plan's peak gets a plan within it, some of them a plan per
     block (11 of these 20 budgets were refused, the per-block plan never reached)."""
     torch.manual_seed(0)
-    model = ViT()
+    model = ViT(dim=64, depth=4, patch=8, image=32, classes=10, mlp=4, heads=8)  # the issue's shape
     x, y = torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
     loss = lambda logits: nn.functional.cross_entropy(logits, y)  # noqa: E731
     blocks = _default_blocks(model)

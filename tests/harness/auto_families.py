@@ -17,14 +17,15 @@ B, T, IMAGE, CLASSES = 2, 12, 16, 10
 class ViT(nn.Module):
     """Patches by a convolution, a class token and positions at the root, encoder layers, a head."""
 
-    def __init__(self, dim: int = 32, depth: int = 2, patch: int = 4) -> None:
+    def __init__(self, dim: int = 32, depth: int = 2, patch: int = 4, image: int = IMAGE, classes: int = CLASSES,
+                 mlp: int = 2, heads: int = 4) -> None:
         super().__init__()
         self.patch = nn.Conv2d(3, dim, patch, patch)
-        self.pos = nn.Parameter(torch.randn(1, (IMAGE // patch) ** 2 + 1, dim) * 0.02)
+        self.pos = nn.Parameter(torch.randn(1, (image // patch) ** 2 + 1, dim) * 0.02)
         self.cls = nn.Parameter(torch.randn(1, 1, dim) * 0.02)
-        self.layers = nn.ModuleList(nn.TransformerEncoderLayer(dim, 4, 2 * dim, dropout=0.0, batch_first=True)
+        self.layers = nn.ModuleList(nn.TransformerEncoderLayer(dim, heads, mlp * dim, dropout=0.0, batch_first=True)
                                     for _ in range(depth))
-        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, CLASSES)
+        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.patch(x).flatten(2).transpose(1, 2)
